@@ -1,0 +1,165 @@
+package idempotency
+
+import (
+	"errors"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/protoadapt"
+	"google.golang.org/protobuf/types/known/durationpb"
+)
+
+// ErrorDomain is the domain of the google.rpc.ErrorInfo detail attached to
+// every error this package produces, so clients can tell them apart from a
+// handler's own errors with the same code.
+const ErrorDomain = "github.com/exactlyonce/idempotency"
+
+// Sentinel errors, one per outcome of the idempotency layer itself. Test for
+// them with errors.Is on the server; on the client, where errors arrive as
+// gRPC statuses, use [IsInProgress], [IsKeyReused] and [RetryDelay].
+//
+//	outcome                               code                details
+//	key held by a call still running      Aborted             ErrorInfo, RetryInfo
+//	key reused with another request       FailedPrecondition  ErrorInfo, PreconditionFailure
+//	key malformed or sent twice           InvalidArgument     ErrorInfo, BadRequest
+//	key required but missing              InvalidArgument     ErrorInfo, BadRequest
+//	database unreachable or failing       Unavailable         ErrorInfo
+var (
+	// ErrInProgress: another call with the same key is running and did not
+	// finish within the wait. Retry later with the same key.
+	ErrInProgress = &Error{code: codes.Aborted, reason: "KEY_IN_PROGRESS", msg: "a call with this idempotency key is still in progress; retry later with the same key"}
+	// ErrKeyReused: the key already belongs to a different request or method.
+	// Retrying cannot succeed; the caller must use a new key.
+	ErrKeyReused = &Error{code: codes.FailedPrecondition, reason: "KEY_REUSED", msg: "idempotency key was already used with a different request"}
+	// ErrInvalidKey: the key is empty, too long, has characters outside
+	// printable ASCII, or was sent more than once.
+	ErrInvalidKey = &Error{code: codes.InvalidArgument, reason: "INVALID_KEY", msg: "invalid idempotency key"}
+	// ErrMissingKey: the method requires a key and the call had none.
+	ErrMissingKey = &Error{code: codes.InvalidArgument, reason: "MISSING_KEY", msg: "idempotency key is required for this method"}
+	// ErrStoreUnavailable: the key could not be claimed or the result could
+	// not be stored because the database failed. Nothing ran, or nothing was
+	// committed; a retry with the same key is safe.
+	ErrStoreUnavailable = &Error{code: codes.Unavailable, reason: "STORE_UNAVAILABLE", msg: "key store unavailable"}
+	// ErrTxOwned is returned by Commit and Rollback on the transaction a
+	// handler gets from [TxFromContext]: the call's outcome decides them.
+	ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempotent call; return an error to roll it back")
+)
+
+// Error is an outcome of the idempotency layer, convertible to a gRPC status
+// with [status.FromError]. Every Error is one of the sentinels above,
+// possibly with more detail; errors.Is matches it against its sentinel.
+type Error struct {
+	code   codes.Code
+	reason string
+	msg    string
+
+	detail     string        // appended to msg
+	cause      error         // underlying cause, for logs; never sent to the client
+	retryDelay time.Duration // RetryInfo, for ErrInProgress
+	violation  string        // the offending subject, for BadRequest/PreconditionFailure
+}
+
+func (e *Error) with(detail string, cause error) *Error {
+	c := *e
+	c.detail, c.cause = detail, cause
+	return &c
+}
+
+// Error implements error.
+func (e *Error) Error() string {
+	s := "idempotency: " + e.msg
+	if e.detail != "" {
+		s += ": " + e.detail
+	}
+	if e.cause != nil {
+		s += ": " + e.cause.Error()
+	}
+	return s
+}
+
+// Code returns the gRPC status code of the outcome.
+func (e *Error) Code() codes.Code { return e.code }
+
+// Unwrap returns the underlying cause, such as a database error.
+func (e *Error) Unwrap() error { return e.cause }
+
+// Is reports whether target is the sentinel this error was made from.
+func (e *Error) Is(target error) bool {
+	t, ok := target.(*Error)
+	return ok && t.reason == e.reason
+}
+
+// GRPCStatus returns the status sent to the client: code, message and
+// details. The cause is not included; it may name internal systems.
+func (e *Error) GRPCStatus() *status.Status {
+	msg := e.msg
+	if e.detail != "" {
+		msg += ": " + e.detail
+	}
+	st := status.New(e.code, msg)
+	details := []protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: e.reason, Domain: ErrorDomain}}
+	switch e.reason {
+	case ErrInProgress.reason:
+		details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay)})
+	case ErrKeyReused.reason:
+		details = append(details, &errdetails.PreconditionFailure{Violations: []*errdetails.PreconditionFailure_Violation{{
+			Type:        "IDEMPOTENCY_KEY",
+			Subject:     e.violation,
+			Description: "the key was first used with a different method or request body; use a new key for a new request",
+		}}})
+	case ErrInvalidKey.reason, ErrMissingKey.reason:
+		details = append(details, &errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{
+			Field:       e.violation,
+			Description: msg,
+		}}})
+	}
+	for _, d := range details {
+		if s, err := st.WithDetails(d); err == nil {
+			st = s
+		}
+	}
+	return st
+}
+
+// IsInProgress reports whether err (a server-side error or a status received
+// by a client) says the key is held by a call still running: retry later with
+// the same key.
+func IsInProgress(err error) bool { return hasReason(err, ErrInProgress.reason) }
+
+// IsKeyReused reports whether err says the key was already used for another
+// request: do not retry; a new request needs a new key.
+func IsKeyReused(err error) bool { return hasReason(err, ErrKeyReused.reason) }
+
+// RetryDelay returns the delay a server suggested in a google.rpc.RetryInfo
+// detail of err, if there is one.
+func RetryDelay(err error) (time.Duration, bool) {
+	st, ok := status.FromError(err)
+	if !ok {
+		return 0, false
+	}
+	for _, d := range st.Details() {
+		if ri, ok := d.(*errdetails.RetryInfo); ok && ri.GetRetryDelay() != nil {
+			return ri.GetRetryDelay().AsDuration(), true
+		}
+	}
+	return 0, false
+}
+
+func hasReason(err error, reason string) bool {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.reason == reason
+	}
+	st, ok := status.FromError(err)
+	if !ok {
+		return false
+	}
+	for _, d := range st.Details() {
+		if ei, ok := d.(*errdetails.ErrorInfo); ok && ei.GetDomain() == ErrorDomain {
+			return ei.GetReason() == reason
+		}
+	}
+	return false
+}
