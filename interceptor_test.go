@@ -1,0 +1,554 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+func TestFirstCallStoresAndRetryReplaysByteForByte(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	ctx := context.Background()
+
+	first := e.call(ctx, methodCharge, "key-1", "charge 100")
+	require.NoError(t, first.err)
+	require.False(t, first.replayed, "a first call is executed, not replayed")
+	require.Equal(t, "succeeded", e.keyState("key-1"))
+
+	for i := 0; i < 3; i++ {
+		again := e.call(ctx, methodCharge, "key-1", "charge 100")
+		require.NoError(t, again.err)
+		require.True(t, again.replayed, "retry must carry the %s trailer", idempotency.ReplayedTrailer)
+		require.True(t, bytes.Equal(first.raw, again.raw), "replayed response differs: %q vs %q", first.resp.GetValue(), again.resp.GetValue())
+	}
+	require.EqualValues(t, 1, e.runs.Load(), "handler runs")
+	require.Equal(t, 1, e.ledgerRows(), "business rows")
+	require.Equal(t, 1, e.keyRows())
+}
+
+func TestConcurrentDuplicatesExecuteOnce(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		wait     time.Duration // how long duplicates wait for the first call
+		handler  time.Duration // how long the first call takes
+		aborted  bool          // expect duplicates to give up with Aborted
+		replayed bool          // expect duplicates to get the replay
+	}{
+		{name: "duplicates wait and replay", wait: 5 * time.Second, handler: 300 * time.Millisecond, replayed: true},
+		{name: "duplicates give up with Aborted", wait: 50 * time.Millisecond, handler: 1500 * time.Millisecond, aborted: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var e *env
+			e = newEnv(t, envConfig{
+				storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithRetryDelay(123 * time.Millisecond)},
+				handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+					resp, err := e.insertLedger(ctx, req)
+					time.Sleep(tc.handler)
+					return resp, err
+				},
+			})
+			const n = 32
+			replies := make([]reply, n)
+			var wg sync.WaitGroup
+			start := make(chan struct{})
+			for i := range replies {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					<-start
+					replies[i] = e.call(context.Background(), methodCharge, "dup-key", "charge 5")
+				}()
+			}
+			close(start)
+			wg.Wait()
+
+			require.EqualValues(t, 1, e.runs.Load(), "handler must run exactly once for %d concurrent duplicates", n)
+			require.Equal(t, 1, e.ledgerRows())
+			var executed, replayed, aborted int
+			var winner []byte
+			for _, r := range replies {
+				switch {
+				case r.err == nil && !r.replayed:
+					executed++
+					winner = r.raw
+				case r.err == nil && r.replayed:
+					replayed++
+				case status.Code(r.err) == codes.Aborted:
+					aborted++
+					require.True(t, idempotency.IsInProgress(r.err))
+					d, ok := idempotency.RetryDelay(r.err)
+					require.True(t, ok, "Aborted must carry RetryInfo")
+					require.Equal(t, 123*time.Millisecond, d)
+				default:
+					t.Fatalf("unexpected reply: %v", r.err)
+				}
+			}
+			require.Equal(t, 1, executed)
+			for _, r := range replies {
+				if r.replayed {
+					require.Equal(t, winner, r.raw)
+				}
+			}
+			if tc.aborted {
+				require.Equal(t, n-1, aborted, "every duplicate gives up after the short wait")
+			}
+			if tc.replayed {
+				require.Equal(t, n-1, replayed, "every duplicate waits for the winner and gets its response")
+			}
+		})
+	}
+}
+
+func TestHandlerErrorRollsBackAndReleasesKey(t *testing.T) {
+	t.Parallel()
+	var e *env
+	fail := true
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		resp, err := e.insertLedger(ctx, req)
+		if fail {
+			return nil, status.Error(codes.Unavailable, "downstream flaked")
+		}
+		return resp, err
+	}})
+	ctx := context.Background()
+
+	r := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.Unavailable, status.Code(r.err))
+	require.Equal(t, 0, e.ledgerRows(), "business write must roll back with the failed handler")
+	require.Equal(t, 0, e.keyRows(), "a transient error releases the key")
+
+	fail = false
+	r = e.call(ctx, methodCharge, "k", "x")
+	require.NoError(t, r.err)
+	require.False(t, r.replayed)
+	require.EqualValues(t, 2, e.runs.Load(), "the retry executes again")
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+func TestDecidedErrorIsStoredAndReplayed(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if _, err := e.insertLedger(ctx, req); err != nil {
+			return nil, err
+		}
+		st, _ := status.New(codes.InvalidArgument, "amount must be positive").WithDetails(&errdetails.BadRequest{
+			FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: "amount", Description: "must be positive"}},
+		})
+		return nil, st.Err()
+	}})
+	ctx := context.Background()
+
+	first := e.call(ctx, methodCharge, "k", "-5")
+	require.Equal(t, codes.InvalidArgument, status.Code(first.err))
+	require.False(t, first.replayed)
+	require.Equal(t, 0, e.ledgerRows(), "business writes of a failed call roll back")
+	require.Equal(t, "failed", e.keyState("k"), "a decided error keeps the key")
+
+	again := e.call(ctx, methodCharge, "k", "-5")
+	require.True(t, again.replayed)
+	require.Equal(t, status.Convert(first.err).Proto().String(), status.Convert(again.err).Proto().String(), "replayed error must match, details included")
+	require.Len(t, status.Convert(again.err).Details(), 1)
+	require.EqualValues(t, 1, e.runs.Load())
+}
+
+func TestDecidedCodesOption(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{
+		opts: []idempotency.Option{idempotency.WithDecidedCodes(codes.ResourceExhausted)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			if req.GetValue() == "exhausted" {
+				return nil, status.Error(codes.ResourceExhausted, "quota")
+			}
+			return nil, status.Error(codes.InvalidArgument, "bad")
+		},
+	})
+	ctx := context.Background()
+	require.Equal(t, codes.ResourceExhausted, status.Code(e.call(ctx, methodCharge, "a", "exhausted").err))
+	require.Equal(t, "failed", e.keyState("a"), "ResourceExhausted is in the configured set")
+	require.Equal(t, codes.InvalidArgument, status.Code(e.call(ctx, methodCharge, "b", "bad").err))
+	require.Equal(t, "", e.keyState("b"), "InvalidArgument is not in the configured set: key released")
+}
+
+func TestKeyReusedWithDifferentRequest(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	ctx := context.Background()
+	require.NoError(t, e.call(ctx, methodCharge, "k", "charge 100").err)
+
+	for _, tc := range []struct{ name, method, body string }{
+		{"different body", methodCharge, "charge 999"},
+		{"different method", methodRefund, "charge 100"},
+	} {
+		r := e.call(ctx, tc.method, "k", tc.body)
+		require.Equal(t, codes.FailedPrecondition, status.Code(r.err), tc.name)
+		require.True(t, idempotency.IsKeyReused(r.err), tc.name)
+		var pf *errdetails.PreconditionFailure
+		for _, d := range status.Convert(r.err).Details() {
+			if v, ok := d.(*errdetails.PreconditionFailure); ok {
+				pf = v
+			}
+		}
+		require.NotNil(t, pf, "%s: FailedPrecondition must carry PreconditionFailure", tc.name)
+		require.Equal(t, "k", pf.GetViolations()[0].GetSubject())
+	}
+	require.EqualValues(t, 1, e.runs.Load())
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+func TestExpiredKeyExecutesAgain(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithTTL(200 * time.Millisecond)}})
+	ctx := context.Background()
+	first := e.call(ctx, methodCharge, "k", "x")
+	require.NoError(t, first.err)
+	require.True(t, e.call(ctx, methodCharge, "k", "x").replayed, "within the TTL the key replays")
+
+	time.Sleep(300 * time.Millisecond)
+	again := e.call(ctx, methodCharge, "k", "x")
+	require.NoError(t, again.err)
+	require.False(t, again.replayed, "an expired key is treated as absent")
+	require.NotEqual(t, first.raw, again.raw)
+	require.EqualValues(t, 2, e.runs.Load())
+	require.Equal(t, 1, e.keyRows(), "the expired row was replaced, not duplicated")
+}
+
+func TestDisconnectAfterSuccessStillStores(t *testing.T) {
+	t.Parallel()
+	var e *env
+	started := make(chan struct{}, 1)
+	finished := make(chan error, 1)
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		resp, err := e.insertLedger(ctx, req)
+		if req.GetValue() == "slow" {
+			started <- struct{}{}
+			<-ctx.Done() // the client hung up; the work is already done
+		}
+		return resp, err
+	}, opts: []idempotency.Option{idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, err error) {
+		if o == idempotency.OutcomeExecuted {
+			finished <- err
+		}
+	})}})
+
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { <-started; cancel() }()
+	r := e.call(ctx, methodCharge, "k", "slow")
+	require.Equal(t, codes.Canceled, status.Code(r.err))
+	select {
+	case <-finished:
+	case <-time.After(10 * time.Second):
+		t.Fatal("server never finished the call")
+	}
+
+	again := e.call(context.Background(), methodCharge, "k", "slow")
+	require.NoError(t, again.err)
+	require.True(t, again.replayed, "the result committed although the client left")
+	require.EqualValues(t, 1, e.runs.Load())
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+func TestDatabaseDownGivesUnavailable(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	// A second server whose store points at a port where nothing listens.
+	pool, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	deadStore, err := idempotency.NewStore(pool)
+	require.NoError(t, err)
+	srv := grpc.NewServer(grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(deadStore)))
+	var ran bool
+	srv.RegisterService(ledgerDesc(), &ledger{handler: func(context.Context, *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		ran = true
+		return wrapperspb.String("ran"), nil
+	}})
+	addr := serve(t, srv)
+
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	r := invoke(ctx, dial(t, addr), methodCharge, "x")
+	require.Equal(t, codes.Unavailable, status.Code(r.err), "an unreachable database is Unavailable: %v", r.err)
+	require.False(t, ran, "fail closed: the handler must not run without a claimed key")
+
+	// The same when a live database kills the connection during the claim.
+	_, err = e.db.Pool.Exec(context.Background(), `CREATE FUNCTION kill_self() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NEW; END $$;
+CREATE TRIGGER kill_self BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION kill_self()`)
+	require.NoError(t, err)
+	r = e.call(context.Background(), methodCharge, "k2", "x")
+	require.Equal(t, codes.Unavailable, status.Code(r.err), "%v", r.err)
+	require.EqualValues(t, 0, e.runs.Load())
+}
+
+func serve(t *testing.T, srv *grpc.Server) string {
+	t.Helper()
+	lis, err := netListen()
+	require.NoError(t, err)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return lis.Addr().String()
+}
+
+func TestInvalidKeysAreRejectedAndWriteNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	icpt := idempotency.UnaryServerInterceptor(e.store)
+	info := &grpc.UnaryServerInfo{FullMethod: methodCharge}
+	for _, tc := range []struct {
+		name string
+		keys []string
+		wire bool // grpc-go clients can send it; others are refused by the client library itself
+	}{
+		{"empty", []string{""}, true},
+		{"256 characters", []string{strings.Repeat("a", 256)}, true},
+		{"space", []string{"has space"}, true},
+		{"two values", []string{"a", "b"}, true},
+		{"non-ASCII", []string{"ключ"}, false},
+		{"control character", []string{"a\x7fb"}, false},
+		{"tab", []string{"a\tb"}, false},
+		{"NUL", []string{"a\x00b"}, false},
+	} {
+		// Straight into the interceptor, as a non-Go client's bytes would
+		// arrive, and over the wire where grpc-go lets the client send it.
+		md := metadata.MD{idempotency.MetadataKey: tc.keys}
+		_, err := icpt(metadata.NewIncomingContext(context.Background(), md), wrapperspb.String("x"), info,
+			func(context.Context, any) (any, error) { t.Fatalf("%s: handler ran", tc.name); return nil, nil })
+		requireBadKey(t, tc.name, err)
+		if tc.wire {
+			ctx := metadata.NewOutgoingContext(context.Background(), md)
+			requireBadKey(t, tc.name+" (wire)", invoke(ctx, e.conn, methodCharge, "x").err)
+		}
+	}
+	require.EqualValues(t, 0, e.runs.Load(), "the handler never runs for an invalid key")
+	require.Equal(t, 0, e.keyRows(), "no row is written for an invalid key")
+
+	longest := strings.Repeat("~", idempotency.MaxKeyLen)
+	require.NoError(t, e.call(context.Background(), methodCharge, longest, "x").err, "255 printable characters is valid")
+	require.NoError(t, e.call(context.Background(), methodCharge, "!", "x").err, "1 character is valid")
+}
+
+func requireBadKey(t *testing.T, name string, err error) {
+	t.Helper()
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%s: %v", name, err)
+	require.True(t, hasInvalidKeyInfo(err), "%s: ErrorInfo reason INVALID_KEY", name)
+	var br *errdetails.BadRequest
+	for _, d := range status.Convert(err).Details() {
+		if v, ok := d.(*errdetails.BadRequest); ok {
+			br = v
+		}
+	}
+	require.NotNil(t, br, "%s: InvalidArgument must carry BadRequest", name)
+	require.Equal(t, idempotency.MetadataKey, br.GetFieldViolations()[0].GetField())
+}
+
+func hasInvalidKeyInfo(err error) bool {
+	for _, d := range status.Convert(err).Details() {
+		if ei, ok := d.(*errdetails.ErrorInfo); ok {
+			return ei.GetDomain() == idempotency.ErrorDomain && ei.GetReason() == "INVALID_KEY"
+		}
+	}
+	return false
+}
+
+func TestCallsWithoutKey(t *testing.T) {
+	t.Parallel()
+	optional := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		_, inTx := idempotency.TxFromContext(ctx)
+		return wrapperspb.String(map[bool]string{true: "tx", false: "no tx"}[inTx]), nil
+	}})
+	r := optional.call(context.Background(), methodCharge, "", "x")
+	require.NoError(t, r.err)
+	require.Equal(t, "no tx", r.resp.GetValue(), "a call without a key passes through untouched")
+	require.Equal(t, 0, optional.keyRows())
+
+	required := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithKeyRequired(true)}})
+	r = required.call(context.Background(), methodCharge, "", "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.ErrorContains(t, r.err, "required")
+	require.EqualValues(t, 0, required.runs.Load())
+}
+
+func TestPanicRollsBackAndLeavesNoKey(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{
+		interceptors: []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor()},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			resp, err := e.insertLedger(ctx, req)
+			if e.runs.Load() == 1 {
+				panic("handler bug")
+			}
+			return resp, err
+		},
+	})
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.ErrorContains(t, r.err, "panic caught", "the panic propagated to the recovery interceptor")
+	require.Equal(t, 0, e.ledgerRows())
+	require.Equal(t, 0, e.keyRows())
+
+	start := time.Now()
+	r = e.call(context.Background(), methodCharge, "k", "x")
+	require.NoError(t, r.err)
+	require.False(t, r.replayed)
+	require.Less(t, time.Since(start), time.Second, "no lock or lease outlives the panicking call")
+}
+
+// A crash between the claim and the commit: the server's database session
+// dies while the handler runs. Nothing of the call may remain, and a retry
+// must execute immediately rather than wait for a lease.
+func TestCrashBeforeCommitLeavesNoKey(t *testing.T) {
+	t.Parallel()
+	var e *env
+	pids := make(chan uint32, 1)
+	resume := make(chan struct{})
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		resp, err := e.insertLedger(ctx, req)
+		if e.runs.Load() == 1 {
+			pids <- idempotency.MustTxFromContext(ctx).Conn().PgConn().PID()
+			<-resume
+		}
+		return resp, err
+	}})
+
+	done := make(chan reply, 1)
+	go func() { done <- e.call(context.Background(), methodCharge, "k", "x") }()
+	pid := <-pids
+	var killed bool
+	require.NoError(t, e.db.Pool.QueryRow(context.Background(), `SELECT pg_terminate_backend($1)`, pid).Scan(&killed))
+	require.True(t, killed)
+	close(resume)
+	r := <-done
+	require.Equal(t, codes.Unavailable, status.Code(r.err), "the lost session makes the outcome unknown: %v", r.err)
+	require.Equal(t, 0, e.ledgerRows(), "no business write without its stored result")
+	require.Equal(t, 0, e.keyRows(), "no key without its result")
+
+	start := time.Now()
+	r = e.call(context.Background(), methodCharge, "k", "x")
+	require.NoError(t, r.err)
+	require.False(t, r.replayed)
+	require.Less(t, time.Since(start), time.Second, "the retry runs at once")
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+// If the result cannot be stored, the business write must not commit either.
+func TestStoreFailureRollsBackBusinessWrite(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	ctx := context.Background()
+	_, err := e.db.Pool.Exec(ctx, `CREATE FUNCTION refuse_result() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'disk full'; END $$;
+CREATE TRIGGER refuse_result BEFORE UPDATE ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_result()`)
+	require.NoError(t, err)
+
+	r := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.Unavailable, status.Code(r.err), "%v", r.err)
+	require.EqualValues(t, 1, e.runs.Load(), "the handler ran")
+	require.Equal(t, 0, e.ledgerRows(), "its write rolled back with the unstored result")
+	require.Equal(t, 0, e.keyRows())
+
+	_, err = e.db.Pool.Exec(ctx, `DROP TRIGGER refuse_result ON idempotency_keys`)
+	require.NoError(t, err)
+	r = e.call(ctx, methodCharge, "k", "x")
+	require.NoError(t, r.err)
+	require.Equal(t, 1, e.ledgerRows())
+	require.Equal(t, "succeeded", e.keyState("k"))
+}
+
+func TestHandlerCannotEndTheTransaction(t *testing.T) {
+	t.Parallel()
+	var commitErr, rollbackErr error
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		tx := idempotency.MustTxFromContext(ctx)
+		commitErr = tx.Commit(ctx)
+		rollbackErr = tx.Rollback(ctx)
+		// Nested transactions are savepoints and work as usual.
+		err := pgx.BeginFunc(ctx, tx, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('nested')`)
+			return err
+		})
+		return wrapperspb.String("ok"), err
+	}})
+	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err)
+	require.ErrorIs(t, commitErr, idempotency.ErrTxOwned)
+	require.ErrorIs(t, rollbackErr, idempotency.ErrTxOwned)
+	require.Equal(t, 1, e.ledgerRows())
+	require.Panics(t, func() { idempotency.MustTxFromContext(context.Background()) })
+}
+
+func TestScopesIsolateCallers(t *testing.T) {
+	t.Parallel()
+	tenant := func(ctx context.Context) (string, error) {
+		v := metadata.ValueFromIncomingContext(ctx, "tenant")
+		if len(v) != 1 {
+			return "", status.Error(codes.Unauthenticated, "no tenant")
+		}
+		return v[0], nil
+	}
+	e := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithScope(tenant)}})
+	as := func(who string) context.Context {
+		return metadata.AppendToOutgoingContext(context.Background(), "tenant", who)
+	}
+	alice := e.call(as("alice"), methodCharge, "shared-key", "x")
+	require.NoError(t, alice.err)
+	bob := e.call(as("bob"), methodCharge, "shared-key", "x")
+	require.NoError(t, bob.err)
+	require.False(t, bob.replayed, "bob must not get alice's stored response")
+	require.NotEqual(t, alice.raw, bob.raw)
+	require.EqualValues(t, 2, e.runs.Load())
+
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.Equal(t, codes.Unauthenticated, status.Code(r.err), "a scope error keeps its status")
+}
+
+func TestOutcomeHookSeesEveryKeyedCall(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	var seen []idempotency.Outcome
+	e := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithOutcomeHook(func(_ context.Context, m string, o idempotency.Outcome, _ error) {
+		mu.Lock()
+		defer mu.Unlock()
+		seen = append(seen, o)
+	})}})
+	ctx := context.Background()
+	e.call(ctx, methodCharge, "k", "x")
+	e.call(ctx, methodCharge, "k", "x")
+	e.call(ctx, methodCharge, "k", "y")
+	e.call(ctx, methodCharge, "", "x")
+	e.call(ctx, methodCharge, " ", "x")
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeReplayed, idempotency.OutcomeKeyReused, idempotency.OutcomeRejected}, seen)
+	require.Equal(t, "key reused", idempotency.OutcomeKeyReused.String())
+}
+
+func TestSentinelErrors(t *testing.T) {
+	t.Parallel()
+	err := idempotency.ValidateKey("")
+	require.ErrorIs(t, err, idempotency.ErrInvalidKey)
+	require.False(t, errors.Is(err, idempotency.ErrKeyReused))
+	st, ok := status.FromError(err)
+	require.True(t, ok)
+	require.Equal(t, codes.InvalidArgument, st.Code())
+	require.NoError(t, idempotency.ValidateKey("0190f3b4-7c1e-7000-8000-000000000000"))
+	require.False(t, idempotency.IsInProgress(status.Error(codes.Aborted, "someone else's Aborted")))
+}

@@ -1,0 +1,105 @@
+package idempotency_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	// Hostile names must be quoted, not interpreted.
+	const schema = `odd "schema"; --`
+	const table = `keys'); DROP TABLE victim; --`
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE victim (id int); CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize())
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = testdb.Admin(t).Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+	})
+
+	store, err := idempotency.NewStore(db.Pool, idempotency.WithTable(schema, table))
+	require.NoError(t, err)
+	for i := 0; i < 2; i++ {
+		require.NoError(t, store.Migrate(ctx), "Migrate run %d", i+1)
+	}
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, schema, table))
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE tablename = 'victim'`))
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM `+pgx.Identifier{schema, table + "_migrations"}.Sanitize()))
+	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relpersistence = 'u'`, table), "the key table must not be UNLOGGED")
+
+	res, err := store.Execute(ctx, idempotency.Call{Scope: "s'; --", Key: "k", Method: "m", Fingerprint: []byte{1}},
+		func(context.Context, pgx.Tx) (proto.Message, error) { return wrapperspb.String("v"), nil })
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+
+	ms, err := store.Migrations()
+	require.NoError(t, err)
+	require.NotEmpty(t, ms)
+	require.Contains(t, ms[0].SQL, pgx.Identifier{schema, table}.Sanitize(), "exported SQL names the configured table")
+}
+
+func TestNewStoreRejectsBadOptions(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 1)
+	for name, opt := range map[string]idempotency.StoreOption{
+		"empty table":    idempotency.WithTable("", ""),
+		"long table":     idempotency.WithTable("", strings.Repeat("t", 64)),
+		"NUL in schema":  idempotency.WithTable("a\x00b", "t"),
+		"zero wait":      idempotency.WithInProgressWait(0),
+		"negative delay": idempotency.WithRetryDelay(-time.Second),
+	} {
+		_, err := idempotency.NewStore(db.Pool, opt)
+		require.Error(t, err, name)
+	}
+	_, err := idempotency.NewStore(nil)
+	require.Error(t, err)
+}
+
+func TestDeleteExpiredAndCleaner(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+	run := func(key string, ttl time.Duration) {
+		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: ttl},
+			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+		require.NoError(t, err)
+	}
+	for i := 0; i < 5; i++ {
+		run("short-"+string(rune('a'+i)), time.Millisecond)
+	}
+	run("long", time.Hour)
+	time.Sleep(20 * time.Millisecond)
+
+	n, err := store.DeleteExpired(ctx, 2)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n, "a batch deletes at most its limit")
+	_, err = store.DeleteExpired(ctx, 0)
+	require.Error(t, err)
+
+	cctx, cancel := context.WithCancel(ctx)
+	stopped := make(chan error, 1)
+	go func() { stopped <- store.RunCleaner(cctx, 10*time.Millisecond, 1, nil) }()
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 1 }, 5*time.Second, 10*time.Millisecond)
+	cancel()
+	select {
+	case err := <-stopped:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(5 * time.Second):
+		t.Fatal("cleaner did not stop with its context")
+	}
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'long'`), "live keys are kept")
+}
