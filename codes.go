@@ -26,6 +26,7 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 //	key malformed or sent twice           InvalidArgument     ErrorInfo, BadRequest
 //	key required but missing              InvalidArgument     ErrorInfo, BadRequest
 //	database unreachable or failing       Unavailable         ErrorInfo
+//	client retries outside the key (client) Internal          ErrorInfo
 var (
 	// ErrInProgress: another call with the same key is running and did not
 	// finish within the wait. Retry later with the same key.
@@ -42,6 +43,11 @@ var (
 	// not be stored because the database failed. Nothing ran, or nothing was
 	// committed; a retry with the same key is safe.
 	ErrStoreUnavailable = &Error{code: codes.Unavailable, reason: "STORE_UNAVAILABLE", msg: "key store unavailable"}
+	// ErrChainOrder is returned by the client interceptor for a retry
+	// attempt that has no key: the retry interceptor runs before (outside)
+	// the key interceptor, so each attempt would get a new key and could run
+	// the operation again. Put the key interceptor first.
+	ErrChainOrder = &Error{code: codes.Internal, reason: "CHAIN_ORDER", msg: "retry attempt without an idempotency key: chain idempotency.UnaryClientInterceptor before the retry interceptor"}
 	// ErrTxOwned is returned by Commit and Rollback on the transaction a
 	// handler gets from [TxFromContext]: the call's outcome decides them.
 	ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempotent call; return an error to roll it back")

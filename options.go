@@ -163,3 +163,63 @@ func WithDecidedCodes(cs ...codes.Code) Option {
 func WithOutcomeHook(f func(ctx context.Context, fullMethod string, o Outcome, err error)) Option {
 	return func(o *options) { o.onOutcome = f }
 }
+
+// ClientOption configures [UnaryClientInterceptor] and
+// [UnaryClientInterceptors].
+type ClientOption func(*clientOptions)
+
+type clientOptions struct {
+	unknownMethodKeys bool
+	retryMax          uint
+	backoffBase       time.Duration
+	backoffMax        time.Duration
+	backoffJitter     float64
+	perAttemptTimeout time.Duration
+}
+
+func evaluateClientOptions(opts []ClientOption) *clientOptions {
+	o := &clientOptions{
+		unknownMethodKeys: true,
+		retryMax:          5,
+		backoffBase:       50 * time.Millisecond,
+		backoffMax:        2 * time.Second,
+		backoffJitter:     0.2,
+		perAttemptTimeout: 10 * time.Second,
+	}
+	for _, opt := range opts {
+		opt(o)
+	}
+	if o.backoffBase <= 0 || o.backoffMax < o.backoffBase {
+		panic(fmt.Sprintf("idempotency: WithRetryBackoff: need 0 < base <= max, got %v and %v", o.backoffBase, o.backoffMax))
+	}
+	return o
+}
+
+// WithKeysForUnknownMethods decides whether methods whose descriptor is not
+// in the global protobuf registry (so their idempotency_level cannot be
+// read) get a generated key. Defaults to true: a key is harmless on a safe
+// method and essential on an unsafe one.
+func WithKeysForUnknownMethods(generate bool) ClientOption {
+	return func(o *clientOptions) { o.unknownMethodKeys = generate }
+}
+
+// WithRetryMax sets how many times [UnaryClientInterceptors] retries a call
+// after its first attempt. Defaults to 5.
+func WithRetryMax(n uint) ClientOption {
+	return func(o *clientOptions) { o.retryMax = n }
+}
+
+// WithRetryBackoff sets the exponential backoff of [UnaryClientInterceptors]:
+// the first retry waits about base, each later one twice as long, never more
+// than max, each with ±20% jitter; a server's RetryInfo delay is a lower
+// bound. Defaults to 50 milliseconds and 2 seconds.
+func WithRetryBackoff(base, max time.Duration) ClientOption {
+	return func(o *clientOptions) { o.backoffBase, o.backoffMax = base, max }
+}
+
+// WithPerAttemptTimeout bounds each attempt of [UnaryClientInterceptors]; an
+// attempt that times out is retried with the same key while the call's own
+// deadline allows. 0 disables it. Defaults to 10 seconds.
+func WithPerAttemptTimeout(d time.Duration) ClientOption {
+	return func(o *clientOptions) { o.perAttemptTimeout = d }
+}
