@@ -14,6 +14,9 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protodesc"
+	"google.golang.org/protobuf/reflect/protoregistry"
+	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
@@ -63,7 +66,8 @@ type env struct {
 	store *idempotency.Store
 	conn  *grpc.ClientConn
 	addr  string
-	runs  atomic.Int64 // handler executions
+	runs  atomic.Int64 // handler invocations, committed or not
+	execs atomic.Int64 // calls whose execution committed (OutcomeExecuted)
 	srv   *grpc.Server
 }
 
@@ -93,7 +97,13 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		e.runs.Add(1)
 		return h(ctx, req)
 	}
-	chain := append(append([]grpc.UnaryServerInterceptor{}, cfg.interceptors...), idempotency.UnaryServerInterceptor(e.store, cfg.opts...))
+	chain := append(append([]grpc.UnaryServerInterceptor{}, cfg.interceptors...), idempotency.UnaryServerInterceptor(e.store, append([]idempotency.Option{
+		idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, _ error) {
+			if o == idempotency.OutcomeExecuted {
+				e.execs.Add(1)
+			}
+		}),
+	}, cfg.opts...)...))
 	e.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
 	e.srv.RegisterService(ledgerDesc(), &ledger{handler: counted})
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -171,3 +181,38 @@ func (e *env) keyState(key string) string {
 }
 
 func netListen() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
+
+// init registers a descriptor for idempotency.test.Catalog in the global
+// registry, as generated code would: Get is NO_SIDE_EFFECTS, Put is
+// IDEMPOTENT, Buy is unmarked.
+func init() {
+	level := func(l descriptorpb.MethodOptions_IdempotencyLevel) *descriptorpb.MethodOptions {
+		return &descriptorpb.MethodOptions{IdempotencyLevel: l.Enum()}
+	}
+	method := func(name string, opts *descriptorpb.MethodOptions) *descriptorpb.MethodDescriptorProto {
+		return &descriptorpb.MethodDescriptorProto{
+			Name: proto.String(name), InputType: proto.String(".google.protobuf.StringValue"),
+			OutputType: proto.String(".google.protobuf.StringValue"), Options: opts,
+		}
+	}
+	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
+		Name:       proto.String("idempotency/test/catalog.proto"),
+		Package:    proto.String("idempotency.test"),
+		Dependency: []string{"google/protobuf/wrappers.proto"},
+		Syntax:     proto.String("proto3"),
+		Service: []*descriptorpb.ServiceDescriptorProto{{
+			Name: proto.String("Catalog"),
+			Method: []*descriptorpb.MethodDescriptorProto{
+				method("Get", level(descriptorpb.MethodOptions_NO_SIDE_EFFECTS)),
+				method("Put", level(descriptorpb.MethodOptions_IDEMPOTENT)),
+				method("Buy", nil),
+			},
+		}},
+	}, protoregistry.GlobalFiles)
+	if err != nil {
+		panic(err)
+	}
+	if err := protoregistry.GlobalFiles.RegisterFile(fd); err != nil {
+		panic(err)
+	}
+}

@@ -1,0 +1,407 @@
+package idempotency_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/faultproxy"
+)
+
+// keyRecorder is a server interceptor, outside ours, that records the key of
+// every attempt reaching the server.
+type keyRecorder struct {
+	mu       sync.Mutex
+	attempts int
+	keys     map[string]int // key -> attempts carrying it
+	bodies   map[string]map[string]bool
+}
+
+func newKeyRecorder() *keyRecorder {
+	return &keyRecorder{keys: map[string]int{}, bodies: map[string]map[string]bool{}}
+}
+
+func (k *keyRecorder) intercept(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	key := strings.Join(metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey), ",")
+	body := req.(*wrapperspb.StringValue).GetValue()
+	k.mu.Lock()
+	k.attempts++
+	k.keys[key]++
+	if k.bodies[body] == nil {
+		k.bodies[body] = map[string]bool{}
+	}
+	k.bodies[body][key] = true
+	k.mu.Unlock()
+	return h(ctx, req)
+}
+
+// keysPerBody returns the largest number of distinct keys one request body
+// was sent with: 1 when every logical call kept its key.
+func (k *keyRecorder) keysPerBody() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	most := 0
+	for _, keys := range k.bodies {
+		most = max(most, len(keys))
+	}
+	return most
+}
+
+// faultyEnv is an env whose clients reach the server through a proxy that
+// drops responses after the server committed.
+type faultyEnv struct {
+	*env
+	proxy *faultproxy.Proxy
+	rec   *keyRecorder
+}
+
+func newFaultyEnv(t *testing.T, dropRate float64, seed int64) *faultyEnv {
+	rec := newKeyRecorder()
+	e := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{rec.intercept}})
+	p, err := faultproxy.New(e.addr, faultproxy.WithSeed(seed), faultproxy.WithDropResponseRate(dropRate))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	return &faultyEnv{env: e, proxy: p, rec: rec}
+}
+
+func (f *faultyEnv) dial(t *testing.T, opts ...grpc.DialOption) *grpc.ClientConn {
+	conn, err := grpc.NewClient("passthrough:///"+f.proxy.Addr(),
+		append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts...)...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// exactlyOnce checks the business effect of n logical calls "charge 0" ..
+// "charge n-1": one ledger row each, no more, no fewer. It returns a
+// description of every violation.
+func (e *env) exactlyOnce(n int) []string {
+	rows, err := e.db.Pool.Query(context.Background(), `SELECT note, count(*) FROM ledger GROUP BY note`)
+	require.NoError(e.t, err)
+	counts := map[string]int{}
+	for rows.Next() {
+		var note string
+		var c int
+		require.NoError(e.t, rows.Scan(&note, &c))
+		counts[note] = c
+	}
+	require.NoError(e.t, rows.Err())
+	var bad []string
+	for i := 0; i < n; i++ {
+		if c := counts[body(i)]; c != 1 {
+			bad = append(bad, fmt.Sprintf("%s executed %d times", body(i), c))
+		}
+	}
+	return bad
+}
+
+func body(i int) string { return fmt.Sprintf("charge %d", i) }
+
+// runLogical runs n logical calls from workers goroutines; call must finish
+// one logical call (retrying as it sees fit) and return its response.
+func runLogical(t *testing.T, n, workers int, call func(ctx context.Context, i int) (*wrapperspb.StringValue, error)) {
+	t.Helper()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= n {
+					return
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				resp, err := call(ctx, i)
+				cancel()
+				switch {
+				case err != nil:
+					errs <- fmt.Errorf("%s: %w", body(i), err)
+				case !strings.HasPrefix(resp.GetValue(), body(i)+"#"):
+					errs <- fmt.Errorf("%s: got response %q, which belongs to another call", body(i), resp.GetValue())
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+}
+
+func charge(ctx context.Context, conn *grpc.ClientConn, i int, opts ...grpc.CallOption) (*wrapperspb.StringValue, error) {
+	resp := &wrapperspb.StringValue{}
+	return resp, conn.Invoke(ctx, methodCharge, wrapperspb.String(body(i)), resp, opts...)
+}
+
+const (
+	e2eCalls   = 500
+	e2eWorkers = 8
+	e2eDrop    = 0.3
+)
+
+// The headline guarantee: 30% of responses are lost after the server
+// committed, the client retries through go-grpc-middleware's retry
+// interceptor, and every charge happens exactly once.
+func TestDroppedResponsesWithRetryInterceptor(t *testing.T) {
+	t.Parallel()
+	f := newFaultyEnv(t, e2eDrop, 1)
+	var retries atomic.Int64
+	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
+		idempotency.WithRetryMax(30),
+		idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond),
+	)...))
+	runLogical(t, e2eCalls, e2eWorkers, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
+		return charge(ctx, conn, i, retry.WithOnRetryCallback(func(context.Context, uint, error) { retries.Add(1) }))
+	})
+	require.Empty(t, f.exactlyOnce(e2eCalls))
+	require.Equal(t, 1, f.rec.keysPerBody(), "every attempt of a logical call carries its one key")
+	st := f.proxy.Stats()
+	require.Positive(t, st.ResponsesDropped)
+	t.Logf("retry interceptor: %d logical calls, %d attempts at the server, %d client retries, %d responses dropped after commit, %d committed executions (%d handler runs incl. rolled back)",
+		e2eCalls, f.rec.attempts, retries.Load(), st.ResponsesDropped, f.execs.Load(), f.runs.Load())
+	require.EqualValues(t, e2eCalls, f.execs.Load(), "committed executions")
+}
+
+// The same with gRPC's own retry policy from the service config: the key
+// interceptor runs once per logical call, above the transport's attempts.
+func TestDroppedResponsesWithNativeRetryPolicy(t *testing.T) {
+	t.Parallel()
+	f := newFaultyEnv(t, e2eDrop, 2)
+	conn := f.dial(t,
+		grpc.WithDefaultServiceConfig(nativeRetryServiceConfig),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
+	)
+	// gRPC caps maxAttempts at 5, so a few logical calls lose every attempt;
+	// the application then retries them with the key the call used.
+	var appRetries atomic.Int64
+	runLogical(t, e2eCalls, e2eWorkers, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
+		var key string
+		resp, err := charge(ctx, conn, i, idempotency.CaptureKey(&key))
+		for err != nil && status.Code(err) == codes.Unavailable && ctx.Err() == nil {
+			appRetries.Add(1)
+			time.Sleep(10 * time.Millisecond)
+			resp, err = charge(idempotency.WithKey(ctx, key), conn, i)
+		}
+		return resp, err
+	})
+	require.Empty(t, f.exactlyOnce(e2eCalls))
+	require.Equal(t, 1, f.rec.keysPerBody(), "every attempt of a logical call carries its one key")
+	st := f.proxy.Stats()
+	t.Logf("native retry: %d logical calls, %d attempts at the server, %d responses dropped after commit, %d application retries after 5 attempts, %d committed executions (%d handler runs incl. rolled back)",
+		e2eCalls, f.rec.attempts, st.ResponsesDropped, appRetries.Load(), f.execs.Load(), f.runs.Load())
+	require.Positive(t, st.ResponsesDropped)
+	require.EqualValues(t, e2eCalls, f.execs.Load(), "committed executions")
+}
+
+// nativeRetryServiceConfig is the service config shown in the README.
+const nativeRetryServiceConfig = `{
+  "methodConfig": [{
+    "name": [{"service": "idempotency.test.Ledger"}],
+    "retryPolicy": {
+      "maxAttempts": 5,
+      "initialBackoff": "0.01s",
+      "maxBackoff": "0.2s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE", "ABORTED", "RESOURCE_EXHAUSTED"]
+    }
+  }]
+}`
+
+// Two goroutines send the same logical call (same key) at once, through the
+// faulty network: one execution, both get its response.
+func TestSameKeyFromTwoClientsAtOnce(t *testing.T) {
+	t.Parallel()
+	f := newFaultyEnv(t, e2eDrop, 3)
+	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
+		idempotency.WithRetryMax(30), idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond))...))
+	const n = 100
+	for i := 0; i < n; i++ {
+		ctx := idempotency.WithKey(context.Background(), uuid.Must(uuid.NewV7()).String())
+		var wg sync.WaitGroup
+		var got [2]*wrapperspb.StringValue
+		for g := range got {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				resp, err := charge(ctx, conn, i)
+				require.NoError(t, err)
+				got[g] = resp
+			}()
+		}
+		wg.Wait()
+		require.Equal(t, got[0].GetValue(), got[1].GetValue(), "both senders of one key get the same response")
+	}
+	require.Empty(t, f.exactlyOnce(n))
+	t.Logf("same key twice at once: %d keys, %d attempts at the server, %d dropped responses, %d committed executions",
+		n, f.rec.attempts, f.proxy.Stats().ResponsesDropped, f.execs.Load())
+	require.EqualValues(t, n, f.execs.Load())
+}
+
+// With the key interceptor after the retry interceptor, a retry attempt
+// would get a fresh key and charge again. It must fail loudly instead.
+func TestWrongChainOrderFailsLoudly(t *testing.T) {
+	t.Parallel()
+	f := newFaultyEnv(t, 0, 4)
+	conn := f.dial(t, grpc.WithChainUnaryInterceptor(
+		retry.UnaryClientInterceptor(retry.WithMax(3), retry.WithCodes(codes.Unavailable)),
+		idempotency.UnaryClientInterceptor(),
+	))
+	f.proxy.DropNextResponse()
+	_, err := charge(context.Background(), conn, 0)
+	require.ErrorIs(t, err, idempotency.ErrChainOrder)
+	require.Equal(t, codes.Internal, status.Code(err))
+	require.Empty(t, f.exactlyOnce(1), "the first attempt charged; the retry did not charge again")
+}
+
+// The exactly-once check above would catch a client that mints a key per
+// attempt: here a naive key interceptor runs below the retry interceptor.
+func TestPerAttemptKeysAreCaught(t *testing.T) {
+	t.Parallel()
+	f := newFaultyEnv(t, e2eDrop, 5)
+	naive := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, uuid.NewString())
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	conn := f.dial(t, grpc.WithChainUnaryInterceptor(
+		retry.UnaryClientInterceptor(retry.WithMax(30), retry.WithCodes(codes.Unavailable), retry.WithBackoff(retry.BackoffLinear(5*time.Millisecond))),
+		naive,
+	))
+	const n = 100
+	runLogical(t, n, 4, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) { return charge(ctx, conn, i) })
+	bad := f.exactlyOnce(n)
+	require.NotEmpty(t, bad, "a new key per retry must show up as double execution")
+	require.Greater(t, f.rec.keysPerBody(), 1)
+	t.Logf("per-attempt keys: %d of %d logical calls executed more than once", len(bad), n)
+}
+
+func TestClientKeySelection(t *testing.T) {
+	t.Parallel()
+	rec := newKeyRecorder()
+	e := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{rec.intercept}})
+	conn := dial(t, e.addr)
+	icpt := idempotency.UnaryClientInterceptor()
+	call := func(ctx context.Context, method string, opts ...grpc.CallOption) (string, error) {
+		var sent string
+		err := icpt(ctx, method, wrapperspb.String("x"), &wrapperspb.StringValue{}, conn,
+			func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, opts ...grpc.CallOption) error {
+				sent = strings.Join(metadata.ValueFromOutgoingContext(ctx, idempotency.MetadataKey), ",")
+				return cc.Invoke(ctx, method, req, reply, opts...)
+			}, opts...)
+		return sent, err
+	}
+	ctx := context.Background()
+
+	generated, err := call(ctx, methodCharge)
+	require.NoError(t, err)
+	v, err := uuid.Parse(generated)
+	require.NoError(t, err, "generated keys are UUIDs")
+	require.EqualValues(t, 7, v.Version(), "generated keys are UUIDv7")
+	other, _ := call(ctx, methodCharge)
+	require.NotEqual(t, generated, other, "each logical call gets its own key")
+
+	sent, err := call(idempotency.WithKey(ctx, "order-42"), methodCharge)
+	require.NoError(t, err)
+	require.Equal(t, "order-42", sent, "WithKey wins over generation")
+
+	sent, err = call(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "from-md"), methodCharge)
+	require.NoError(t, err)
+	require.Equal(t, "from-md", sent, "a key already in metadata wins")
+
+	var captured string
+	sent, err = call(ctx, methodRefund, idempotency.CaptureKey(&captured))
+	require.NoError(t, err)
+	require.Equal(t, sent, captured)
+
+	for name, bad := range map[string]context.Context{
+		"WithKey too long":   idempotency.WithKey(ctx, strings.Repeat("k", 256)),
+		"WithKey empty":      idempotency.WithKey(ctx, ""),
+		"metadata non-ASCII": metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "ключ"),
+		"two in metadata":    metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "a", idempotency.MetadataKey, "b"),
+		"conflicting":        idempotency.WithKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "a"), "b"),
+	} {
+		before := rec.attempts
+		_, err := call(bad, methodCharge)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), name)
+		var br *errdetails.BadRequest
+		for _, d := range status.Convert(err).Details() {
+			if b, ok := d.(*errdetails.BadRequest); ok {
+				br = b
+			}
+		}
+		require.NotNil(t, br, name)
+		require.Equal(t, before, rec.attempts, "%s: rejected on the client, nothing sent", name)
+	}
+
+	// Methods protobuf marks as safe to repeat get no generated key (an
+	// explicit one is still sent); unknown methods follow the option.
+	for method, want := range map[string]bool{
+		"/idempotency.test.Catalog/Get": false,
+		"/idempotency.test.Catalog/Put": false,
+		"/idempotency.test.Catalog/Buy": true,
+	} {
+		sent, _ := call(ctx, method)
+		require.Equal(t, want, sent != "", method)
+	}
+	sent, _ = call(idempotency.WithKey(ctx, "explicit"), "/idempotency.test.Catalog/Get")
+	require.Equal(t, "explicit", sent)
+	noKeys := idempotency.UnaryClientInterceptor(idempotency.WithKeysForUnknownMethods(false))
+	var sentUnknown []string
+	err = noKeys(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, conn,
+		func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
+			sentUnknown = metadata.ValueFromOutgoingContext(ctx, idempotency.MetadataKey)
+			return nil
+		})
+	require.NoError(t, err)
+	require.Empty(t, sentUnknown, "WithKeysForUnknownMethods(false) sends no key for unknown methods")
+}
+
+// The ready chain waits at least as long as the server's RetryInfo says.
+func TestRetryHonoursRetryInfo(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	var arrivals []time.Time
+	e := newEnv(t, envConfig{
+		interceptors: []grpc.UnaryServerInterceptor{func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			mu.Lock()
+			arrivals = append(arrivals, time.Now())
+			first := len(arrivals) == 1
+			mu.Unlock()
+			if first {
+				st, _ := status.New(codes.Aborted, "busy").WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(300 * time.Millisecond)})
+				return nil, st.Err()
+			}
+			return h(ctx, req)
+		}},
+	})
+	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(idempotency.WithRetryBackoff(time.Millisecond, 5*time.Millisecond))...))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	_, err = charge(context.Background(), conn, 0)
+	require.NoError(t, err)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, arrivals, 2)
+	require.GreaterOrEqual(t, arrivals[1].Sub(arrivals[0]), 300*time.Millisecond, "the server's RetryInfo delay is a lower bound")
+}
