@@ -40,10 +40,12 @@ type captureKey struct {
 // [MetadataKey], and keeps it for all of the call's attempts.
 //
 // The key is, in order: the "idempotency-key" already in the outgoing
-// metadata, the key set with [WithKey], or a new UUIDv7. Methods marked
-// idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT in their .proto get no
-// generated key; methods whose descriptor is not linked in get one unless
-// [WithKeysForUnknownMethods](false).
+// metadata, the key set with [WithKey], or a new UUIDv7. No key is
+// generated for methods whose .proto says they need none: the
+// (idempotency.v1.method) option with MODE_DISABLED or a key_field (the
+// request carries its key), or idempotency_level NO_SIDE_EFFECTS or
+// IDEMPOTENT without an explicit mode. Methods whose descriptor is not
+// linked in get a key unless [WithKeysForUnknownMethods](false).
 //
 // Retries must happen below this interceptor, so that they reuse the key:
 // put it before go-grpc-middleware's retry interceptor in the chain (or use
@@ -124,8 +126,7 @@ func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, 
 	if len(md.Get(retry.AttemptMetadataKey)) > 0 {
 		return "", false, ErrChainOrder.with(method, nil)
 	}
-	p := policyFor(method)
-	if p.safe || (!p.known && !o.unknownMethodKeys) {
+	if !policyFor(method).clientGeneratesKey(o.unknownMethodKeys) {
 		return "", false, nil
 	}
 	k, err := uuid.NewV7()

@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc"
@@ -30,7 +31,13 @@ const (
 // response commit together. Retries of a finished call get the stored
 // response (or decided error) with the trailer [ReplayedTrailer]; see
 // [Store.Execute] for every outcome and codes.go for the status codes.
-// Calls without a key pass through unchanged unless [WithKeyRequired].
+//
+// Which calls need a key is decided per method, once, from the method's
+// descriptor: the (idempotency.v1.method) option first (see
+// proto/idempotency/v1/idempotency.proto), then protobuf's
+// idempotency_level (NO_SIDE_EFFECTS and IDEMPOTENT calls pass through, any
+// key ignored), then this interceptor's options: without
+// [WithKeyRequired], calls without a key pass through unchanged.
 //
 // It panics if store is nil or an option is invalid, as those are
 // programming errors found at startup.
@@ -46,9 +53,13 @@ func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterc
 		panic("idempotency: WithScope: function is nil")
 	}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		key, ok, err := keyFromIncoming(ctx)
-		if err == nil && !ok {
-			if !o.requireKey {
+		pol := policyFor(info.FullMethod)
+		if pol.mode == modePassThrough && pol.err == nil {
+			return handler(ctx, req)
+		}
+		key, err := o.callKey(ctx, pol, req)
+		if err == nil && key == "" {
+			if pol.mode == modeOptional || (pol.mode == modeDefault && !o.requireKey) {
 				return handler(ctx, req)
 			}
 			err = missingKey()
@@ -57,7 +68,11 @@ func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterc
 			o.report(ctx, info.FullMethod, OutcomeRejected, err)
 			return nil, err
 		}
-		res, err := o.serve(ctx, store, key, req, info, handler)
+		ttl := o.ttl
+		if pol.ttl > 0 {
+			ttl = pol.ttl
+		}
+		res, err := o.serve(ctx, store, key, ttl, req, info, handler)
 		if res.Outcome == OutcomeReplayed {
 			// Best effort: fails only if the stream is already done.
 			_ = grpc.SetTrailer(ctx, metadata.Pairs(ReplayedTrailer, "true"))
@@ -70,7 +85,33 @@ func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterc
 	}
 }
 
-func (o *options) serve(ctx context.Context, store *Store, key string, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, error) {
+// callKey returns the key of a call: from the metadata, else from the
+// method's key field; "" when it has none.
+func (o *options) callKey(ctx context.Context, pol methodPolicy, req any) (string, error) {
+	if pol.err != nil {
+		return "", status.Errorf(codes.Internal, "idempotency: misconfigured: %v", pol.err)
+	}
+	key, ok, err := keyFromIncoming(ctx)
+	if err != nil || ok || pol.keyField == nil {
+		return key, err
+	}
+	msg, isProto := req.(proto.Message)
+	if !isProto {
+		return "", status.Errorf(codes.Internal, "idempotency: request is %T, not a proto message", req)
+	}
+	key = pol.keyFromField(msg)
+	if key == "" {
+		return "", invalidKeyField(pol.keyPath, fmt.Sprintf("request field %s is empty and the call has no %s metadata", pol.keyPath, MetadataKey))
+	}
+	if err := ValidateKey(key); err != nil {
+		var e *Error
+		errors.As(err, &e)
+		return "", invalidKeyField(pol.keyPath, "request field "+pol.keyPath+": "+e.detail)
+	}
+	return key, nil
+}
+
+func (o *options) serve(ctx context.Context, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, error) {
 	msg, ok := req.(proto.Message)
 	if !ok {
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
@@ -86,7 +127,7 @@ func (o *options) serve(ctx context.Context, store *Store, key string, req any, 
 	if err != nil {
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
 	}
-	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: o.ttl}
+	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl}
 	return store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		resp, err := handler(ctx, req)
 		if err != nil {

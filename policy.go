@@ -1,26 +1,53 @@
 package idempotency
 
 import (
+	"fmt"
 	"strings"
 	"sync"
+	"time"
 
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
+
+	idempotencyv1 "github.com/exactlyonce/idempotency/proto/idempotency/v1"
 )
 
-// methodPolicy is what the proto descriptors say about one method.
+// keyMode is what a method's descriptor says about its key.
+type keyMode int
+
+const (
+	// modeDefault: nothing in the descriptor; the interceptor's options decide.
+	modeDefault keyMode = iota
+	// modeRequired: calls without a key are rejected.
+	modeRequired
+	// modeOptional: calls with a key are protected, others pass through.
+	modeOptional
+	// modePassThrough: idempotency is off (MODE_DISABLED) or not needed
+	// (idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT); keys are ignored.
+	modePassThrough
+)
+
+// methodPolicy is the resolved idempotency policy of one method.
 type methodPolicy struct {
 	// known is false when the method's descriptor is not in the global
 	// registry (no generated code linked in, or a hand-written ServiceDesc).
 	known bool
-	// safe is true for methods marked idempotency_level NO_SIDE_EFFECTS or
-	// IDEMPOTENT: repeating them is harmless, so they need no key.
-	safe bool
+	mode  keyMode
+	// ttl overrides the interceptor's TTL when positive.
+	ttl time.Duration
+	// keyField is the path to the request's string field holding the key
+	// (natural idempotency); keyPath is its dotted name. nil: metadata only.
+	keyField []protoreflect.FieldDescriptor
+	keyPath  string
+	// err is a configuration error in the method's option, reported on
+	// every call of the method rather than guessed around.
+	err error
 }
 
 // policies caches methodPolicy by full method name ("/pkg.Service/Method"),
-// so the descriptor lookup happens once per method, not once per call.
+// so descriptors are read once per method, not once per call.
 var policies sync.Map
 
 func policyFor(fullMethod string) methodPolicy {
@@ -32,19 +59,104 @@ func policyFor(fullMethod string) methodPolicy {
 	return p
 }
 
+// resolvePolicy applies the precedence documented in idempotency.proto:
+// the explicit (idempotency.v1.method) option, then idempotency_level, then
+// the interceptor's defaults (modeDefault).
 func resolvePolicy(fullMethod string) methodPolicy {
 	md := methodDescriptor(fullMethod)
 	if md == nil {
 		return methodPolicy{}
 	}
 	p := methodPolicy{known: true}
-	if opts, ok := md.Options().(*descriptorpb.MethodOptions); ok {
+	opts, _ := md.Options().(*descriptorpb.MethodOptions)
+	var mp *idempotencyv1.MethodPolicy
+	if opts != nil && proto.HasExtension(opts, idempotencyv1.E_Method) {
+		mp, _ = proto.GetExtension(opts, idempotencyv1.E_Method).(*idempotencyv1.MethodPolicy)
+	}
+	switch mp.GetMode() {
+	case idempotencyv1.MethodPolicy_MODE_REQUIRED:
+		p.mode = modeRequired
+	case idempotencyv1.MethodPolicy_MODE_OPTIONAL:
+		p.mode = modeOptional
+	case idempotencyv1.MethodPolicy_MODE_DISABLED:
+		p.mode = modePassThrough
+	default:
 		switch opts.GetIdempotencyLevel() {
 		case descriptorpb.MethodOptions_NO_SIDE_EFFECTS, descriptorpb.MethodOptions_IDEMPOTENT:
-			p.safe = true
+			p.mode = modePassThrough
+		}
+	}
+	if mp == nil || p.mode == modePassThrough {
+		return p
+	}
+	if ttl := mp.GetTtl(); ttl != nil {
+		if err := ttl.CheckValid(); err != nil || ttl.AsDuration() < 0 {
+			p.err = fmt.Errorf("method %s: option (idempotency.v1.method).ttl must be a non-negative duration, got %v", fullMethod, ttl)
+			return p
+		}
+		p.ttl = ttl.AsDuration()
+	}
+	if path := mp.GetKeyField(); path != "" {
+		p.keyField, p.err = resolveKeyField(md.Input(), path)
+		p.keyPath = path
+		if p.err != nil {
+			p.err = fmt.Errorf("method %s: option (idempotency.v1.method).key_field: %w", fullMethod, p.err)
 		}
 	}
 	return p
+}
+
+// resolveKeyField turns a dotted path such as "meta.request_id" into the
+// fields it names: singular messages, then a singular string.
+func resolveKeyField(msg protoreflect.MessageDescriptor, path string) ([]protoreflect.FieldDescriptor, error) {
+	names := strings.Split(path, ".")
+	fields := make([]protoreflect.FieldDescriptor, 0, len(names))
+	for i, name := range names {
+		fd := msg.Fields().ByName(protoreflect.Name(name))
+		switch {
+		case fd == nil:
+			return nil, fmt.Errorf("%s has no field %q (path %q)", msg.FullName(), name, path)
+		case fd.IsList() || fd.IsMap():
+			return nil, fmt.Errorf("field %s is repeated; the key must be a singular string", fd.FullName())
+		case i < len(names)-1 && fd.Kind() != protoreflect.MessageKind:
+			return nil, fmt.Errorf("field %s is not a message, so %q cannot continue past it", fd.FullName(), path)
+		case i == len(names)-1 && fd.Kind() != protoreflect.StringKind:
+			return nil, fmt.Errorf("field %s is %s; the key must be a string field", fd.FullName(), fd.Kind())
+		}
+		fields = append(fields, fd)
+		if fd.Kind() == protoreflect.MessageKind {
+			msg = fd.Message()
+		}
+	}
+	return fields, nil
+}
+
+// keyFromField reads the key from the request; "" when a message on the
+// path is unset or the string is empty.
+func (p methodPolicy) keyFromField(req proto.Message) string {
+	m := req.ProtoReflect()
+	last := len(p.keyField) - 1
+	for _, fd := range p.keyField[:last] {
+		if !m.Has(fd) {
+			return ""
+		}
+		m = m.Get(fd).Message()
+	}
+	return m.Get(p.keyField[last]).String()
+}
+
+// clientGeneratesKey reports whether the client interceptor should attach a
+// generated key to calls of this method.
+func (p methodPolicy) clientGeneratesKey(unknownMethodKeys bool) bool {
+	switch {
+	case !p.known:
+		return unknownMethodKeys
+	case p.mode == modePassThrough:
+		return false
+	case p.keyField != nil:
+		return false // the request carries its own key
+	}
+	return true
 }
 
 // methodDescriptor finds "/pkg.Service/Method" in the global registry of

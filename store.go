@@ -514,9 +514,13 @@ func ValidateKey(key string) error {
 	return nil
 }
 
-func invalidKey(detail string) error {
+func invalidKey(detail string) error { return invalidKeyField(MetadataKey, detail) }
+
+// invalidKeyField is ErrInvalidKey with a BadRequest violation naming field:
+// the metadata key, or the request field a method takes its key from.
+func invalidKeyField(field, detail string) error {
 	e := ErrInvalidKey.with(detail, nil)
-	e.violation = MetadataKey
+	e.violation = field
 	return e
 }
 
