@@ -1,0 +1,85 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+func TestProcessMessageAppliesEachIDOnce(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 16)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+	_, err = db.Pool.Exec(ctx, `CREATE TABLE events (msg_id text NOT NULL, body text NOT NULL)`)
+	require.NoError(t, err)
+	apply := func(id, body string) (bool, error) {
+		return store.ProcessMessage(ctx, idempotency.Message{Scope: "orders/billing", ID: id, Body: []byte(body)},
+			func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, `INSERT INTO events VALUES ($1, $2)`, id, body)
+				return err
+			})
+	}
+
+	// Eight redeliveries of one message at once: one effect.
+	var wg sync.WaitGroup
+	dups := make(chan bool, 8)
+	for i := 0; i < 8; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dup, err := apply("m-1", "paid")
+			require.NoError(t, err)
+			dups <- dup
+		}()
+	}
+	wg.Wait()
+	close(dups)
+	fresh := 0
+	for d := range dups {
+		if !d {
+			fresh++
+		}
+	}
+	require.Equal(t, 1, fresh, "exactly one delivery is processed, the rest are duplicates")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM events WHERE msg_id = 'm-1'`))
+
+	_, err = apply("m-1", "refunded")
+	require.ErrorIs(t, err, idempotency.ErrKeyReused, "same ID, different body")
+
+	// A failed attempt leaves the ID unprocessed; a Final error is recorded.
+	_, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: "m-2"}, func(ctx context.Context, tx pgx.Tx) error {
+		_, _ = tx.Exec(ctx, `INSERT INTO events VALUES ('m-2', 'x')`)
+		return errors.New("downstream down")
+	})
+	require.Error(t, err)
+	dup, err := apply("m-2", "x")
+	require.NoError(t, err)
+	require.False(t, dup, "a failed attempt does not count as processed")
+
+	poison := status.Error(codes.InvalidArgument, "unparsable")
+	_, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: "m-3"}, func(context.Context, pgx.Tx) error {
+		return idempotency.Final(poison)
+	})
+	require.Equal(t, codes.InvalidArgument, status.Code(err))
+	dup, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: "m-3"}, func(context.Context, pgx.Tx) error {
+		t.Fatal("a recorded poison message must not run again")
+		return nil
+	})
+	require.True(t, dup)
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "the recorded outcome is returned")
+
+	_, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: ""}, func(context.Context, pgx.Tx) error { return nil })
+	require.ErrorIs(t, err, idempotency.ErrInvalidKey)
+}
