@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The project's test command: starts the services the tests need when they
-# are down, then runs every test of every module with the race detector.
+# are down, then runs every test of every Go module in the repository (the
+# library and the examples that live in modules of their own) with the race
+# detector.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/services.sh
-go test -race -count=1 -timeout 15m ./...
+for mod in $(git ls-files --cached --others --exclude-standard -- '*go.mod' | xargs -n1 dirname | sort); do
+	echo "==> go test ./... in $mod"
+	(cd "$mod" && go test -race -count=1 -timeout 15m ./...)
+done
