@@ -1,0 +1,140 @@
+// Package payments is an example service built on the idempotency library:
+// a PaymentService whose Charge runs exactly once per idempotency key, with
+// its ledger row and balance update committed in the same transaction as
+// the stored response.
+//
+// The binaries beside it: server (a standalone gRPC server), client (one
+// charge through the retrying client chain) and demo (two replicas behind a
+// faulty network, hundreds of charges, a verdict).
+package payments
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"strings"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/exactlyonce/idempotency"
+	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+)
+
+// Server implements paymentsv1.PaymentServiceServer on PostgreSQL.
+type Server struct {
+	paymentsv1.UnimplementedPaymentServiceServer
+	pool *pgxpool.Pool
+}
+
+// NewServer returns a PaymentService on pool. Run [Migrate] first.
+func NewServer(pool *pgxpool.Pool) *Server { return &Server{pool: pool} }
+
+// Migrate creates the idempotency key table and the service's own tables.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store) error {
+	if err := store.Migrate(ctx); err != nil {
+		return err
+	}
+	_, err := pool.Exec(ctx, `
+CREATE TABLE IF NOT EXISTS accounts (
+    account_id    text PRIMARY KEY,
+    balance_cents bigint NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS ledger (
+    charge_id    text PRIMARY KEY,
+    account_id   text NOT NULL REFERENCES accounts,
+    amount_cents bigint NOT NULL CHECK (amount_cents > 0),
+    created_at   timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS ledger_account_id_idx ON ledger (account_id);`)
+	return err
+}
+
+// Charge records the charge and raises the account's balance, both through
+// the idempotent call's transaction.
+func (s *Server) Charge(ctx context.Context, req *paymentsv1.ChargeRequest) (*paymentsv1.ChargeResponse, error) {
+	switch {
+	case req.GetAccountId() == "":
+		return nil, status.Error(codes.InvalidArgument, "account_id is required")
+	case req.GetAmountCents() <= 0:
+		return nil, status.Errorf(codes.InvalidArgument, "amount_cents must be positive, got %d", req.GetAmountCents())
+	}
+	tx := idempotency.MustTxFromContext(ctx)
+	resp := &paymentsv1.ChargeResponse{
+		ChargeId:    "ch_" + uuid.Must(uuid.NewV7()).String(),
+		AccountId:   req.GetAccountId(),
+		AmountCents: req.GetAmountCents(),
+	}
+	// One round trip: the upsert raises the balance and the ledger insert
+	// reads the account row it just locked.
+	err := tx.QueryRow(ctx, `
+WITH account AS (
+    INSERT INTO accounts (account_id, balance_cents) VALUES ($1, $2)
+    ON CONFLICT (account_id) DO UPDATE SET balance_cents = accounts.balance_cents + EXCLUDED.balance_cents
+    RETURNING balance_cents
+), charge AS (
+    INSERT INTO ledger (charge_id, account_id, amount_cents) VALUES ($3, $1, $2)
+)
+SELECT balance_cents FROM account`, req.GetAccountId(), req.GetAmountCents(), resp.GetChargeId()).Scan(&resp.BalanceCents)
+	if err != nil {
+		return nil, fmt.Errorf("charge %s: %w", req.GetAccountId(), err)
+	}
+	return resp, nil
+}
+
+// GetBalance reads the account's balance and number of charges.
+func (s *Server) GetBalance(ctx context.Context, req *paymentsv1.GetBalanceRequest) (*paymentsv1.GetBalanceResponse, error) {
+	if req.GetAccountId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "account_id is required")
+	}
+	resp := &paymentsv1.GetBalanceResponse{AccountId: req.GetAccountId()}
+	var err error
+	resp.BalanceCents, resp.Charges, err = Balance(ctx, s.pool, req.GetAccountId())
+	if err != nil {
+		return nil, fmt.Errorf("balance %s: %w", req.GetAccountId(), err)
+	}
+	return resp, nil
+}
+
+// NewGRPCServer returns a gRPC server with the idempotency interceptor and
+// the PaymentService registered. logger, when not nil, gets one line per
+// keyed call: method, key, outcome and status code.
+func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, logger *log.Logger, opts ...idempotency.Option) *grpc.Server {
+	if logger != nil {
+		opts = append([]idempotency.Option{idempotency.WithOutcomeHook(LogOutcome(logger))}, opts...)
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store, opts...)))
+	paymentsv1.RegisterPaymentServiceServer(srv, NewServer(pool))
+	return srv
+}
+
+// LogOutcome returns an outcome hook that logs one line per keyed call.
+func LogOutcome(logger *log.Logger) func(context.Context, string, idempotency.Outcome, error) {
+	return func(ctx context.Context, method string, o idempotency.Outcome, err error) {
+		key := strings.Join(metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey), ",")
+		method = method[strings.LastIndexByte(method, '/')+1:]
+		logger.Printf("%-10s %-12s key=%s code=%s", method, outcomeWord(o), key, status.Code(err))
+	}
+}
+
+func outcomeWord(o idempotency.Outcome) string {
+	if o == idempotency.OutcomeKeyReused {
+		return "mismatch"
+	}
+	return o.String()
+}
+
+// Balance reads an account directly from the database, for checks.
+func Balance(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, account string) (balance, charges int64, err error) {
+	err = db.QueryRow(ctx, `
+SELECT coalesce((SELECT balance_cents FROM accounts WHERE account_id = $1), 0),
+       (SELECT count(*) FROM ledger WHERE account_id = $1)`, account).Scan(&balance, &charges)
+	return balance, charges, err
+}
