@@ -3,8 +3,8 @@ package payments_test
 import (
 	"context"
 	"fmt"
-	"strings"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 
