@@ -450,6 +450,28 @@ func TestCrashBeforeCommitLeavesNoKey(t *testing.T) {
 	require.Equal(t, 1, e.ledgerRows())
 }
 
+// A handler whose database session dies returns the driver's error; the
+// client must see Unavailable (retry) rather than Unknown.
+func TestLostSessionInHandlerIsUnavailable(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if _, err := e.insertLedger(ctx, req); err != nil {
+			return nil, err
+		}
+		if e.runs.Load() == 1 {
+			_, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+			return nil, err
+		}
+		return wrapperspb.String("ok"), nil
+	}})
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.Equal(t, codes.Unavailable, status.Code(r.err), "%v", r.err)
+	require.Equal(t, 0, e.ledgerRows())
+	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err)
+	require.Equal(t, 1, e.ledgerRows())
+}
+
 // If the result cannot be stored, the business write must not commit either.
 func TestStoreFailureRollsBackBusinessWrite(t *testing.T) {
 	t.Parallel()
@@ -477,7 +499,9 @@ CREATE TRIGGER refuse_result BEFORE UPDATE ON idempotency_keys FOR EACH ROW EXEC
 func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	t.Parallel()
 	var commitErr, rollbackErr error
+	var key string
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		key, _ = idempotency.KeyFromContext(ctx)
 		tx := idempotency.MustTxFromContext(ctx)
 		commitErr = tx.Commit(ctx)
 		rollbackErr = tx.Rollback(ctx)
@@ -489,6 +513,7 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 		return wrapperspb.String("ok"), err
 	}})
 	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err)
+	require.Equal(t, "k", key, "the handler sees its call's key, to forward downstream")
 	require.ErrorIs(t, commitErr, idempotency.ErrTxOwned)
 	require.ErrorIs(t, rollbackErr, idempotency.ErrTxOwned)
 	require.Equal(t, 1, e.ledgerRows())

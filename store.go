@@ -278,7 +278,7 @@ func (s *Store) execute(ctx context.Context, call Call, fn Func) (res Result, ex
 	}
 
 	htx := &ownedTx{tx}
-	resp, fnErr := fn(context.WithValue(ctx, txKey{}, htx), htx)
+	resp, fnErr := fn(context.WithValue(context.WithValue(ctx, txKey{}, htx), keyKey{}, call.Key), htx)
 
 	// From here the outcome is decided; finish it even if the caller left.
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
@@ -305,6 +305,10 @@ func (s *Store) execute(ctx context.Context, call Call, fn Func) (res Result, ex
 		batch.Queue(s.sql.storeError, call.Scope, call.Key, b)
 		err = tx.SendBatch(fctx, batch).Close()
 		fnErr = final.err
+	case tx.Conn().IsClosed():
+		// fn failed because the database connection died under it: report
+		// an outage, not fn's raw driver error, so clients retry.
+		return Result{Outcome: OutcomeUnavailable}, false, ErrStoreUnavailable.with("connection lost during the call", fnErr)
 	default:
 		return Result{Outcome: OutcomeReleased}, false, fnErr
 	}
@@ -485,6 +489,17 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 }
 
 type txKey struct{}
+
+// KeyFromContext returns the idempotency key of the call running in ctx. A
+// handler that calls another system (a payment provider, another service)
+// cannot take that system's effect into its transaction; it passes this key
+// along so the other system deduplicates the retries too.
+func KeyFromContext(ctx context.Context) (string, bool) {
+	k, ok := ctx.Value(keyKey{}).(string)
+	return k, ok
+}
+
+type keyKey struct{}
 
 // ownedTx is the call's transaction as handed to handlers: everything but
 // ending it.

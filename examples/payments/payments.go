@@ -70,8 +70,8 @@ func (s *Server) Charge(ctx context.Context, req *paymentsv1.ChargeRequest) (*pa
 		AccountId:   req.GetAccountId(),
 		AmountCents: req.GetAmountCents(),
 	}
-	// One round trip: the upsert raises the balance and the ledger insert
-	// reads the account row it just locked.
+	// One statement: raise the balance (the upsert locks the account row, so
+	// charges to one account queue up) and insert the ledger row.
 	err := tx.QueryRow(ctx, `
 WITH account AS (
     INSERT INTO accounts (account_id, balance_cents) VALUES ($1, $2)
