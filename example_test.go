@@ -2,21 +2,24 @@ package idempotency_test
 
 import (
 	"context"
+	"fmt"
 	"log"
 	"net"
 	"time"
 
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
 )
 
-// A server that stores idempotency keys in its own PostgreSQL database.
+// A server that keeps idempotency keys in its own PostgreSQL database.
 func ExampleUnaryServerInterceptor() {
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:5432/test")
@@ -29,19 +32,19 @@ func ExampleUnaryServerInterceptor() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := store.Migrate(ctx); err != nil {
+	if err := store.Migrate(ctx); err != nil { // or apply store.Migrations() with your own tool
 		log.Fatal(err)
 	}
 	go func() { _ = store.RunCleaner(ctx, time.Minute, 1000, func(err error) { log.Print(err) }) }()
 
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
-		// Usually after authentication, so the scope can name the caller.
+		// After authentication, so that the scope can name the caller.
 		idempotency.UnaryServerInterceptor(store,
 			idempotency.WithScope(callerFromContext),
-			idempotency.WithKeyRequired(true),
+			idempotency.WithKeyRequired(true), // for methods the .proto does not annotate
 		),
 	))
-	// pb.RegisterPaymentServiceServer(srv, &paymentServer{})
+	// paymentsv1.RegisterPaymentServiceServer(srv, payments.NewServer(pool))
 
 	lis, err := net.Listen("tcp", "127.0.0.1:50051")
 	if err != nil {
@@ -59,18 +62,107 @@ func callerFromContext(ctx context.Context) (string, error) {
 	return "", status.Error(codes.Unauthenticated, "no verified client id")
 }
 
-// A handler writes through the call's transaction: its rows commit together
-// with the stored response, or not at all.
-func ExampleMustTxFromContext() {
-	charge := func(ctx context.Context, req *wrapperspb.Int64Value) (*wrapperspb.StringValue, error) {
-		tx := idempotency.MustTxFromContext(ctx)
-		var id string
-		err := tx.QueryRow(ctx,
-			`INSERT INTO ledger (amount_cents) VALUES ($1) RETURNING id::text`, req.GetValue()).Scan(&id)
-		if err != nil {
-			return nil, err // rolls back; the key is released and a retry runs again
-		}
-		return wrapperspb.String(id), nil
+// The ready client chain: the key interceptor, then go-grpc-middleware's
+// retry interceptor configured for keyed calls.
+func ExampleUnaryClientInterceptors() {
+	conn, err := grpc.NewClient("127.0.0.1:50051",
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...),
+	)
+	if err != nil {
+		log.Fatal(err)
 	}
-	_ = charge
+	defer conn.Close()
+}
+
+// A chain built by hand: the key interceptor must come first, outside the
+// retry interceptor, so every attempt carries the same key.
+func ExampleUnaryClientInterceptor() {
+	conn, err := grpc.NewClient("127.0.0.1:50051",
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(
+			idempotency.UnaryClientInterceptor(), // outside: one key per logical call
+			retry.UnaryClientInterceptor(retry.WithMax(5), retry.WithCodes(codes.Unavailable, codes.Aborted)),
+		),
+	)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer conn.Close()
+}
+
+// gRPC's own retry policy runs below every interceptor, so the key
+// interceptor runs once per logical call and every attempt has its key.
+func ExampleUnaryClientInterceptor_nativeRetry() {
+	conn, err := grpc.NewClient("127.0.0.1:50051",
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
+		grpc.WithDefaultServiceConfig(`{
+		  "methodConfig": [{
+		    "name": [{"service": "payments.v1.PaymentService"}],
+		    "retryPolicy": {
+		      "maxAttempts": 5,
+		      "initialBackoff": "0.01s",
+		      "maxBackoff": "0.2s",
+		      "backoffMultiplier": 2,
+		      "retryableStatusCodes": ["UNAVAILABLE", "ABORTED", "RESOURCE_EXHAUSTED"]
+		    }
+		  }]
+		}`),
+	)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer conn.Close()
+}
+
+// Choosing the key: WithKey for a key derived from the request (an order
+// ID), and CaptureKey to learn a generated key and retry the same logical
+// call later.
+func ExampleWithKey() {
+	var conn *grpc.ClientConn // with idempotency.UnaryClientInterceptors()
+	var req, resp any         // your request and response messages
+	ctx := idempotency.WithKey(context.Background(), "order-1001")
+	err := conn.Invoke(ctx, "/payments.v1.PaymentService/Charge", req, resp)
+
+	var key string
+	err = conn.Invoke(context.Background(), "/payments.v1.PaymentService/Charge", req, resp, idempotency.CaptureKey(&key))
+	if status.Code(err) == codes.Unavailable {
+		// Later, the same logical call: same key, so at most one charge.
+		err = conn.Invoke(idempotency.WithKey(context.Background(), key), "/payments.v1.PaymentService/Charge", req, resp)
+	}
+	_ = err
+}
+
+// A handler that calls another system forwards its own key, so that system
+// deduplicates the retries too.
+func ExampleKeyFromContext() {
+	forward := func(ctx context.Context, provider *grpc.ClientConn, req, resp any) error {
+		key, _ := idempotency.KeyFromContext(ctx)
+		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
+		return provider.Invoke(ctx, "/provider.v1.Cards/Capture", req, resp)
+	}
+	_ = forward
+}
+
+// The engine without gRPC: apply each message of an at-least-once stream
+// once, in the same transaction as its business write.
+func ExampleStore_ProcessMessage() {
+	var store *idempotency.Store // idempotency.NewStore(pool)
+	ctx := context.Background()
+	msgID, body := "order-1001-paid", []byte(`{"order":1001}`)
+
+	duplicate, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "orders/billing", ID: msgID, Body: body},
+		func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `UPDATE orders SET status = 'paid' WHERE id = 1001`)
+			return err
+		})
+	switch {
+	case err != nil:
+		// Not processed: negatively acknowledge, the message comes back.
+	case duplicate:
+		fmt.Println("already processed; acknowledge")
+	default:
+		fmt.Println("processed; acknowledge")
+	}
 }
