@@ -510,13 +510,24 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('nested')`)
 			return err
 		})
+		if err != nil {
+			return nil, err
+		}
+		_ = pgx.BeginFunc(ctx, tx, func(tx pgx.Tx) error {
+			_, _ = tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('rolled back')`)
+			return errors.New("undo this savepoint only")
+		})
+		// Large objects live in the same transaction.
+		lo := tx.LargeObjects()
+		_, err = lo.Create(ctx, 0)
 		return wrapperspb.String("ok"), err
 	}})
 	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err)
 	require.Equal(t, "k", key, "the handler sees its call's key, to forward downstream")
 	require.ErrorIs(t, commitErr, idempotency.ErrTxOwned)
 	require.ErrorIs(t, rollbackErr, idempotency.ErrTxOwned)
-	require.Equal(t, 1, e.ledgerRows())
+	require.Equal(t, 1, e.ledgerRows(), "the released savepoint's row commits, the rolled back one does not")
+	require.Equal(t, 1, e.db.Count(t, `SELECT count(*) FROM ledger WHERE note = 'nested'`))
 	require.Panics(t, func() { idempotency.MustTxFromContext(context.Background()) })
 }
 

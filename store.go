@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/genproto/googleapis/rpc/status" // google.rpc.Status, the stored form of a decided error
 	"google.golang.org/grpc/codes"
 	grpcstatus "google.golang.org/grpc/status"
@@ -28,12 +29,12 @@ const DefaultTTL = 24 * time.Hour
 // DefaultTable is the name of the key table when [WithTable] is not used.
 const DefaultTable = "idempotency_keys"
 
-// DB is what a [Store] needs from PostgreSQL: transactions for calls and
-// plain statements for migrations and cleanup. A *pgxpool.Pool satisfies it
-// and is what a server should pass; every call in flight holds one
-// connection for the length of its transaction.
+// DB is what a [Store] needs from PostgreSQL: a connection per call, and
+// plain statements for cleanup. A *pgxpool.Pool satisfies it and is what a
+// server should pass; every call in flight holds one connection for the
+// length of its transaction.
 type DB interface {
-	BeginTx(ctx context.Context, txOptions pgx.TxOptions) (pgx.Tx, error)
+	Acquire(ctx context.Context) (*pgxpool.Conn, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
@@ -86,7 +87,12 @@ func (s *Store) Migrate(ctx context.Context) error {
 	h := fnv.New64a()
 	h.Write([]byte(s.ident.Sanitize()))
 
-	return pgx.BeginTxFunc(ctx, s.db, pgx.TxOptions{}, func(tx pgx.Tx) error {
+	conn, err := s.db.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("idempotency: migrate: %w", err)
+	}
+	defer conn.Release()
+	return pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", int64(h.Sum64())); err != nil {
 			return fmt.Errorf("idempotency: migrate: lock: %w", err)
 		}
@@ -228,25 +234,45 @@ func (s *Store) Execute(ctx context.Context, call Call, fn Func) (Result, error)
 	if call.Fingerprint == nil {
 		call.Fingerprint = []byte{}
 	}
+	pc, err := s.db.Acquire(ctx)
+	if err != nil {
+		return Result{Outcome: OutcomeUnavailable}, s.unavailable(ctx, "acquire connection", err)
+	}
+	// Release returns the connection to the pool, or destroys it if a
+	// failure left it inside a transaction.
+	defer pc.Release()
+	conn := pc.Conn()
+
 	// A finished key that expired is deleted and the call tried once more;
 	// twice is enough, as a second expiry in between would need a TTL shorter
 	// than one round trip.
 	for attempt := 0; ; attempt++ {
-		res, expired, err := s.execute(ctx, call, fn)
+		res, expired, err := s.execute(ctx, conn, call, fn)
 		if !expired || attempt > 0 {
 			return res, err
 		}
-		if _, err := s.db.Exec(ctx, s.sql.deleteExpiredKey, call.Scope, call.Key); err != nil {
+		if _, err := conn.Exec(ctx, s.sql.deleteExpiredKey, call.Scope, call.Key); err != nil {
 			return Result{Outcome: OutcomeUnavailable}, s.unavailable(ctx, "delete expired key", err)
 		}
 	}
 }
 
-func (s *Store) execute(ctx context.Context, call Call, fn Func) (res Result, expired bool, err error) {
-	tx, err := s.db.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.ReadCommitted})
+func (s *Store) execute(ctx context.Context, conn *pgx.Conn, call Call, fn Func) (res Result, expired bool, err error) {
+	// The common retry, of a call that finished, costs one read and no
+	// transaction. This is only a shortcut: a key it does not find is still
+	// claimed atomically below, and races are settled there.
+	rec, found, err := s.lookup(ctx, conn, call)
 	if err != nil {
-		return Result{Outcome: OutcomeUnavailable}, false, s.unavailable(ctx, "begin", err)
+		return Result{Outcome: OutcomeUnavailable}, false, s.unavailable(ctx, "look up key", err)
 	}
+	if found {
+		if rec.expired {
+			return Result{}, true, nil
+		}
+		res, err := s.replay(call, rec)
+		return res, false, err
+	}
+
 	done := false
 	defer func() {
 		// Runs on every path that did not commit, panics included. The
@@ -255,11 +281,11 @@ func (s *Store) execute(ctx context.Context, call Call, fn Func) (res Result, ex
 		if !done {
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
 			defer cancel()
-			_ = tx.Rollback(rctx)
+			_, _ = conn.Exec(rctx, "ROLLBACK")
 		}
 	}()
 
-	rec, claimed, err := s.claim(ctx, tx, call)
+	rec, claimed, err := s.claim(ctx, conn, call)
 	if err != nil {
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available: lock_timeout fired
@@ -277,12 +303,13 @@ func (s *Store) execute(ctx context.Context, call Call, fn Func) (res Result, ex
 		return res, false, err
 	}
 
-	htx := &ownedTx{tx}
+	htx := &callTx{conn: conn}
 	resp, fnErr := fn(context.WithValue(context.WithValue(ctx, txKey{}, htx), keyKey{}, call.Key), htx)
 
 	// From here the outcome is decided; finish it even if the caller left.
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
 	defer cancel()
+	batch := &pgx.Batch{}
 	var final *finalError
 	switch {
 	case fnErr == nil:
@@ -294,35 +321,50 @@ func (s *Store) execute(ctx context.Context, call Call, fn Func) (res Result, ex
 				return Result{Outcome: OutcomeReleased}, false, fmt.Errorf("idempotency: marshal response: %w", err)
 			}
 		}
-		_, err = tx.Exec(fctx, s.sql.storeResponse, call.Scope, call.Key, typ, b)
+		batch.Queue(s.sql.storeResponse, call.Scope, call.Key, typ, b)
 	case errors.As(fnErr, &final):
-		b, merr := proto.Marshal(grpcstatus.Convert(final.err).Proto())
-		if merr != nil {
-			return Result{Outcome: OutcomeReleased}, false, fmt.Errorf("idempotency: marshal status: %w", merr)
+		b, err := proto.Marshal(grpcstatus.Convert(final.err).Proto())
+		if err != nil {
+			return Result{Outcome: OutcomeReleased}, false, fmt.Errorf("idempotency: marshal status: %w", err)
 		}
-		batch := &pgx.Batch{}
 		batch.Queue(s.sql.rollbackHandler)
 		batch.Queue(s.sql.storeError, call.Scope, call.Key, b)
-		err = tx.SendBatch(fctx, batch).Close()
 		fnErr = final.err
-	case tx.Conn().IsClosed():
+	case conn.IsClosed():
 		// fn failed because the database connection died under it: report
 		// an outage, not fn's raw driver error, so clients retry.
 		return Result{Outcome: OutcomeUnavailable}, false, ErrStoreUnavailable.with("connection lost during the call", fnErr)
 	default:
 		return Result{Outcome: OutcomeReleased}, false, fnErr
 	}
-	if err == nil {
-		err = tx.Commit(fctx)
-	}
-	if err != nil {
+	batch.Queue("COMMIT")
+	if err := sendAll(fctx, conn, batch); err != nil {
 		return Result{Outcome: OutcomeUnavailable}, false, s.unavailable(fctx, "store result", err)
 	}
 	done = true
 	return Result{Response: resp, Outcome: OutcomeExecuted}, false, fnErr
 }
 
-// record is a key row found by a claim that did not insert.
+// sendAll runs a batch of statements that return no rows, in one round
+// trip, and fails unless every one succeeded; a COMMIT that PostgreSQL turned
+// into a ROLLBACK (the transaction had failed) is a failure too.
+func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) error {
+	br := conn.SendBatch(ctx, b)
+	for i, q := range b.QueuedQueries {
+		tag, err := br.Exec()
+		if err != nil {
+			_ = br.Close()
+			return err
+		}
+		if q.SQL == "COMMIT" && tag.String() != "COMMIT" {
+			_ = br.Close()
+			return fmt.Errorf("transaction rolled back at statement %d: COMMIT returned %s", i+1, tag)
+		}
+	}
+	return br.Close()
+}
+
+// record is a key row found by a lookup or a claim that did not insert.
 type record struct {
 	method       string
 	fingerprint  []byte
@@ -333,21 +375,37 @@ type record struct {
 	expired      bool
 }
 
-// claim inserts the key or, when it exists, reads it, in one round trip. The
-// insert waits for a concurrent claimer of the same key (the unique index
-// makes it) for at most the in-progress wait; lock_timeout bounds that wait,
-// and is restored before fn runs so fn's own statements are unaffected.
-// A savepoint is taken in the same round trip so that a Final error can undo
-// fn's writes and keep the claim.
-func (s *Store) claim(ctx context.Context, tx pgx.Tx, call Call) (rec record, claimed bool, err error) {
+func (s *Store) lookup(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, call Call) (rec record, found bool, err error) {
+	err = q.QueryRow(ctx, s.sql.readKey, call.Scope, call.Key).Scan(
+		&rec.method, &rec.fingerprint, &rec.state, &rec.responseType, &rec.response, &rec.status, &rec.expired)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return rec, false, nil
+	}
+	return rec, err == nil, err
+}
+
+// claim opens the call's transaction and inserts the key or, when it
+// exists, reads it, in one round trip. The insert waits for a concurrent
+// claimer of the same key (the unique index makes it) for at most the
+// in-progress wait; lock_timeout bounds that wait, and is restored before fn
+// runs so fn's own statements are unaffected. A savepoint is taken in the
+// same round trip so that a Final error can undo fn's writes and keep the
+// claim.
+func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (rec record, claimed bool, err error) {
 	batch := &pgx.Batch{}
+	batch.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
 	batch.Queue(s.sql.claim, call.Scope, call.Key, call.Method, call.Fingerprint,
 		call.TTL.Microseconds(), fmt.Sprintf("%dms", max(1, s.opts.inProgressWait.Milliseconds())))
 	batch.Queue(s.sql.savepoint)
-	br := tx.SendBatch(ctx, batch)
-	found, err := scanClaim(br.QueryRow(), &rec, &claimed)
+	br := conn.SendBatch(ctx, batch)
+	found := false
+	if _, err = br.Exec(); err == nil {
+		found, err = scanClaim(br.QueryRow(), &rec, &claimed)
+	}
 	if err != nil {
-		br.Close()
+		_ = br.Close()
 		return rec, false, err
 	}
 	if err := br.Close(); err != nil {
@@ -359,12 +417,10 @@ func (s *Store) claim(ctx context.Context, tx pgx.Tx, call Call) (rec record, cl
 	// The insert conflicted with a row committed after this statement's
 	// snapshot was taken: it waited for a concurrent claimer that then
 	// committed. A new statement sees that row.
-	err = tx.QueryRow(ctx, s.sql.readKey, call.Scope, call.Key).Scan(
-		&rec.method, &rec.fingerprint, &rec.state, &rec.responseType, &rec.response, &rec.status, &rec.expired)
-	if errors.Is(err, pgx.ErrNoRows) {
+	rec, found, err = s.lookup(ctx, conn, call)
+	if err == nil && !found {
 		// Deleted by the cleaner in between: expired, so start over.
 		rec.expired = true
-		return rec, false, nil
 	}
 	return rec, false, err
 }
@@ -500,13 +556,6 @@ func KeyFromContext(ctx context.Context) (string, bool) {
 }
 
 type keyKey struct{}
-
-// ownedTx is the call's transaction as handed to handlers: everything but
-// ending it.
-type ownedTx struct{ pgx.Tx }
-
-func (*ownedTx) Commit(context.Context) error   { return ErrTxOwned }
-func (*ownedTx) Rollback(context.Context) error { return ErrTxOwned }
 
 // MaxKeyLen is the longest valid idempotency key, in bytes.
 const MaxKeyLen = 255

@@ -3,10 +3,12 @@ package idempotency_test
 import (
 	"context"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -102,4 +104,64 @@ func TestDeleteExpiredAndCleaner(t *testing.T) {
 		t.Fatal("cleaner did not stop with its context")
 	}
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'long'`), "live keys are kept")
+}
+
+// roundTrips counts what a pool sends to PostgreSQL: every query outside a
+// batch and every batch is one network round trip.
+type roundTrips struct{ n atomic.Int64 }
+
+func (r *roundTrips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	r.n.Add(1)
+	return ctx
+}
+func (r *roundTrips) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (r *roundTrips) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	r.n.Add(1)
+	return ctx
+}
+func (r *roundTrips) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (r *roundTrips) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// The engine's cost in round trips to PostgreSQL, counted, not timed: a
+// fresh call with one business write needs no more than a plain
+// BEGIN/INSERT/COMMIT plus one, and a replay needs exactly one.
+func TestRoundTripsPerCall(t *testing.T) {
+	t.Parallel()
+	rt := &roundTrips{}
+	db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = rt })
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+	_, err = db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	require.NoError(t, err)
+	write := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
+		return wrapperspb.String("done"), err
+	}
+	measure := func(f func()) int64 {
+		before := rt.n.Load()
+		f()
+		return rt.n.Load() - before
+	}
+
+	plain := measure(func() {
+		require.NoError(t, pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
+			return err
+		}))
+	})
+	fresh := measure(func() {
+		_, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, write)
+		require.NoError(t, err)
+	})
+	replay := measure(func() {
+		res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, write)
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, res.Outcome)
+	})
+	t.Logf("round trips: plain BEGIN/INSERT/COMMIT %d, fresh call %d, replay %d", plain, fresh, replay)
+	require.EqualValues(t, 3, plain)
+	require.LessOrEqual(t, fresh, plain+1, "fresh call")
+	require.EqualValues(t, 1, replay, "replay")
 }

@@ -59,6 +59,14 @@ func Admin(t testing.TB) *pgxpool.Pool {
 	return admin
 }
 
+// Close closes the pool of Admin, if it was opened. A TestMain calls it after
+// the tests so that a goroutine leak check sees only what the tests left.
+func Close() {
+	if admin != nil {
+		admin.Close()
+	}
+}
+
 // DB is one test's isolated database: a fresh schema and a pool whose
 // search_path is that schema, so unqualified table names stay private.
 type DB struct {
@@ -69,6 +77,17 @@ type DB struct {
 // New creates a schema for t and a pool bound to it; both are removed when t
 // ends. maxConns sizes the pool (0 means 8).
 func New(t testing.TB, maxConns int32) *DB {
+	t.Helper()
+	return NewConfigured(t, func(cfg *pgxpool.Config) {
+		if maxConns > 0 {
+			cfg.MaxConns = maxConns
+		}
+	})
+}
+
+// NewConfigured is New with a hook to adjust the pool's configuration (a
+// tracer, sizes) before the pool is made. MaxConns defaults to 8.
+func NewConfigured(t testing.TB, configure func(*pgxpool.Config)) *DB {
 	t.Helper()
 	a := Admin(t)
 	ctx := context.Background()
@@ -83,10 +102,10 @@ func New(t testing.TB, maxConns int32) *DB {
 		t.Fatalf("parse %s: %v", EnvVar, err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	if maxConns <= 0 {
-		maxConns = 8
+	cfg.MaxConns = 8
+	if configure != nil {
+		configure(cfg)
 	}
-	cfg.MaxConns = maxConns
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatalf("pool: %v", err)
