@@ -19,9 +19,9 @@ type Message struct {
 	// Nats-Msg-Id header, or a position such as "topic/partition/offset".
 	// It must be a valid key (see [ValidateKey]).
 	ID string
-	// Body, when set, is fingerprinted: a redelivery with the same ID but a
-	// different body is rejected with [ErrKeyReused] instead of being
-	// skipped as a duplicate.
+	// Body is fingerprinted: a redelivery with the same ID but a different
+	// body is rejected with [ErrKeyReused] instead of being skipped as a
+	// duplicate. A nil and an empty body are the same.
 	Body []byte
 	// TTL is how long the ID is remembered. Defaults to [DefaultTTL]; keep it
 	// longer than the longest redelivery horizon of the stream.
@@ -40,17 +40,16 @@ const messageMethod = "idempotency/message"
 // The rules are those of [Store.Execute]: an error from fn rolls back
 // everything and leaves the ID unprocessed, so a redelivery runs fn again;
 // an error marked with [Final] (a poison message, say) is recorded, and
-// redeliveries return it with duplicate true. A redelivery that arrives while
+// redeliveries return it with duplicate true. [IsFinal] tells a recorded
+// error (acknowledge or terminate the message) from one that left the
+// message unprocessed (redeliver it). A redelivery that arrives while
 // the first delivery is still being processed waits for it up to the
 // store's in-progress wait, then gets [ErrInProgress]: negatively
 // acknowledge it with a delay. Acknowledge a message only after
 // ProcessMessage returned without error, or with duplicate true.
 func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, TTL: m.TTL}
-	if m.Body != nil {
-		sum := sha256.Sum256(m.Body)
-		call.Fingerprint = sum[:]
-	}
+	sum := sha256.Sum256(m.Body)
+	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: sum[:], TTL: m.TTL}
 	res, err := s.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		return nil, fn(ctx, tx)
 	})

@@ -64,6 +64,7 @@ func TestProcessMessageAppliesEachIDOnce(t *testing.T) {
 		return errors.New("downstream down")
 	})
 	require.Error(t, err)
+	require.False(t, idempotency.IsFinal(err), "an unmarked error is not recorded")
 	dup, err := apply("m-2", "x")
 	require.NoError(t, err)
 	require.False(t, dup, "a failed attempt does not count as processed")
@@ -73,12 +74,27 @@ func TestProcessMessageAppliesEachIDOnce(t *testing.T) {
 		return idempotency.Final(poison)
 	})
 	require.Equal(t, codes.InvalidArgument, status.Code(err))
+	require.True(t, idempotency.IsFinal(err), "the first delivery learns its outcome was recorded")
 	dup, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: "m-3"}, func(context.Context, pgx.Tx) error {
 		t.Fatal("a recorded poison message must not run again")
 		return nil
 	})
 	require.True(t, dup)
 	require.Equal(t, codes.InvalidArgument, status.Code(err), "the recorded outcome is returned")
+	require.True(t, idempotency.IsFinal(err))
+
+	dup, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: "m-4", Body: nil}, func(context.Context, pgx.Tx) error { return nil })
+	require.NoError(t, err)
+	require.False(t, dup)
+	dup, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: "m-4", Body: []byte{}}, func(context.Context, pgx.Tx) error { return nil })
+	require.NoError(t, err, "a nil and an empty body are the same body")
+	require.True(t, dup)
+
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	_, err = store.ProcessMessage(cancelled, idempotency.Message{Scope: "s", ID: "m-5"}, func(context.Context, pgx.Tx) error { return nil })
+	require.ErrorIs(t, err, context.Canceled, "the caller's cancellation is reported as such")
+	require.Equal(t, codes.Canceled, status.Code(err), "and as a gRPC status")
 
 	_, err = store.ProcessMessage(ctx, idempotency.Message{Scope: "s", ID: ""}, func(context.Context, pgx.Tx) error { return nil })
 	require.ErrorIs(t, err, idempotency.ErrInvalidKey)

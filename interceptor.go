@@ -77,6 +77,7 @@ func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterc
 			// Best effort: fails only if the stream is already done.
 			_ = grpc.SetTrailer(ctx, metadata.Pairs(ReplayedTrailer, "true"))
 		}
+		err = unwrapFinal(err) // the client gets the status the handler returned
 		o.report(ctx, info.FullMethod, res.Outcome, err)
 		if err != nil {
 			return nil, err

@@ -189,11 +189,30 @@ type Result struct {
 // error (as a google.rpc.Status, details included), and every retry gets the
 // same error without running Func again. Unmarked errors release the key.
 // Final(nil) is nil.
+//
+// [Store.Execute] returns decided errors still marked, the first time and on
+// every replay, so [IsFinal] tells them from errors that released the key.
 func Final(err error) error {
 	if err == nil {
 		return nil
 	}
 	return &finalError{err}
+}
+
+// IsFinal reports whether err is a decided outcome made with [Final]: it is
+// recorded with the key, and retrying with the same key returns it again.
+func IsFinal(err error) bool {
+	var f *finalError
+	return errors.As(err, &f)
+}
+
+// unwrapFinal removes the [Final] mark, leaving the error as fn returned it.
+func unwrapFinal(err error) error {
+	var f *finalError
+	if errors.As(err, &f) {
+		return f.err
+	}
+	return err
 }
 
 type finalError struct{ err error }
@@ -329,7 +348,6 @@ func (s *Store) execute(ctx context.Context, conn *pgx.Conn, call Call, fn Func)
 		}
 		batch.Queue(s.sql.rollbackHandler)
 		batch.Queue(s.sql.storeError, call.Scope, call.Key, b)
-		fnErr = final.err
 	case conn.IsClosed():
 		// fn failed because the database connection died under it: report
 		// an outage, not fn's raw driver error, so clients retry.
@@ -462,7 +480,7 @@ func (s *Store) replay(call Call, rec record) (Result, error) {
 		if err := proto.Unmarshal(rec.status, st); err != nil {
 			return Result{Outcome: OutcomeReplayed}, grpcstatus.Errorf(codes.Internal, "idempotency: stored status: %v", err)
 		}
-		return Result{Outcome: OutcomeReplayed}, grpcstatus.FromProto(st).Err()
+		return Result{Outcome: OutcomeReplayed}, Final(grpcstatus.FromProto(st).Err())
 	default:
 		// Unreachable while claims and results commit together; kept so a row
 		// written by some other tool cannot be replayed as a success.
@@ -476,10 +494,18 @@ func (s *Store) replay(call Call, rec record) (Result, error) {
 // as such (the caller gave up; the database may be fine).
 func (s *Store) unavailable(ctx context.Context, op string, err error) error {
 	if ctxErr := ctx.Err(); ctxErr != nil && errors.Is(err, ctxErr) {
-		return grpcstatus.FromContextError(ctxErr).Err()
+		return contextError{ctxErr}
 	}
 	return ErrStoreUnavailable.with(op, err)
 }
+
+// contextError is the caller's own cancellation or deadline: errors.Is
+// matches the context error, and gRPC sends Canceled or DeadlineExceeded.
+type contextError struct{ err error }
+
+func (e contextError) Error() string                  { return "idempotency: " + e.err.Error() }
+func (e contextError) Unwrap() error                  { return e.err }
+func (e contextError) GRPCStatus() *grpcstatus.Status { return grpcstatus.FromContextError(e.err) }
 
 // DeleteExpired deletes up to limit expired keys and reports how many it
 // deleted. Keys are locked with SKIP LOCKED, so concurrent cleaners on
