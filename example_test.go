@@ -158,8 +158,10 @@ func ExampleStore_ProcessMessage() {
 			return err
 		})
 	switch {
+	case idempotency.IsFinal(err):
+		fmt.Println("outcome recorded (a poison message, say); acknowledge or terminate")
 	case err != nil:
-		// Not processed: negatively acknowledge, the message comes back.
+		fmt.Println("not processed; negatively acknowledge so it comes back")
 	case duplicate:
 		fmt.Println("already processed; acknowledge")
 	default:
