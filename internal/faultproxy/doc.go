@@ -42,6 +42,15 @@
 // response until the chosen stream ends, and then closes it. The client only
 // ever sees the response from its own connection.
 //
+// # Outages
+//
+// SetRefusing and CutAll work on TCP connections of any protocol, so they
+// can stand between a server and its database as well as between a client
+// and a server: SetRefusing(true) resets every new connection on arrival
+// (the target looks down), and CutAll closes every open connection on both
+// sides (a network failure, or the target restarting). Together they make a
+// database outage of any length without touching the database itself.
+//
 // # Determinism
 //
 // Drop decisions come from a PCG generator (math/rand/v2) seeded with the
@@ -58,7 +67,8 @@
 //
 //   - Only HTTP/2 with prior knowledge (h2c) is understood. A connection that
 //     does not start with the HTTP/2 client preface is relayed untouched,
-//     without faults (the delay still applies). Nothing is relayed from the
+//     without the HTTP/2 faults (the delay, SetRefusing and CutAll still
+//     apply). Nothing is relayed from the
 //     server until the client has sent its first byte, so protocols where
 //     the server speaks first are not supported.
 //   - A drop closes the whole TCP connection, so every other RPC in flight on

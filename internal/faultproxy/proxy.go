@@ -75,6 +75,11 @@ type Stats struct {
 	// RequestsDuplicated is the number of request streams replayed to the
 	// server on an extra connection.
 	RequestsDuplicated int64
+	// ConnectionsRefused is the number of connections reset on arrival while
+	// the proxy was refusing (see SetRefusing); they are not in Connections.
+	ConnectionsRefused int64
+	// ConnectionsCut is the number of client connections closed by CutAll.
+	ConnectionsCut int64
 }
 
 // Proxy forwards loopback TCP connections to a target and injects faults.
@@ -103,12 +108,15 @@ type Proxy struct {
 	dupRng  *rand.Rand
 	// forcedDrops counts pending DropNextResponse calls.
 	forcedDrops atomic.Int64
+	refusing    atomic.Bool
 
 	connections        atomic.Int64
 	requests           atomic.Int64
 	responsesForwarded atomic.Int64
 	responsesDropped   atomic.Int64
 	requestsDuplicated atomic.Int64
+	connectionsRefused atomic.Int64
+	connectionsCut     atomic.Int64
 }
 
 // New starts a proxy listening on 127.0.0.1 on a random port that forwards
@@ -164,6 +172,8 @@ func (p *Proxy) Stats() Stats {
 		ResponsesForwarded: p.responsesForwarded.Load(),
 		ResponsesDropped:   p.responsesDropped.Load(),
 		RequestsDuplicated: p.requestsDuplicated.Load(),
+		ConnectionsRefused: p.connectionsRefused.Load(),
+		ConnectionsCut:     p.connectionsCut.Load(),
 	}
 }
 
@@ -222,6 +232,10 @@ func (p *Proxy) acceptLoop() {
 				continue
 			}
 			return
+		}
+		if p.refusing.Load() {
+			p.refuse(c)
+			continue
 		}
 		p.connections.Add(1)
 		p.wg.Add(1)
