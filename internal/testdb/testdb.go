@@ -18,6 +18,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
 )
 
 // EnvVar names the environment variable holding the database URL.
@@ -65,6 +66,22 @@ func Close() {
 	if admin != nil {
 		admin.Close()
 	}
+}
+
+// RunWithLeakCheck runs a test binary's tests, closes the shared admin pool,
+// and fails the binary if any goroutine outlived the tests: every server,
+// pool, cleaner and client a test starts must be stopped by it. Use it as
+// os.Exit(testdb.RunWithLeakCheck(m)) in TestMain.
+func RunWithLeakCheck(m *testing.M) int {
+	code := m.Run()
+	Close()
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintf(os.Stderr, "goleak: goroutines outlived the tests: %v\n", err)
+			code = 1
+		}
+	}
+	return code
 }
 
 // DB is one test's isolated database: a fresh schema and a pool whose

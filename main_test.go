@@ -1,0 +1,18 @@
+package idempotency_test
+
+import (
+	"os"
+	"testing"
+
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// TestMain runs the tests and then fails the binary if any goroutine
+// outlived them (see testdb.RunWithLeakCheck). Started as the crash test's
+// server process (see crash_test.go), the binary serves instead of testing.
+func TestMain(m *testing.M) {
+	if os.Getenv(crashChildEnv) != "" {
+		os.Exit(runCrashChild())
+	}
+	os.Exit(testdb.RunWithLeakCheck(m))
+}
