@@ -1,0 +1,322 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+const (
+	// crashChildEnv, when set, makes the test binary serve as the crash
+	// test's server: "<schema> <kill point> <n>" kills the process at the
+	// n-th time a call reaches the point.
+	crashChildEnv = "IDEMPOTENCY_CRASH_CHILD"
+	// crashSeedEnv replays a crash schedule: set it to the seed a failed
+	// run printed.
+	crashSeedEnv = "IDEMPOTENCY_CRASH_SEED"
+
+	crashKills   = 60
+	crashWorkers = 8
+	// crashInProgressWait is long on purpose: a key left held by a killed
+	// process would make its retry wait this long and end in Aborted.
+	crashInProgressWait = 10 * time.Second
+)
+
+// crashPoints are where the server kills itself, in the order a call
+// reaches them: in an interceptor before ours (before the claim), in the
+// handler after its business write, when the commit is about to be sent,
+// and after the commit but before the response is sent.
+var crashPoints = []string{"before-claim", "after-business-write", "before-commit", "after-commit"}
+
+// The server is killed with SIGKILL 60 times, 15 at each of the four
+// points, after a seeded number of calls. Clients keep retrying
+// through the restarts. Every logical call must finish with its own
+// response, the business effect must happen exactly once per logical call,
+// every key must have its ledger row and every ledger row its key, and no
+// retry may wait for a key held by the dead process.
+func TestCrashAtEveryPointLosesNothing(t *testing.T) {
+	t.Parallel()
+	seed := time.Now().UnixNano()
+	if s := os.Getenv(crashSeedEnv); s != "" {
+		var err error
+		seed, err = strconv.ParseInt(s, 10, 64)
+		require.NoError(t, err, crashSeedEnv)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("crash schedule seed %d; replay it with %s=%d go test -race -run 'TestCrashAtEveryPointLosesNothing$'", seed, crashSeedEnv, seed)
+		}
+	})
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+
+	db := suiteDB(t)
+	// The test holds the listening socket and hands it to each server
+	// process, so clients reconnect to the same address and wait in its
+	// backlog while no server runs.
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lis.Close() })
+	lisFile, err := lis.(*net.TCPListener).File()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lisFile.Close() })
+	conn, attempts := retryingClient(t, "passthrough:///"+lis.Addr().String(), 20)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	var (
+		next, retries, appRetries atomic.Int64
+		stop                      atomic.Bool
+		wg                        sync.WaitGroup
+		mu                        sync.Mutex
+		failures                  []string
+	)
+	t.Cleanup(func() { cancel(); wg.Wait() }) // before conn closes: cleanups run last-in first-out
+	for range crashWorkers {
+		wg.Go(func() {
+			for !stop.Load() && ctx.Err() == nil {
+				i := int(next.Add(1) - 1)
+				cctx, ccancel := context.WithTimeout(ctx, time.Minute)
+				resp, err := chargeUntilDone(cctx, conn, i, &retries, &appRetries)
+				ccancel()
+				if err == nil && !strings.HasPrefix(resp.GetValue(), body(i)+"#") {
+					err = fmt.Errorf("got response %q, which belongs to another call", resp.GetValue())
+				}
+				if err != nil {
+					mu.Lock()
+					failures = append(failures, fmt.Sprintf("%s: %v", body(i), err))
+					mu.Unlock()
+				}
+			}
+		})
+	}
+
+	kills := map[string]int{}
+	for k := 0; k < crashKills; k += len(crashPoints) {
+		for _, p := range rng.Perm(len(crashPoints)) {
+			point := crashPoints[p]
+			child := startCrashChild(t, lisFile, db.Schema, point, 1+rng.IntN(8))
+			child.requireKilled(t, point)
+			kills[point]++
+		}
+	}
+	final := startCrashChild(t, lisFile, db.Schema, "none", 0)
+	stop.Store(true)
+	wg.Wait()
+	final.kill()
+
+	n := int(next.Load())
+	require.Empty(t, failures, "every logical call must finish with its own response")
+	e := &env{t: t, db: db}
+	require.Empty(t, e.exactlyOnce(n), "business effect per logical call")
+	require.Equal(t, n, e.ledgerRows(), "ledger rows")
+	requireKeysMatchLedger(t, db)
+	// A dead server loses the connection: Unavailable. Aborted would mean a
+	// retry waited for a key that a killed server still held.
+	attempts.requireOnlyFailures(t, codes.Unavailable)
+	require.Less(t, attempts.longest, crashInProgressWait, "no attempt waited for a key held by a killed server")
+	failed, byCode := attempts.failures()
+	total := 0
+	for _, k := range kills {
+		total += k
+	}
+	t.Logf("crash: seed %d, %d kills (%v), %d logical calls, %d attempts failed (%s), %d retries by the interceptor, %d by the application, %d executions, 0 duplicates, longest attempt %v (in-progress wait %v)",
+		seed, total, kills, n, failed, byCode, retries.Load(), appRetries.Load(), e.ledgerRows(), attempts.longest.Round(time.Millisecond), crashInProgressWait)
+}
+
+// crashChild is one server process of the crash test.
+type crashChild struct {
+	cmd     *exec.Cmd
+	stderr  bytes.Buffer
+	exited  chan struct{}
+	waitErr error
+}
+
+func startCrashChild(t *testing.T, lis *os.File, schema, point string, at int) *crashChild {
+	t.Helper()
+	c := &crashChild{exited: make(chan struct{})}
+	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
+	c.cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %s %d", crashChildEnv, schema, point, at))
+	c.cmd.ExtraFiles = []*os.File{lis} // fd 3 in the child
+	ready := &readySignal{ch: make(chan struct{})}
+	c.cmd.Stdout = ready
+	c.cmd.Stderr = &c.stderr
+	require.NoError(t, c.cmd.Start())
+	go func() {
+		c.waitErr = c.cmd.Wait()
+		close(c.exited)
+	}()
+	t.Cleanup(c.kill)
+	select {
+	case <-ready.ch:
+	case <-c.exited:
+		t.Fatalf("server process exited before it was ready: %v\n%s", c.waitErr, c.stderr.String())
+	case <-time.After(30 * time.Second):
+		c.kill()
+		t.Fatalf("server process not ready after 30s\n%s", c.stderr.String())
+	}
+	return c
+}
+
+// requireKilled waits for the process to kill itself at point.
+func (c *crashChild) requireKilled(t *testing.T, point string) {
+	t.Helper()
+	select {
+	case <-c.exited:
+	case <-time.After(time.Minute):
+		c.kill()
+		t.Fatalf("server never reached kill point %s\n%s", point, c.stderr.String())
+	}
+	var ee *exec.ExitError
+	if !errors.As(c.waitErr, &ee) {
+		t.Fatalf("server exited with %v instead of being killed at %s\n%s", c.waitErr, point, c.stderr.String())
+	}
+	ws := ee.Sys().(syscall.WaitStatus)
+	if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+		t.Fatalf("server exited with %v instead of being killed at %s\n%s", c.waitErr, point, c.stderr.String())
+	}
+	if out := c.stderr.String(); strings.Contains(out, "DATA RACE") || strings.Contains(out, "panic") {
+		t.Fatalf("server process reported a problem before the kill:\n%s", out)
+	}
+}
+
+func (c *crashChild) kill() {
+	_ = c.cmd.Process.Kill()
+	<-c.exited
+}
+
+// readySignal closes ch when the child prints its ready line.
+type readySignal struct {
+	once sync.Once
+	ch   chan struct{}
+}
+
+func (r *readySignal) Write(p []byte) (int, error) {
+	if bytes.Contains(p, []byte("ready")) {
+		r.once.Do(func() { close(r.ch) })
+	}
+	return len(p), nil
+}
+
+// runCrashChild is the server process of the crash test: the suite's ledger
+// server on the listening socket inherited as fd 3, which kills itself at
+// the configured point.
+func runCrashChild() int {
+	var schema, point string
+	var at int64
+	if _, err := fmt.Sscan(os.Getenv(crashChildEnv), &schema, &point, &at); err != nil {
+		fmt.Fprintf(os.Stderr, "%s: %v\n", crashChildEnv, err)
+		return 2
+	}
+	k := &killSwitch{point: point, at: at}
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = 8
+	cfg.ConnConfig.Tracer = k
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	defer pool.Close()
+	store, err := idempotency.NewStore(pool, idempotency.WithInProgressWait(crashInProgressWait))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	lis, err := net.FileListener(os.NewFile(3, "listener"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
+		func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			k.hit("before-claim")
+			return h(ctx, req)
+		},
+		idempotency.UnaryServerInterceptor(store, idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, _ error) {
+			if o == idempotency.OutcomeExecuted {
+				k.hit("after-commit")
+			}
+		})),
+	))
+	srv.RegisterService(ledgerDesc(), &ledger{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		resp, err := keyedLedger(ctx, req)
+		if err == nil {
+			k.hit("after-business-write")
+		}
+		return resp, err
+	}})
+	fmt.Println("ready")
+	if err := srv.Serve(lis); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	return 0
+}
+
+// killSwitch kills the process with SIGKILL the at-th time a call reaches
+// point. It is also the pool's tracer, to see a commit about to be sent,
+// alone or at the end of a batch.
+type killSwitch struct {
+	point string
+	at    int64
+	n     atomic.Int64
+}
+
+func (k *killSwitch) hit(point string) {
+	if point != k.point || k.n.Add(1) != k.at {
+		return
+	}
+	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+	select {} // nothing of this call may happen after the kill
+}
+
+func (k *killSwitch) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if isCommit(data.SQL) {
+		k.hit("before-commit")
+	}
+	return ctx
+}
+
+func (k *killSwitch) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TraceBatchStart sees a commit sent in one round trip with other
+// statements.
+func (k *killSwitch) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	for _, q := range data.Batch.QueuedQueries {
+		if isCommit(q.SQL) {
+			k.hit("before-commit")
+		}
+	}
+	return ctx
+}
+
+func (k *killSwitch) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (k *killSwitch) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+func isCommit(sql string) bool { return strings.EqualFold(strings.TrimSpace(sql), "commit") }

@@ -1,0 +1,144 @@
+package idempotency_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// Duplicates of a slow call wait for it for the in-progress wait (200ms
+// here), get Aborted, and give their database connections back: right after
+// they are answered, the pool holds only the slow call's connection.
+func TestDuplicatesHoldNoConnectionBeyondTheWait(t *testing.T) {
+	t.Parallel()
+	const wait, duplicates = 200 * time.Millisecond, 8
+	release := make(chan struct{})
+	holding := make(chan struct{})
+	var e *env
+	e = newEnv(t, envConfig{
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(wait)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			resp, err := e.insertLedger(ctx, req)
+			close(holding)
+			<-release
+			return resp, err
+		},
+	})
+	ctx := context.Background()
+	slow := make(chan reply, 1)
+	go func() { slow <- e.call(ctx, methodCharge, "k", "x") }()
+	<-holding
+	require.EqualValues(t, 1, e.db.Pool.Stat().AcquiredConns(), "the slow call holds one connection")
+
+	var wg sync.WaitGroup
+	var longest atomic.Int64
+	for range duplicates {
+		wg.Go(func() {
+			start := time.Now()
+			r := e.call(ctx, methodCharge, "k", "x")
+			longest.Store(max(longest.Load(), int64(time.Since(start))))
+			if status.Code(r.err) != codes.Aborted || !idempotency.IsInProgress(r.err) {
+				t.Errorf("duplicate: want Aborted (in progress), got %v", r.err)
+			}
+			if d := time.Since(start); d < wait {
+				t.Errorf("duplicate answered after %v, before the in-progress wait of %v", d, wait)
+			}
+		})
+	}
+	wg.Wait()
+	// Polled briefly only because the pool's own health check may borrow
+	// idle connections for a moment; the slow call is still running.
+	answered := time.Now()
+	for e.db.Pool.Stat().AcquiredConns() != 1 && time.Since(answered) < 500*time.Millisecond {
+		time.Sleep(time.Millisecond)
+	}
+	acquired := e.db.Pool.Stat().AcquiredConns()
+	close(release)
+	require.EqualValues(t, 1, acquired, "right after the duplicates are answered, only the slow call holds a connection")
+	require.Less(t, time.Duration(longest.Load()), 10*wait, "duplicates are answered soon after the wait")
+	require.NoError(t, (<-slow).err)
+	require.Zero(t, e.db.Pool.Stat().AcquiredConns(), "no connection is held once every call is answered")
+	require.EqualValues(t, 1, e.runs.Load())
+	t.Logf("in-progress wait %v: %d duplicates Aborted, slowest answered after %v, connections held afterwards: %d",
+		wait, duplicates, time.Duration(longest.Load()).Round(time.Millisecond), acquired)
+}
+
+// RunCleaner returns with its context both while it sleeps between rounds
+// and in the middle of a DELETE blocked by a lock, without reporting the
+// cancellation as an error and without leaving its statement running.
+func TestCleanerStopsWithItsContext(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+	expire := func(key string) {
+		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: time.Millisecond},
+			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+		require.NoError(t, err)
+	}
+	var reported atomic.Int64
+	run := func(cctx context.Context) <-chan error {
+		stopped := make(chan error, 1)
+		go func() {
+			stopped <- store.RunCleaner(cctx, time.Hour, 100, func(error) { reported.Add(1) })
+		}()
+		return stopped
+	}
+	requireStops := func(stopped <-chan error, cancel context.CancelFunc, when string) time.Duration {
+		start := time.Now()
+		cancel()
+		select {
+		case err := <-stopped:
+			require.ErrorIs(t, err, context.Canceled, when)
+		case <-time.After(5 * time.Second):
+			t.Fatalf("cleaner did not stop with its context %s", when)
+		}
+		return time.Since(start)
+	}
+
+	// Between rounds: the first round ran, the next is an hour away.
+	expire("a")
+	time.Sleep(5 * time.Millisecond)
+	cctx, cancel := context.WithCancel(ctx)
+	stopped := run(cctx)
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 0 }, 5*time.Second, 5*time.Millisecond)
+	idle := requireStops(stopped, cancel, "between rounds")
+
+	// Mid-statement: another transaction locks the table, so the cleaner's
+	// DELETE waits on the lock until the context is cancelled.
+	expire("b")
+	time.Sleep(5 * time.Millisecond)
+	locker, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Rollback(ctx) })
+	_, err = locker.Exec(ctx, `LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	lockerPID := locker.Conn().PgConn().PID()
+	blocked := func() int {
+		return db.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, lockerPID)
+	}
+	cctx, cancel = context.WithCancel(ctx)
+	stopped = run(cctx)
+	require.Eventually(t, func() bool { return blocked() == 1 }, 5*time.Second, 5*time.Millisecond, "the cleaner's DELETE waits on the lock")
+	busy := requireStops(stopped, cancel, "mid-statement")
+	require.Eventually(t, func() bool { return blocked() == 0 }, 5*time.Second, 5*time.Millisecond, "the cancelled DELETE no longer runs")
+	require.NoError(t, locker.Rollback(ctx))
+
+	require.Zero(t, reported.Load(), "stopping is not an error round")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`), "the cancelled round deleted nothing")
+	t.Logf("cleaner stopped %v after cancel between rounds, %v after cancel mid-statement; 0 errors reported", idle.Round(time.Microsecond), busy.Round(time.Microsecond))
+}

@@ -1,0 +1,225 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+const (
+	raceKeys   = 200
+	racePerKey = 64
+	// raceWave keys are raced at a time, so that the goroutines alive at
+	// once (two per call: client and server) stay under the race
+	// detector's limit of 8128.
+	raceWave = 25
+)
+
+// 64 goroutines per key send the same logical call at once, through the
+// client interceptor with retries, for 200 keys. Each key's handler runs
+// exactly once, and all 64 callers end with byte-identical responses.
+func TestConcurrentDuplicatesExecuteOnceAndAgreeByteForByte(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	var mu sync.Mutex
+	runs := map[string]int{} // key -> handler runs, committed or not
+	srv := startReplica(t, schemaPool(t, db.Schema, 16, nil), replicaConfig{
+		// Duplicates give up on the running call after 5ms with Aborted and
+		// come back through the client's retries.
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Millisecond), idempotency.WithRetryDelay(5 * time.Millisecond)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			key := metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey)[0]
+			mu.Lock()
+			runs[key]++
+			mu.Unlock()
+			resp, err := keyedLedger(ctx, req)
+			time.Sleep(20 * time.Millisecond) // hold the key while the duplicates pile up
+			return resp, err
+		},
+	})
+	conn, attempts := retryingClient(t, "passthrough:///"+srv.addr, 20)
+
+	keys := make([]string, raceKeys)
+	for i := range keys {
+		keys[i] = uuid.Must(uuid.NewV7()).String()
+	}
+	type answer struct {
+		raw      []byte
+		replayed bool
+		err      error
+	}
+	answers := make([][racePerKey]answer, raceKeys)
+	var retries atomic.Int64
+	for wave := 0; wave < raceKeys; wave += raceWave {
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for k := wave; k < min(wave+raceWave, raceKeys); k++ {
+			ctx := idempotency.WithKey(context.Background(), keys[k])
+			for g := range racePerKey {
+				wg.Go(func() {
+					<-start
+					var trailer metadata.MD
+					resp, err := charge(ctx, conn, k, grpc.Trailer(&trailer), retryCounter(&retries))
+					a := answer{err: err, replayed: len(trailer.Get(idempotency.ReplayedTrailer)) > 0}
+					if err == nil {
+						a.raw, _ = proto.Marshal(resp)
+					}
+					answers[k][g] = a
+				})
+			}
+		}
+		close(start)
+		wg.Wait()
+	}
+
+	replays := 0
+	for k, key := range keys {
+		require.Equal(t, 1, runs[key], "handler runs for key %d", k)
+		executed := 0
+		for g, a := range answers[k] {
+			require.NoError(t, a.err, "key %d, goroutine %d", k, g)
+			require.True(t, bytes.Equal(answers[k][0].raw, a.raw), "key %d: goroutine %d got %q, goroutine 0 got %q", k, g, a.raw, answers[k][0].raw)
+			if a.replayed {
+				replays++
+			} else {
+				executed++
+			}
+		}
+		require.Equal(t, 1, executed, "key %d: exactly one caller gets the fresh response", k)
+	}
+	e := &env{t: t, db: db}
+	require.Empty(t, e.exactlyOnce(raceKeys))
+	require.EqualValues(t, raceKeys, srv.execs.Load(), "committed executions")
+	requireKeysMatchLedger(t, db)
+	attempts.requireOnlyFailures(t, codes.Aborted) // a duplicate that gave up waiting, and retried
+	_, aborted := attempts.failures()
+	require.NotEmpty(t, aborted, "some duplicates must have gone through the retries")
+	failed, byCode := attempts.failures()
+	t.Logf("races: %d keys x %d goroutines = %d calls, %d executions, %d replays, %d failed attempts (%s) retried %d times, 0 duplicates",
+		raceKeys, racePerKey, raceKeys*racePerKey, srv.execs.Load(), replays, failed, byCode, retries.Load())
+}
+
+// A duplicate that reaches the database exactly while the first call
+// commits must get the stored response on its first attempt, not an error:
+// whichever side of the commit its reads and its claim fall on. The winner's
+// commit is held until the duplicate's first or second statement starts,
+// then released after a random few hundred microseconds, so that over the
+// rounds the commit lands before, between and after the duplicate's
+// statements.
+func TestDuplicateArrivingAtCommitGetsReplay(t *testing.T) {
+	t.Parallel()
+	const rounds = 100
+	db := suiteDB(t)
+	gate := &commitGate{}
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.Tracer = gate })
+	srv := startReplica(t, pool, replicaConfig{storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Second)}})
+	conn := dial(t, srv.addr) // no retries: the duplicate's first answer must be the replay
+
+	rng := rand.New(rand.NewPCG(7, 7))
+	statements := map[int64]int{} // duplicate's statements before its answer -> rounds
+	for r := range rounds {
+		round := &gateRound{
+			commitStarting: make(chan struct{}),
+			loserAtDB:      make(chan struct{}),
+			holdUntil:      1 + int64(r%2),
+			jitter:         time.Duration(rng.IntN(500)) * time.Microsecond,
+		}
+		gate.round.Store(round)
+		key := uuid.Must(uuid.NewV7()).String()
+		as := func(role string) context.Context {
+			return metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, key, "x-race-role", role)
+		}
+		winner := make(chan reply, 1)
+		go func() { winner <- invoke(as("winner"), conn, methodCharge, body(r)) }()
+		select {
+		case <-round.commitStarting:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("round %d: the first call never reached its commit", r)
+		}
+		loser := invoke(as("loser"), conn, methodCharge, body(r))
+		first := <-winner
+		require.NoError(t, first.err, "round %d: first call", r)
+		require.NoError(t, loser.err, "round %d: a duplicate arriving at the commit must get the replay", r)
+		require.True(t, loser.replayed, "round %d", r)
+		require.Equal(t, first.raw, loser.raw, "round %d: replay differs from the response", r)
+		require.False(t, round.timedOut.Load(), "round %d: the duplicate never reached the database", r)
+		statements[round.loserStatements.Load()]++
+	}
+	e := &env{t: t, db: db}
+	require.Empty(t, e.exactlyOnce(rounds))
+	requireKeysMatchLedger(t, db)
+	t.Logf("duplicates at the commit: %d rounds, 0 errors, 0 duplicate executions; database round trips of the duplicate -> rounds: %v", rounds, statements)
+}
+
+// commitGate is a pool tracer that holds the commit of the call marked
+// "winner" until the call marked "loser" has started its holdUntil-th
+// statement, then for jitter more.
+type commitGate struct{ round atomic.Pointer[gateRound] }
+
+type gateRound struct {
+	commitStarting  chan struct{}
+	loserAtDB       chan struct{}
+	holdUntil       int64
+	jitter          time.Duration
+	loserStatements atomic.Int64
+	timedOut        atomic.Bool
+	once            sync.Once
+}
+
+func (g *commitGate) statement(ctx context.Context, commit bool) {
+	r := g.round.Load()
+	if r == nil {
+		return
+	}
+	switch role := metadata.ValueFromIncomingContext(ctx, "x-race-role"); {
+	case len(role) == 1 && role[0] == "loser":
+		if r.loserStatements.Add(1) == r.holdUntil {
+			close(r.loserAtDB)
+		}
+	case len(role) == 1 && role[0] == "winner" && commit:
+		r.once.Do(func() {
+			close(r.commitStarting)
+			select {
+			case <-r.loserAtDB:
+			case <-time.After(5 * time.Second):
+				r.timedOut.Store(true)
+			}
+			time.Sleep(r.jitter)
+		})
+	}
+}
+
+func (g *commitGate) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	g.statement(ctx, isCommit(data.SQL))
+	return ctx
+}
+
+func (g *commitGate) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (g *commitGate) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	commit := false
+	for _, q := range data.Batch.QueuedQueries {
+		commit = commit || isCommit(q.SQL)
+	}
+	g.statement(ctx, commit)
+	return ctx
+}
+
+func (g *commitGate) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (g *commitGate) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
