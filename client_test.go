@@ -2,7 +2,9 @@ package idempotency_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -198,7 +200,9 @@ func TestDroppedResponsesWithNativeRetryPolicy(t *testing.T) {
 	runLogical(t, e2eCalls, e2eWorkers, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
 		var key string
 		resp, err := charge(ctx, conn, i, idempotency.CaptureKey(&key))
-		for err != nil && status.Code(err) == codes.Unavailable && ctx.Err() == nil {
+		// Under heavy load grpc-go's native retry can surface the lost
+		// connection as a bare io.EOF rather than Unavailable.
+		for err != nil && (status.Code(err) == codes.Unavailable || errors.Is(err, io.EOF)) && ctx.Err() == nil {
 			appRetries.Add(1)
 			time.Sleep(10 * time.Millisecond)
 			resp, err = charge(idempotency.WithKey(ctx, key), conn, i)

@@ -247,6 +247,11 @@ func (s *Store) Execute(ctx context.Context, call Call, fn Func) (Result, error)
 	if call.Method == "" {
 		return Result{Outcome: OutcomeRejected}, errors.New("idempotency: Call.Method is empty")
 	}
+	if !utf8.ValidString(call.Scope) || strings.IndexByte(call.Scope, 0) >= 0 {
+		// PostgreSQL text cannot hold it; fail now rather than as an outage
+		// that clients would retry forever.
+		return Result{Outcome: OutcomeRejected}, grpcstatus.Error(codes.InvalidArgument, "idempotency: scope is not valid UTF-8 or contains a NUL byte")
+	}
 	if call.TTL <= 0 {
 		call.TTL = DefaultTTL
 	}

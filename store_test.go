@@ -10,6 +10,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -22,7 +24,7 @@ func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
 	db := testdb.New(t, 4)
 	ctx := context.Background()
 	// Hostile names must be quoted, not interpreted.
-	const schema = `odd "schema"; --`
+	schema := db.Schema + ` odd "schema"; --` // unique per run, so parallel runs do not collide
 	const table = `keys'); DROP TABLE victim; --`
 	_, err := db.Pool.Exec(ctx, `CREATE TABLE victim (id int); CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize())
 	require.NoError(t, err)
@@ -164,4 +166,22 @@ func TestRoundTripsPerCall(t *testing.T) {
 	require.EqualValues(t, 3, plain)
 	require.LessOrEqual(t, fresh, plain+1, "fresh call")
 	require.EqualValues(t, 1, replay, "replay")
+}
+
+// A scope PostgreSQL cannot store (from a token's subject, say) is rejected
+// up front, not reported as an outage that clients would retry forever.
+func TestUnstorableScopeIsRejected(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+	for _, scope := range []string{"a\x00b", "\xff\xfe"} {
+		res, err := store.Execute(ctx, idempotency.Call{Scope: scope, Key: "k", Method: "m"},
+			func(context.Context, pgx.Tx) (proto.Message, error) { t.Fatal("ran"); return nil, nil })
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%q: %v", scope, err)
+		require.Equal(t, idempotency.OutcomeRejected, res.Outcome)
+	}
+	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
 }
