@@ -513,8 +513,8 @@ func (e contextError) Unwrap() error                  { return e.err }
 func (e contextError) GRPCStatus() *grpcstatus.Status { return grpcstatus.FromContextError(e.err) }
 
 // DeleteExpired deletes up to limit expired keys and reports how many it
-// deleted. Keys are locked with SKIP LOCKED, so concurrent cleaners on
-// several replicas share the work instead of waiting for each other.
+// deleted, oldest first. Cleaners on several replicas may run at once: a
+// batch only ever deletes keys that are expired when it runs.
 func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, fmt.Errorf("idempotency: DeleteExpired: limit must be positive, got %d", limit)
@@ -664,8 +664,11 @@ WHERE scope = $1 AND key = $2`),
 SET state = 'failed', status = $3, completed_at = now()
 WHERE scope = $1 AND key = $2`),
 		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1 AND key = $2 AND expires_at <= now()`),
-		deleteExpired: r.Replace(`DELETE FROM {{table}} k
-USING (SELECT scope, key FROM {{table}} WHERE expires_at <= now() ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) d
-WHERE k.scope = d.scope AND k.key = d.key`),
+		// No FOR UPDATE: locking each row first would write a lock record
+		// per key to the WAL on top of its delete. Two cleaners racing for
+		// the same rows only means one of them deletes fewer.
+		deleteExpired: r.Replace(`DELETE FROM {{table}}
+WHERE ctid = ANY (ARRAY(SELECT ctid FROM {{table}} WHERE expires_at <= now() ORDER BY expires_at LIMIT $1))
+AND expires_at <= now()`),
 	}
 }
