@@ -1,0 +1,50 @@
+// Command bench measures what the idempotency interceptor costs a real
+// gRPC service on a real PostgreSQL, and where that cost goes.
+//
+//	go run ./internal/bench                        # fresh, replay, contended, nokey: 6 rounds x 5 s per variant
+//	go run ./internal/bench -short                 # a few seconds; checks only that it works
+//	go run ./internal/bench -scenarios fresh -duration 2s -rounds 4
+//	go run ./internal/bench -preload 10000000 -cleaner -scenarios preload
+//
+// It starts gRPC servers on loopback ports in this process, one with the
+// interceptor and one without, on a pgx pool to the database named by -url
+// (default: DATABASE_URL, else the local test database), in a schema of its
+// own that it drops at the end. Client goroutines, each with its own
+// connection to each server, call as fast as they can for -duration.
+//
+// Variants (see variants.go):
+//
+//	fresh       every call has a new key; the handler inserts a row in the interceptor's transaction
+//	plain       no interceptor; the same handler inserts the row in its own BEGIN/INSERT/COMMIT
+//	replay      every call repeats a finished key
+//	no-db       no interceptor; a handler that touches no database
+//	contended   -contended-keys groups of clients march through shared keys, so duplicates are in flight
+//	no-key      calls without a key through the interceptor, to the no-database handler
+//	fresh-N     fresh, on a key table preloaded with -preload keys
+//	fresh-N+cleaner  the same, with Store.RunCleaner deleting expired keys meanwhile
+//
+// Each round runs every variant of the chosen scenarios once, in a fixed
+// order, so a variant and its baseline alternate (A, B, A, B, ...) and
+// slow drift of the machine affects both alike. Throughput and latency are
+// medians over rounds; ratios are ratios of medians, with the range of the
+// per-round ratios beside them.
+//
+// For every call it also reports what the database did, from two sides:
+// the client side counts round trips on the pool's sockets (the ground
+// truth, whatever pgx API sent them) and, with a pgx tracer, the
+// statements, batches, commits and rollbacks pgx was asked for; the server
+// side reads PostgreSQL's statistics: transactions committed and rolled
+// back in the database, WAL bytes (pg_current_wal_lsn) and WAL fsyncs
+// (pg_stat_wal), transaction IDs assigned, and dead tuples left in the key
+// and business tables (pg_stat_user_tables). WAL, fsync and transaction ID
+// figures are cluster-wide: any other work on the server shows up in them,
+// and the report says when it saw some. Finally it runs a few calls of each
+// variant one at a time and lists the round trips of one call, statement by
+// statement.
+//
+// Exit status: 0 when every call succeeded and did what its variant says
+// (each fresh call executed, each replay replayed, ...), 1 otherwise, 2 for
+// bad flags. Numbers are never checked against the targets; they are
+// reported. BENCHMARKS.md, at the root of the repository, describes the
+// method in full, what limits each figure, and the latest results.
+package main
