@@ -530,6 +530,11 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 // until ctx is done; then it returns ctx's error. Errors from single rounds
 // are passed to onError when it is not nil, and the cleaner keeps going.
 // Run it in its own goroutine; one per replica is fine.
+//
+// A round deletes batches until one comes back short. While a backlog lasts
+// (after downtime, or a TTL shortened), it pauses between batches for nine
+// times as long as the last batch took, so it spends at most a tenth of its
+// time deleting and never competes hard with the calls it serves.
 func (s *Store) RunCleaner(ctx context.Context, interval time.Duration, batchSize int, onError func(error)) error {
 	if interval <= 0 || batchSize <= 0 {
 		return fmt.Errorf("idempotency: RunCleaner: interval and batch size must be positive")
@@ -538,12 +543,20 @@ func (s *Store) RunCleaner(ctx context.Context, interval time.Duration, batchSiz
 	defer t.Stop()
 	for {
 		for {
+			start := time.Now()
 			n, err := s.DeleteExpired(ctx, batchSize)
 			if err != nil && ctx.Err() == nil && onError != nil {
 				onError(err)
 			}
 			if err != nil || n < int64(batchSize) {
 				break
+			}
+			pause := time.NewTimer(9 * time.Since(start))
+			select {
+			case <-ctx.Done():
+				pause.Stop()
+				return ctx.Err()
+			case <-pause.C:
 			}
 		}
 		select {
