@@ -19,10 +19,8 @@ func TestProcessMessageAppliesEachIDOnce(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 16)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx))
-	_, err = db.Pool.Exec(ctx, `CREATE TABLE events (msg_id text NOT NULL, body text NOT NULL)`)
+	store := migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE events (msg_id text NOT NULL, body text NOT NULL)`)
 	require.NoError(t, err)
 	apply := func(id, body string) (bool, error) {
 		return store.ProcessMessage(ctx, idempotency.Message{Scope: "orders/billing", ID: id, Body: []byte(body)},

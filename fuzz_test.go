@@ -27,10 +27,8 @@ import (
 func FuzzKeyMetadata(f *testing.F) {
 	db := testdb.New(f, 4)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(f, err)
-	require.NoError(f, store.Migrate(ctx))
-	_, err = db.Pool.Exec(ctx, `CREATE TABLE ledger (key text NOT NULL)`)
+	store := migratedStore(f, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (key text NOT NULL)`)
 	require.NoError(f, err)
 	icpt := idempotency.UnaryServerInterceptor(store)
 	info := &grpc.UnaryServerInfo{FullMethod: methodCharge}

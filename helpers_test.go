@@ -82,11 +82,8 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 	t.Helper()
 	e := &env{t: t, db: testdb.New(t, 40)}
 	ctx := context.Background()
-	var err error
-	e.store, err = idempotency.NewStore(e.db.Pool, cfg.storeOpts...)
-	require.NoError(t, err)
-	require.NoError(t, e.store.Migrate(ctx))
-	_, err = e.db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	e.store = migratedStore(t, e.db, cfg.storeOpts...)
+	_, err := e.db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
 	require.NoError(t, err)
 
 	h := cfg.handler
@@ -106,11 +103,7 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 	}, cfg.opts...)...))
 	e.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
 	e.srv.RegisterService(ledgerDesc(), &ledger{handler: counted})
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	e.addr = lis.Addr().String()
-	go func() { _ = e.srv.Serve(lis) }()
-	t.Cleanup(e.srv.Stop)
+	e.addr = serve(t, e.srv)
 	e.conn = dial(t, e.addr)
 	return e
 }
@@ -180,8 +173,6 @@ func (e *env) keyState(key string) string {
 	return st
 }
 
-func netListen() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") }
-
 // init registers a descriptor for idempotency.test.Catalog in the global
 // registry, as generated code would: Get is NO_SIDE_EFFECTS, Put is
 // IDEMPOTENT, Buy is unmarked.
@@ -215,4 +206,24 @@ func init() {
 	if err := protoregistry.GlobalFiles.RegisterFile(fd); err != nil {
 		panic(err)
 	}
+}
+
+// migratedStore returns a store on db's schema with its table migrated.
+func migratedStore(t testing.TB, db *testdb.DB, opts ...idempotency.StoreOption) *idempotency.Store {
+	t.Helper()
+	store, err := idempotency.NewStore(db.Pool, opts...)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(context.Background()))
+	return store
+}
+
+// serve starts srv on a loopback port, stopped when t ends, and returns the
+// address.
+func serve(t *testing.T, srv *grpc.Server) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return lis.Addr().String()
 }

@@ -82,9 +82,7 @@ func TestCleanerStopsWithItsContext(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx))
+	store := migratedStore(t, db)
 	expire := func(key string) {
 		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: time.Millisecond},
 			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })

@@ -300,15 +300,6 @@ CREATE TRIGGER kill_self BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE 
 	require.EqualValues(t, 0, e.runs.Load())
 }
 
-func serve(t *testing.T, srv *grpc.Server) string {
-	t.Helper()
-	lis, err := netListen()
-	require.NoError(t, err)
-	go func() { _ = srv.Serve(lis) }()
-	t.Cleanup(srv.Stop)
-	return lis.Addr().String()
-}
-
 func TestInvalidKeysAreRejectedAndWriteNothing(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})

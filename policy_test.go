@@ -2,7 +2,6 @@ package idempotency_test
 
 import (
 	"context"
-	"net"
 	"testing"
 	"time"
 
@@ -81,18 +80,12 @@ func newPolicyEnv(t *testing.T, opts ...idempotency.Option) *policyEnv {
 	t.Helper()
 	db := testdb.New(t, 8)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx))
-	_, err = db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	store := migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
 	require.NoError(t, err)
 	srv := grpc.NewServer(grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(store, opts...)))
 	testingv1.RegisterPolicyServiceServer(srv, &policyServer{db: db})
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	go func() { _ = srv.Serve(lis) }()
-	t.Cleanup(srv.Stop)
-	return &policyEnv{db: db, client: testingv1.NewPolicyServiceClient(dial(t, lis.Addr().String()))}
+	return &policyEnv{db: db, client: testingv1.NewPolicyServiceClient(dial(t, serve(t, srv)))}
 }
 
 type rpc func(context.Context, *testingv1.Request, ...grpc.CallOption) (*testingv1.Response, error)

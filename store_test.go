@@ -74,9 +74,7 @@ func TestDeleteExpiredAndCleaner(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx))
+	store := migratedStore(t, db)
 	run := func(key string, ttl time.Duration) {
 		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: ttl},
 			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
@@ -132,10 +130,8 @@ func TestRoundTripsPerCall(t *testing.T) {
 	rt := &roundTrips{}
 	db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = rt })
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx))
-	_, err = db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	store := migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
 	require.NoError(t, err)
 	write := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
@@ -174,9 +170,7 @@ func TestUnstorableScopeIsRejected(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx))
+	store := migratedStore(t, db)
 	for _, scope := range []string{"a\x00b", "\xff\xfe"} {
 		res, err := store.Execute(ctx, idempotency.Call{Scope: scope, Key: "k", Method: "m"},
 			func(context.Context, pgx.Tx) (proto.Message, error) { t.Fatal("ran"); return nil, nil })

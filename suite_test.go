@@ -37,10 +37,8 @@ func suiteDB(t *testing.T) *testdb.DB {
 	t.Helper()
 	db := testdb.New(t, 4)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx))
-	_, err = db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL, key text NOT NULL)`)
+	migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL, key text NOT NULL)`)
 	require.NoError(t, err)
 	return db
 }
