@@ -172,6 +172,72 @@ func TestDecidedErrorIsStoredAndReplayed(t *testing.T) {
 	require.EqualValues(t, 1, e.runs.Load())
 }
 
+// A handler whose statement failed (the transaction is aborted) and that
+// returns a decided error: the error must still be stored and replayed.
+func TestDecidedErrorAfterFailedStatementIsStored(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		tx := idempotency.MustTxFromContext(ctx)
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (id, note) VALUES (1, 'x'), (1, 'duplicate id')`)
+		if err == nil {
+			return nil, errors.New("expected a unique violation")
+		}
+		return nil, status.Error(codes.AlreadyExists, "charge already recorded")
+	}})
+	// Twice on fresh keys, so the second runs on a connection whose
+	// statement cache has seen the first.
+	for _, key := range []string{"k1", "k2"} {
+		r := e.call(context.Background(), methodCharge, key, "x")
+		require.Equal(t, codes.AlreadyExists, status.Code(r.err), "%s: %v", key, r.err)
+		require.Equal(t, "failed", e.keyState(key))
+		again := e.call(context.Background(), methodCharge, key, "x")
+		require.Equal(t, codes.AlreadyExists, status.Code(again.err))
+		require.True(t, again.replayed)
+	}
+	require.EqualValues(t, 2, e.runs.Load())
+}
+
+// A call that outlasts its TTL must not commit a key that is already
+// expired: its retry right after is a replay.
+func TestCallLongerThanTTLKeepsItsKey(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{
+		opts: []idempotency.Option{idempotency.WithTTL(100 * time.Millisecond)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			resp, err := e.insertLedger(ctx, req)
+			time.Sleep(250 * time.Millisecond)
+			return resp, err
+		},
+	})
+	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err)
+	again := e.call(context.Background(), methodCharge, "k", "x")
+	require.NoError(t, again.err)
+	require.True(t, again.replayed, "the key lives a full TTL from when the call finished")
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+// A handler that ends the call's transaction behind the engine's back
+// (a raw ROLLBACK) must not be reported as a stored success.
+func TestHandlerEndingTheTransactionIsNotASuccess(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		resp, err := e.insertLedger(ctx, req)
+		if err == nil && e.runs.Load() == 1 {
+			_, err = idempotency.MustTxFromContext(ctx).Exec(ctx, "ROLLBACK")
+		}
+		return resp, err
+	}})
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.Equal(t, codes.Unavailable, status.Code(r.err), "%v", r.err)
+	require.Equal(t, 0, e.keyRows())
+	require.Equal(t, 0, e.ledgerRows())
+	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err, "the retry runs normally")
+	require.Equal(t, 1, e.ledgerRows())
+}
+
 func TestDecidedCodesOption(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{

@@ -131,7 +131,9 @@ type Call struct {
 	// Fingerprint identifies the request body (e.g. [Fingerprint]). The same
 	// key with a different fingerprint is rejected with [ErrKeyReused].
 	Fingerprint []byte
-	// TTL is how long the finished key is kept. Defaults to [DefaultTTL].
+	// TTL is how long the key is kept, counted from the start of the call
+	// (a call that outlasts it keeps its key a full TTL from when it
+	// finished). Defaults to [DefaultTTL].
 	TTL time.Duration
 }
 
@@ -267,18 +269,22 @@ func (s *Store) Execute(ctx context.Context, call Call, fn Func) (Result, error)
 	defer pc.Release()
 	conn := pc.Conn()
 
-	// A finished key that expired is deleted and the call tried once more;
-	// twice is enough, as a second expiry in between would need a TTL shorter
-	// than one round trip.
-	for attempt := 0; ; attempt++ {
+	// A finished key that expired is deleted and the call tried again. A
+	// key that keeps expiring under us (a TTL shorter than the calls that
+	// use it, or a cleaner racing the claim) is reported as in progress, so
+	// the caller retries later rather than getting no result at all.
+	for attempt := 0; attempt < 3; attempt++ {
 		res, expired, err := s.execute(ctx, conn, call, fn)
-		if !expired || attempt > 0 {
+		if !expired {
 			return res, err
 		}
 		if _, err := conn.Exec(ctx, s.sql.deleteExpiredKey, call.Scope, call.Key); err != nil {
 			return Result{Outcome: OutcomeUnavailable}, s.unavailable(ctx, "delete expired key", err)
 		}
 	}
+	e := ErrInProgress.with("the key expired while it was being claimed", nil)
+	e.retryDelay = s.opts.retryDelay
+	return Result{Outcome: OutcomeInProgress}, e
 }
 
 func (s *Store) execute(ctx context.Context, conn *pgx.Conn, call Call, fn Func) (res Result, expired bool, err error) {
@@ -345,14 +351,19 @@ func (s *Store) execute(ctx context.Context, conn *pgx.Conn, call Call, fn Func)
 				return Result{Outcome: OutcomeReleased}, false, fmt.Errorf("idempotency: marshal response: %w", err)
 			}
 		}
-		batch.Queue(s.sql.storeResponse, call.Scope, call.Key, typ, b)
+		batch.Queue(s.sql.storeResponse, call.Scope, call.Key, call.TTL.Microseconds(), typ, b)
 	case errors.As(fnErr, &final):
 		b, err := proto.Marshal(grpcstatus.Convert(final.err).Proto())
 		if err != nil {
 			return Result{Outcome: OutcomeReleased}, false, fmt.Errorf("idempotency: marshal status: %w", err)
 		}
-		batch.Queue(s.sql.rollbackHandler)
-		batch.Queue(s.sql.storeError, call.Scope, call.Key, b)
+		// On its own, before the batch: if fn's statements failed, the
+		// transaction is aborted and PostgreSQL would refuse to prepare the
+		// batch's UPDATE until the savepoint is rolled back.
+		if _, err := conn.Exec(fctx, s.sql.rollbackHandler); err != nil {
+			return Result{Outcome: OutcomeUnavailable}, false, ErrStoreUnavailable.with("store result", err)
+		}
+		batch.Queue(s.sql.storeError, call.Scope, call.Key, call.TTL.Microseconds(), b)
 	case conn.IsClosed():
 		// fn failed because the database connection died under it: report
 		// an outage, not fn's raw driver error, so clients retry.
@@ -362,26 +373,37 @@ func (s *Store) execute(ctx context.Context, conn *pgx.Conn, call Call, fn Func)
 	}
 	batch.Queue("COMMIT")
 	if err := sendAll(fctx, conn, batch); err != nil {
-		return Result{Outcome: OutcomeUnavailable}, false, s.unavailable(fctx, "store result", err)
+		// Reported as an outage even if fctx timed out: the caller's own
+		// deadline is not what failed. The outcome is unknown; a retry with
+		// the same key replays it if the commit happened, or runs again.
+		return Result{Outcome: OutcomeUnavailable}, false, ErrStoreUnavailable.with("store result", err)
 	}
 	done = true
 	return Result{Response: resp, Outcome: OutcomeExecuted}, false, fnErr
 }
 
 // sendAll runs a batch of statements that return no rows, in one round
-// trip, and fails unless every one succeeded; a COMMIT that PostgreSQL turned
-// into a ROLLBACK (the transaction had failed) is a failure too.
+// trip, and fails unless every one succeeded. A COMMIT that PostgreSQL turned
+// into a ROLLBACK (the transaction had failed) is a failure, and so is an
+// UPDATE of the key that found no row: fn ended the transaction itself
+// (with a raw COMMIT or ROLLBACK), so its writes and the key did not commit
+// together.
 func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) error {
 	br := conn.SendBatch(ctx, b)
+	var failed error
 	for i, q := range b.QueuedQueries {
 		tag, err := br.Exec()
-		if err != nil {
-			_ = br.Close()
-			return err
+		switch {
+		case err != nil:
+			failed = err
+		case q.SQL == "COMMIT" && tag.String() != "COMMIT":
+			failed = fmt.Errorf("transaction rolled back at statement %d: COMMIT returned %s", i+1, tag)
+		case tag.Update() && tag.RowsAffected() != 1:
+			failed = fmt.Errorf("the key's row was not in the call's transaction when its result was stored: did the handler end the transaction?")
 		}
-		if q.SQL == "COMMIT" && tag.String() != "COMMIT" {
+		if failed != nil {
 			_ = br.Close()
-			return fmt.Errorf("transaction rolled back at statement %d: COMMIT returned %s", i+1, tag)
+			return failed
 		}
 	}
 	return br.Close()
@@ -670,11 +692,19 @@ WHERE k.scope = $1 AND k.key = $2 AND NOT EXISTS (SELECT FROM ins)`),
 FROM {{table}} WHERE scope = $1 AND key = $2`),
 		savepoint:       "SAVEPOINT idempotency_call",
 		rollbackHandler: "ROLLBACK TO SAVEPOINT idempotency_call",
+		// The TTL counts from the start of the call. A call that outlasted
+		// it would commit a key already expired, so that one is kept a full
+		// TTL from when it finished. expires_at is otherwise left as it is,
+		// which keeps this update heap-only (HOT): no new index entries.
 		storeResponse: r.Replace(`UPDATE {{table}}
-SET state = 'succeeded', response_type = NULLIF($3, ''), response = $4, completed_at = now()
+SET state = 'succeeded', response_type = NULLIF($4, ''), response = $5, completed_at = clock_timestamp(),
+    expires_at = CASE WHEN expires_at > clock_timestamp() THEN expires_at
+                      ELSE clock_timestamp() + $3 * interval '1 microsecond' END
 WHERE scope = $1 AND key = $2`),
 		storeError: r.Replace(`UPDATE {{table}}
-SET state = 'failed', status = $3, completed_at = now()
+SET state = 'failed', status = $4, completed_at = clock_timestamp(),
+    expires_at = CASE WHEN expires_at > clock_timestamp() THEN expires_at
+                      ELSE clock_timestamp() + $3 * interval '1 microsecond' END
 WHERE scope = $1 AND key = $2`),
 		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1 AND key = $2 AND expires_at <= now()`),
 		// No FOR UPDATE: locking each row first would write a lock record
