@@ -64,13 +64,16 @@ func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 // to retry because they carry a key: up to 5 retries on Unavailable, Aborted
 // (the key is in progress on the server), ResourceExhausted and a
 // per-attempt DeadlineExceeded, with exponential backoff and jitter, waiting
-// at least the delay of the server's RetryInfo when it sends one.
+// at least the delay of the server's RetryInfo when it sends one. Calls that
+// carry no key are not retried, unless protobuf marks the method
+// NO_SIDE_EFFECTS or IDEMPOTENT or its request carries the key (key_field):
+// nothing would deduplicate them.
 //
 //	conn, err := grpc.NewClient(target,
 //		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
 func UnaryClientInterceptors(opts ...ClientOption) []grpc.UnaryClientInterceptor {
 	o := evaluateClientOptions(opts)
-	ropts := []retry.CallOption{retry.WithMax(o.retryMax)}
+	ropts := []retry.CallOption{retry.WithMax(o.retryMax + 1)} // WithMax counts attempts, the first included
 	if o.perAttemptTimeout > 0 {
 		ropts = append(ropts, retry.WithPerRetryTimeout(o.perAttemptTimeout))
 	}
@@ -93,6 +96,10 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 			}
 		}
 		if key == "" {
+			if retryHints && !policyFor(method).retrySafeWithoutKey() {
+				// Nothing would deduplicate a retry of this call.
+				opts = append(opts, retry.Disable())
+			}
 			return invoker(ctx, method, req, reply, cc, opts...)
 		}
 		if !inMetadata {
@@ -123,11 +130,11 @@ func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, 
 	case hasChosen:
 		return chosen, false, ValidateKey(chosen)
 	}
-	if len(md.Get(retry.AttemptMetadataKey)) > 0 {
-		return "", false, ErrChainOrder.with(method, nil)
-	}
 	if !policyFor(method).clientGeneratesKey(o.unknownMethodKeys) {
 		return "", false, nil
+	}
+	if len(md.Get(retry.AttemptMetadataKey)) > 0 {
+		return "", false, ErrChainOrder.with(method, nil)
 	}
 	k, err := uuid.NewV7()
 	if err != nil {

@@ -25,6 +25,8 @@ import (
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/faultproxy"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+	testingv1 "github.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1"
 )
 
 // keyRecorder is a server interceptor, outside ours, that records the key of
@@ -408,4 +410,39 @@ func TestRetryHonoursRetryInfo(t *testing.T) {
 	defer mu.Unlock()
 	require.Len(t, arrivals, 2)
 	require.GreaterOrEqual(t, arrivals[1].Sub(arrivals[0]), 300*time.Millisecond, "the server's RetryInfo delay is a lower bound")
+}
+
+// The ready chain retries only what something deduplicates: a call without
+// a key to an unmarked method is not retried (the response was lost after
+// the server ran it; a retry would run it again), while a side-effect-free
+// read is, even with the retry interceptor wrongly placed first.
+func TestRetriesWithoutKeyOnlyWhenSafe(t *testing.T) {
+	t.Parallel()
+	f := newFaultyEnv(t, 0, 6)
+	noKeys := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
+		idempotency.WithKeysForUnknownMethods(false), idempotency.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))...))
+	f.proxy.DropNextResponse()
+	_, err := charge(context.Background(), noKeys, 0)
+	require.Equal(t, codes.Unavailable, status.Code(err), "not retried: %v", err)
+	require.EqualValues(t, 1, f.runs.Load(), "the handler ran once, and only once")
+
+	db := testdb.New(t, 4)
+	migratedStore(t, db)
+	_, err = db.Pool.Exec(context.Background(), `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	require.NoError(t, err)
+	srv := grpc.NewServer()
+	testingv1.RegisterPolicyServiceServer(srv, &policyServer{db: db})
+	p, err := faultproxy.New(serve(t, srv))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	conn, err := grpc.NewClient("passthrough:///"+p.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(
+			retry.UnaryClientInterceptor(retry.WithMax(3), retry.WithCodes(codes.Unavailable)),
+			idempotency.UnaryClientInterceptor(),
+		))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	p.DropNextResponse()
+	_, err = testingv1.NewPolicyServiceClient(conn).NoSideEffects(context.Background(), &testingv1.Request{Body: "read"})
+	require.NoError(t, err, "a safe read is retried without a key, whatever the chain order")
 }

@@ -73,7 +73,7 @@ func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterc
 			ttl = pol.ttl
 		}
 		res, err := o.serve(ctx, store, key, ttl, req, info, handler)
-		if res.Outcome == OutcomeReplayed {
+		if res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)) {
 			// Best effort: fails only if the stream is already done.
 			_ = grpc.SetTrailer(ctx, metadata.Pairs(ReplayedTrailer, "true"))
 		}

@@ -44,6 +44,8 @@ type methodPolicy struct {
 	// err is a configuration error in the method's option, reported on
 	// every call of the method rather than guessed around.
 	err error
+	// safeLevel: idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT.
+	safeLevel bool
 }
 
 // policies caches methodPolicy by full method name ("/pkg.Service/Method"),
@@ -73,6 +75,10 @@ func resolvePolicy(fullMethod string) methodPolicy {
 	if opts != nil && proto.HasExtension(opts, idempotencyv1.E_Method) {
 		mp, _ = proto.GetExtension(opts, idempotencyv1.E_Method).(*idempotencyv1.MethodPolicy)
 	}
+	switch opts.GetIdempotencyLevel() {
+	case descriptorpb.MethodOptions_NO_SIDE_EFFECTS, descriptorpb.MethodOptions_IDEMPOTENT:
+		p.safeLevel = true
+	}
 	switch mp.GetMode() {
 	case idempotencyv1.MethodPolicy_MODE_REQUIRED:
 		p.mode = modeRequired
@@ -81,8 +87,7 @@ func resolvePolicy(fullMethod string) methodPolicy {
 	case idempotencyv1.MethodPolicy_MODE_DISABLED:
 		p.mode = modePassThrough
 	default:
-		switch opts.GetIdempotencyLevel() {
-		case descriptorpb.MethodOptions_NO_SIDE_EFFECTS, descriptorpb.MethodOptions_IDEMPOTENT:
+		if p.safeLevel {
 			p.mode = modePassThrough
 		}
 	}
@@ -157,6 +162,13 @@ func (p methodPolicy) clientGeneratesKey(unknownMethodKeys bool) bool {
 		return false // the request carries its own key
 	}
 	return true
+}
+
+// retrySafeWithoutKey reports whether a call of this method that carries no
+// key may still be retried: protobuf marks it safe to repeat, or the request
+// carries its own key.
+func (p methodPolicy) retrySafeWithoutKey() bool {
+	return p.safeLevel || p.keyField != nil
 }
 
 // methodDescriptor finds "/pkg.Service/Method" in the global registry of
