@@ -39,9 +39,11 @@ var (
 	ErrInvalidKey = &Error{code: codes.InvalidArgument, reason: "INVALID_KEY", msg: "invalid idempotency key"}
 	// ErrMissingKey: the method requires a key and the call had none.
 	ErrMissingKey = &Error{code: codes.InvalidArgument, reason: "MISSING_KEY", msg: "idempotency key is required for this method"}
-	// ErrStoreUnavailable: the key could not be claimed or the result could
-	// not be stored because the database failed. Nothing ran, or nothing was
-	// committed; a retry with the same key is safe.
+	// ErrStoreUnavailable: the database failed while the key was being
+	// claimed, or while the call ran or its result was stored. Either nothing
+	// ran, or the outcome is unknown (the connection died during COMMIT). A
+	// retry with the same key is safe: it replays the result if the call
+	// committed, and runs it otherwise.
 	ErrStoreUnavailable = &Error{code: codes.Unavailable, reason: "STORE_UNAVAILABLE", msg: "key store unavailable"}
 	// ErrChainOrder is returned by the client interceptor for a retry
 	// attempt that has no key: the retry interceptor runs before (outside)

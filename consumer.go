@@ -41,12 +41,14 @@ const messageMethod = "idempotency/message"
 // everything and leaves the ID unprocessed, so a redelivery runs fn again;
 // an error marked with [Final] (a poison message, say) is recorded, and
 // redeliveries return it with duplicate true. [IsFinal] tells a recorded
-// error (acknowledge or terminate the message) from one that left the
-// message unprocessed (redeliver it). A redelivery that arrives while
-// the first delivery is still being processed waits for it up to the
-// store's in-progress wait, then gets [ErrInProgress]: negatively
-// acknowledge it with a delay. Acknowledge a message only after
-// ProcessMessage returned without error, or with duplicate true.
+// error (acknowledge or terminate the message) from any other error, after
+// which the message must be redelivered: it was not processed, or (the
+// database failed during COMMIT) it may have been, and the redelivery then
+// finds it processed. A redelivery that arrives while the first delivery is
+// still being processed waits for it up to the store's in-progress wait,
+// then gets [ErrInProgress]: negatively acknowledge it with a delay.
+// Acknowledge a message only after ProcessMessage returned without error,
+// or with an error for which IsFinal is true.
 func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
 	sum := sha256.Sum256(m.Body)
 	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: sum[:], TTL: m.TTL}

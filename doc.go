@@ -41,8 +41,8 @@
 //
 // # Outcomes
 //
-// The status codes a client can see from this package, each with a
-// google.rpc.ErrorInfo detail whose domain is [ErrorDomain]:
+// The status codes a client can see from this package; each of these
+// carries a google.rpc.ErrorInfo detail whose domain is [ErrorDomain]:
 //
 //   - a retry of a finished call: the stored response (or stored error),
 //     with the trailer "idempotency-replayed: true";
@@ -53,7 +53,7 @@
 //   - the key is malformed, sent twice, or required and missing:
 //     codes.InvalidArgument with BadRequest ([ErrInvalidKey], [ErrMissingKey]);
 //   - the database is unreachable or failing: codes.Unavailable
-//     ([ErrStoreUnavailable]); nothing ran or nothing committed.
+//     ([ErrStoreUnavailable]); a retry with the same key is safe.
 //
 // # Without gRPC
 //

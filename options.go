@@ -65,8 +65,9 @@ func WithTable(schema, table string) StoreOption {
 }
 
 // WithInProgressWait bounds how long a duplicate waits for a call holding the
-// same key before it gets [ErrInProgress]. The wait holds a database
-// connection, so keep it short. Defaults to 2 seconds.
+// same key before it gets [ErrInProgress] (it is PostgreSQL's lock_timeout
+// during the claim, so it bounds each wait for one holder). The wait holds a
+// database connection, so keep it short. Defaults to 2 seconds.
 func WithInProgressWait(d time.Duration) StoreOption {
 	return func(o *storeOptions) { o.inProgressWait = d }
 }
