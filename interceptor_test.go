@@ -176,8 +176,7 @@ func TestDecidedErrorIsStoredAndReplayed(t *testing.T) {
 // returns a decided error: the error must still be stored and replayed.
 func TestDecidedErrorAfterFailedStatementIsStored(t *testing.T) {
 	t.Parallel()
-	var e *env
-	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		tx := idempotency.MustTxFromContext(ctx)
 		_, err := tx.Exec(ctx, `INSERT INTO ledger (id, note) VALUES (1, 'x'), (1, 'duplicate id')`)
 		if err == nil {

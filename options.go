@@ -89,12 +89,11 @@ func WithFinishTimeout(d time.Duration) StoreOption {
 type Option func(*options)
 
 type options struct {
-	scope       func(context.Context) (string, error)
-	requireKey  bool
-	ttl         time.Duration
-	decided     map[codes.Code]bool
-	onOutcome   func(ctx context.Context, method string, o Outcome, err error)
-	decidedList []codes.Code
+	scope      func(context.Context) (string, error)
+	requireKey bool
+	ttl        time.Duration
+	decided    map[codes.Code]bool
+	onOutcome  func(ctx context.Context, method string, o Outcome, err error)
 }
 
 // DefaultDecidedCodes are the handler error codes stored and replayed by
@@ -107,18 +106,22 @@ var DefaultDecidedCodes = []codes.Code{
 
 func evaluateOptions(opts []Option) options {
 	o := options{
-		scope:       func(context.Context) (string, error) { return "", nil },
-		ttl:         DefaultTTL,
-		decidedList: DefaultDecidedCodes,
+		scope:   func(context.Context) (string, error) { return "", nil },
+		ttl:     DefaultTTL,
+		decided: codeSet(DefaultDecidedCodes),
 	}
 	for _, opt := range opts {
 		opt(&o)
 	}
-	o.decided = make(map[codes.Code]bool, len(o.decidedList))
-	for _, c := range o.decidedList {
-		o.decided[c] = true
-	}
 	return o
+}
+
+func codeSet(cs []codes.Code) map[codes.Code]bool {
+	set := make(map[codes.Code]bool, len(cs))
+	for _, c := range cs {
+		set[c] = true
+	}
+	return set
 }
 
 // WithScope sets the function that names the caller's key scope, usually
@@ -154,7 +157,7 @@ func WithTTL(ttl time.Duration) Option {
 // transient code such as Unavailable makes the failure permanent for that
 // key. Defaults to [DefaultDecidedCodes].
 func WithDecidedCodes(cs ...codes.Code) Option {
-	return func(o *options) { o.decidedList = cs }
+	return func(o *options) { o.decided = codeSet(cs) }
 }
 
 // WithOutcomeHook calls f once per call that carried a key, after its
