@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -15,19 +16,23 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// WithKey returns a context whose calls use key as their idempotency key
-// instead of a generated one. Use it when the key comes from outside the
-// call, such as an order ID or a key the application stored to retry a call
-// later. [UnaryClientInterceptor] rejects an invalid key before sending.
-func WithKey(ctx context.Context, key string) context.Context {
-	return context.WithValue(ctx, clientKey{}, key)
+// WithOutgoingKey returns a context whose outgoing calls use key as their
+// idempotency key instead of a generated one; it is the client side's
+// choice. Use it when the key comes from outside the call, such as an order
+// ID or a key the application stored to retry a call later.
+// [UnaryClientInterceptor] rejects an invalid key before sending.
+//
+// The key of the call a server is running is read with
+// [CallKeyFromContext] instead; the two never see each other's key.
+func WithOutgoingKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, outgoingKey{}, key)
 }
 
-type clientKey struct{}
+type outgoingKey struct{}
 
 // CaptureKey is a call option that stores the idempotency key a call used in
 // *dst (empty when the call carried none), so the application can log it or
-// retry the same logical call later with [WithKey].
+// retry the same logical call later with [WithOutgoingKey].
 func CaptureKey(dst *string) grpc.CallOption { return captureKey{dst: dst} }
 
 type captureKey struct {
@@ -40,7 +45,7 @@ type captureKey struct {
 // [MetadataKey], and keeps it for all of the call's attempts.
 //
 // The key is, in order: the "idempotency-key" already in the outgoing
-// metadata, the key set with [WithKey], or a new UUIDv7. No key is
+// metadata, the key set with [WithOutgoingKey], or a new UUIDv7. No key is
 // generated for methods whose .proto says they need none: the
 // (idempotency.v1.method) option with MODE_DISABLED or a key_field (the
 // request carries its key), or idempotency_level NO_SIDE_EFFECTS or
@@ -54,20 +59,22 @@ type captureKey struct {
 // attempt of that retry interceptor without a key is refused with
 // [ErrChainOrder] instead of getting a fresh key, which would make the retry
 // a second, different operation.
+//
+// It panics if an option is invalid.
 func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
-	o := evaluateClientOptions(opts)
-	return o.interceptor(false)
+	return evaluateClientOptions(opts).interceptor(false)
 }
 
 // UnaryClientInterceptors returns the key interceptor followed by
 // go-grpc-middleware's retry interceptor, configured for calls that are safe
-// to retry because they carry a key: up to 5 retries on Unavailable, Aborted
-// (the key is in progress on the server), ResourceExhausted and a
-// per-attempt DeadlineExceeded, with exponential backoff and jitter, waiting
-// at least the delay of the server's RetryInfo when it sends one. Calls that
-// carry no key are not retried, unless protobuf marks the method
+// to retry because they carry a key: up to 5 retries on [RetryCodes] and a
+// per-attempt DeadlineExceeded, with exponential backoff and jitter,
+// waiting at least the delay of the server's RetryInfo when it sends one.
+// Calls that carry no key are not retried, unless protobuf marks the method
 // NO_SIDE_EFFECTS or IDEMPOTENT or its request carries the key (key_field):
 // nothing would deduplicate them.
+//
+// It panics if an option is invalid.
 //
 //	conn, err := grpc.NewClient(target,
 //		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
@@ -80,9 +87,86 @@ func UnaryClientInterceptors(opts ...ClientOption) []grpc.UnaryClientInterceptor
 	return []grpc.UnaryClientInterceptor{o.interceptor(true), retry.UnaryClientInterceptor(ropts...)}
 }
 
-// RetryCodes are the codes [UnaryClientInterceptors] retries. A per-attempt
-// DeadlineExceeded is retried too (see [WithPerAttemptTimeout]).
-var RetryCodes = []codes.Code{codes.Unavailable, codes.Aborted, codes.ResourceExhausted}
+// RetryCodes returns the codes [UnaryClientInterceptors] retries:
+// Unavailable, Aborted (the key is in progress on the server) and
+// ResourceExhausted. A per-attempt DeadlineExceeded is retried too (see
+// [WithPerAttemptTimeout]).
+func RetryCodes() []codes.Code {
+	return []codes.Code{codes.Unavailable, codes.Aborted, codes.ResourceExhausted}
+}
+
+// ClientOption configures [UnaryClientInterceptor] and
+// [UnaryClientInterceptors]. An invalid value makes them panic, naming the
+// option.
+type ClientOption func(*clientOptions)
+
+type clientOptions struct {
+	unknownMethodKeys bool
+	retryMax          uint
+	backoffBase       time.Duration
+	backoffMax        time.Duration
+	perAttemptTimeout time.Duration
+}
+
+// backoffJitter is the relative jitter of every retry delay: ±20%.
+const backoffJitter = 0.2
+
+func evaluateClientOptions(opts []ClientOption) *clientOptions {
+	o := &clientOptions{
+		unknownMethodKeys: true,
+		retryMax:          5,
+		backoffBase:       50 * time.Millisecond,
+		backoffMax:        2 * time.Second,
+		perAttemptTimeout: 10 * time.Second,
+	}
+	for _, opt := range opts {
+		opt(o)
+	}
+	if err := o.validate(); err != nil {
+		panic(err.Error())
+	}
+	return o
+}
+
+func (o *clientOptions) validate() error {
+	switch {
+	case o.backoffBase <= 0 || o.backoffMax < o.backoffBase:
+		return fmt.Errorf("idempotency: WithRetryBackoff: need 0 < base <= max, got %v and %v", o.backoffBase, o.backoffMax)
+	case o.perAttemptTimeout < 0:
+		return fmt.Errorf("idempotency: WithPerAttemptTimeout: must not be negative, got %v", o.perAttemptTimeout)
+	}
+	return nil
+}
+
+// WithKeysForUnknownMethods decides whether methods whose descriptor is not
+// in the global protobuf registry (so their idempotency_level cannot be
+// read) get a generated key. Defaults to true: a key is harmless on a safe
+// method and essential on an unsafe one.
+func WithKeysForUnknownMethods(generate bool) ClientOption {
+	return func(o *clientOptions) { o.unknownMethodKeys = generate }
+}
+
+// WithRetryMax sets how many times [UnaryClientInterceptors] retries a call
+// after its first attempt; 0 disables retries. Defaults to 5.
+func WithRetryMax(n uint) ClientOption {
+	return func(o *clientOptions) { o.retryMax = n }
+}
+
+// WithRetryBackoff sets the exponential backoff of [UnaryClientInterceptors]:
+// the first retry waits about base, each later one twice as long, never more
+// than max, each with ±20% jitter; a server's RetryInfo delay is a lower
+// bound. Needs 0 < base <= max. Defaults to 50 milliseconds and 2 seconds.
+func WithRetryBackoff(base, max time.Duration) ClientOption {
+	return func(o *clientOptions) { o.backoffBase, o.backoffMax = base, max }
+}
+
+// WithPerAttemptTimeout bounds each attempt of [UnaryClientInterceptors]; an
+// attempt that times out is retried with the same key while the call's own
+// deadline allows. 0 disables it; negative is invalid. Defaults to 10
+// seconds.
+func WithPerAttemptTimeout(d time.Duration) ClientOption {
+	return func(o *clientOptions) { o.perAttemptTimeout = d }
+}
 
 func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
@@ -118,17 +202,23 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, inMetadata bool, err error) {
 	md, _ := metadata.FromOutgoingContext(ctx)
 	vals := md.Get(MetadataKey)
-	chosen, hasChosen := ctx.Value(clientKey{}).(string)
+	chosen, hasChosen := ctx.Value(outgoingKey{}).(string)
 	switch {
 	case len(vals) > 1:
-		return "", false, invalidKey(fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed", len(vals)))
+		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed", len(vals)))
 	case len(vals) == 1:
 		if hasChosen && chosen != vals[0] {
-			return "", false, invalidKey("WithKey and the outgoing metadata name different keys")
+			return "", false, invalidKey(MetadataKey, "WithOutgoingKey and the outgoing metadata name different keys")
 		}
-		return vals[0], true, ValidateKey(vals[0])
+		if err := ValidateKey(vals[0]); err != nil {
+			return "", false, keyError(err, MetadataKey, "")
+		}
+		return vals[0], true, nil
 	case hasChosen:
-		return chosen, false, ValidateKey(chosen)
+		if err := ValidateKey(chosen); err != nil {
+			return "", false, keyError(err, MetadataKey, "WithOutgoingKey")
+		}
+		return chosen, false, nil
 	}
 	if !policyFor(method).clientGeneratesKey(o.unknownMethodKeys) {
 		return "", false, nil
@@ -147,24 +237,26 @@ func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, 
 // to retry, and a backoff that honours the RetryInfo of the last error.
 func (o *clientOptions) retryHints() []grpc.CallOption {
 	var serverDelay atomic.Int64 // RetryInfo of the last failed attempt, in ns
+	retryable := RetryCodes()
 	retriable := func(err error) bool {
 		d, _ := RetryDelay(err)
 		serverDelay.Store(int64(d))
-		c := status.Code(err)
-		for _, rc := range RetryCodes {
-			if c == rc {
-				return true
-			}
-		}
-		return false
+		return slices.Contains(retryable, status.Code(err))
 	}
 	backoff := func(_ context.Context, attempt uint) time.Duration {
-		d := o.backoffBase << min(attempt-1, 16)
-		if d > o.backoffMax || d <= 0 {
-			d = o.backoffMax
-		}
-		d = time.Duration(float64(d) * (1 - o.backoffJitter + 2*o.backoffJitter*rand.Float64()))
-		return max(d, time.Duration(serverDelay.Load()))
+		return backoffDelay(attempt, o.backoffBase, o.backoffMax, rand.Float64(), time.Duration(serverDelay.Load()))
 	}
 	return []grpc.CallOption{retry.WithRetriable(retriable), retry.WithBackoff(backoff)}
+}
+
+// backoffDelay is the wait before retry attempt (1 for the first retry):
+// base doubled per attempt, capped at ceiling, scaled by a jitter factor drawn
+// from r in [0, 1), and never less than the server's suggested delay.
+func backoffDelay(attempt uint, base, ceiling time.Duration, r float64, server time.Duration) time.Duration {
+	d := base << min(attempt-1, 16)
+	if d > ceiling || d <= 0 {
+		d = ceiling
+	}
+	d = time.Duration(float64(d) * (1 - backoffJitter + 2*backoffJitter*r))
+	return max(d, server)
 }

@@ -207,7 +207,7 @@ func TestDroppedResponsesWithNativeRetryPolicy(t *testing.T) {
 		for err != nil && (status.Code(err) == codes.Unavailable || errors.Is(err, io.EOF)) && ctx.Err() == nil {
 			appRetries.Add(1)
 			time.Sleep(10 * time.Millisecond)
-			resp, err = charge(idempotency.WithKey(ctx, key), conn, i)
+			resp, err = charge(idempotency.WithOutgoingKey(ctx, key), conn, i)
 		}
 		return resp, err
 	})
@@ -243,7 +243,7 @@ func TestSameKeyFromTwoClientsAtOnce(t *testing.T) {
 		idempotency.WithRetryMax(30), idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond))...))
 	const n = 100
 	for i := 0; i < n; i++ {
-		ctx := idempotency.WithKey(context.Background(), uuid.Must(uuid.NewV7()).String())
+		ctx := idempotency.WithOutgoingKey(context.Background(), uuid.Must(uuid.NewV7()).String())
 		var wg sync.WaitGroup
 		var got [2]*wrapperspb.StringValue
 		for g := range got {
@@ -326,9 +326,9 @@ func TestClientKeySelection(t *testing.T) {
 	other, _ := call(ctx, methodCharge)
 	require.NotEqual(t, generated, other, "each logical call gets its own key")
 
-	sent, err := call(idempotency.WithKey(ctx, "order-42"), methodCharge)
+	sent, err := call(idempotency.WithOutgoingKey(ctx, "order-42"), methodCharge)
 	require.NoError(t, err)
-	require.Equal(t, "order-42", sent, "WithKey wins over generation")
+	require.Equal(t, "order-42", sent, "WithOutgoingKey wins over generation")
 
 	sent, err = call(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "from-md"), methodCharge)
 	require.NoError(t, err)
@@ -340,11 +340,11 @@ func TestClientKeySelection(t *testing.T) {
 	require.Equal(t, sent, captured)
 
 	for name, bad := range map[string]context.Context{
-		"WithKey too long":   idempotency.WithKey(ctx, strings.Repeat("k", 256)),
-		"WithKey empty":      idempotency.WithKey(ctx, ""),
-		"metadata non-ASCII": metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "ключ"),
-		"two in metadata":    metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "a", idempotency.MetadataKey, "b"),
-		"conflicting":        idempotency.WithKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "a"), "b"),
+		"WithOutgoingKey too long": idempotency.WithOutgoingKey(ctx, strings.Repeat("k", 256)),
+		"WithOutgoingKey empty":    idempotency.WithOutgoingKey(ctx, ""),
+		"metadata non-ASCII":       metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "ключ"),
+		"two in metadata":          metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "a", idempotency.MetadataKey, "b"),
+		"conflicting":              idempotency.WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "a"), "b"),
 	} {
 		before := rec.attempts
 		_, err := call(bad, methodCharge)
@@ -369,7 +369,7 @@ func TestClientKeySelection(t *testing.T) {
 		sent, _ := call(ctx, method)
 		require.Equal(t, want, sent != "", method)
 	}
-	sent, _ = call(idempotency.WithKey(ctx, "explicit"), "/idempotency.test.Catalog/Get")
+	sent, _ = call(idempotency.WithOutgoingKey(ctx, "explicit"), "/idempotency.test.Catalog/Get")
 	require.Equal(t, "explicit", sent)
 	noKeys := idempotency.UnaryClientInterceptor(idempotency.WithKeysForUnknownMethods(false))
 	var sentUnknown []string

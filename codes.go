@@ -26,7 +26,12 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 //	key malformed or sent twice           InvalidArgument     ErrorInfo, BadRequest
 //	key required but missing              InvalidArgument     ErrorInfo, BadRequest
 //	database unreachable or failing       Unavailable         ErrorInfo
-//	client retries outside the key (client) Internal          ErrorInfo
+//	retry chained outside the key (client) Internal           ErrorInfo
+//
+// A handler's own errors are passed through unchanged; a [Final] one is
+// stored and replayed with its details. A replay carries no ErrorInfo of
+// this package: it is the first call's answer, with the trailer
+// "idempotency-replayed: true".
 var (
 	// ErrInProgress: another call with the same key is running and did not
 	// finish within the wait. Retry later with the same key.
@@ -35,7 +40,8 @@ var (
 	// Retrying cannot succeed; the caller must use a new key.
 	ErrKeyReused = &Error{code: codes.FailedPrecondition, reason: "KEY_REUSED", msg: "idempotency key was already used with a different request"}
 	// ErrInvalidKey: the key is empty, too long, has characters outside
-	// printable ASCII, or was sent more than once.
+	// printable ASCII, or was sent more than once. The BadRequest detail
+	// names where the key came from (the metadata key, a request field).
 	ErrInvalidKey = &Error{code: codes.InvalidArgument, reason: "INVALID_KEY", msg: "invalid idempotency key"}
 	// ErrMissingKey: the method requires a key and the call had none.
 	ErrMissingKey = &Error{code: codes.InvalidArgument, reason: "MISSING_KEY", msg: "idempotency key is required for this method"}
@@ -66,13 +72,29 @@ type Error struct {
 	detail     string        // appended to msg
 	cause      error         // underlying cause, for logs; never sent to the client
 	retryDelay time.Duration // RetryInfo, for ErrInProgress
-	violation  string        // the offending subject, for BadRequest/PreconditionFailure
+	// subject is the offending field (BadRequest) or key
+	// (PreconditionFailure); empty leaves that detail out.
+	subject string
 }
 
 func (e *Error) with(detail string, cause error) *Error {
 	c := *e
 	c.detail, c.cause = detail, cause
 	return &c
+}
+
+// about returns a copy of e naming subject, the field or key at fault.
+func (e *Error) about(subject string) *Error {
+	c := *e
+	c.subject = subject
+	return &c
+}
+
+// inProgress is ErrInProgress suggesting that clients retry after delay.
+func inProgress(detail string, delay time.Duration) *Error {
+	e := ErrInProgress.with(detail, nil)
+	e.retryDelay = delay
+	return e
 }
 
 // Error implements error.
@@ -114,14 +136,16 @@ func (e *Error) GRPCStatus() *status.Status {
 	case ErrKeyReused.reason:
 		details = append(details, &errdetails.PreconditionFailure{Violations: []*errdetails.PreconditionFailure_Violation{{
 			Type:        "IDEMPOTENCY_KEY",
-			Subject:     e.violation,
+			Subject:     e.subject,
 			Description: "the key was first used with a different method or request body; use a new key for a new request",
 		}}})
 	case ErrInvalidKey.reason, ErrMissingKey.reason:
-		details = append(details, &errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{
-			Field:       e.violation,
-			Description: msg,
-		}}})
+		if e.subject != "" {
+			details = append(details, &errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{
+				Field:       e.subject,
+				Description: msg,
+			}}})
+		}
 	}
 	for _, d := range details {
 		if s, err := st.WithDetails(d); err == nil {
@@ -171,3 +195,47 @@ func hasReason(err error, reason string) bool {
 	}
 	return false
 }
+
+// Final marks an error returned by a [Func] as the call's final outcome:
+// the transaction's business writes roll back, but the key commits with the
+// error (as a google.rpc.Status, details included), and every retry gets the
+// same error without running Func again. Errors not marked final release
+// the key, so a retry runs Func again. Final(nil) is nil.
+//
+// [Store.Execute] returns final errors still marked, the first time and on
+// every replay, so [IsFinal] tells them from errors that released the key.
+func Final(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &finalError{err}
+}
+
+// IsFinal reports whether err is a final outcome made with [Final]: it is
+// stored with the key, and retrying with the same key returns it again.
+func IsFinal(err error) bool {
+	var f *finalError
+	return errors.As(err, &f)
+}
+
+// unwrapFinal removes the [Final] mark, leaving the error as fn returned it.
+func unwrapFinal(err error) error {
+	var f *finalError
+	if errors.As(err, &f) {
+		return f.err
+	}
+	return err
+}
+
+type finalError struct{ err error }
+
+func (f *finalError) Error() string { return f.err.Error() }
+func (f *finalError) Unwrap() error { return f.err }
+
+// contextError is the caller's own cancellation or deadline: errors.Is
+// matches the context error, and gRPC sends Canceled or DeadlineExceeded.
+type contextError struct{ err error }
+
+func (e contextError) Error() string              { return "idempotency: " + e.err.Error() }
+func (e contextError) Unwrap() error              { return e.err }
+func (e contextError) GRPCStatus() *status.Status { return status.FromContextError(e.err) }

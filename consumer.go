@@ -34,26 +34,31 @@ const messageMethod = "idempotency/message"
 
 // ProcessMessage applies a message's effect at most once per (scope, ID):
 // fn runs in a transaction that also records the ID, and both commit
-// together. duplicate is true when the ID was already processed; fn did not
-// run and the message only needs to be acknowledged.
+// together. The outcome says what happened: [OutcomeExecuted] (fn ran and
+// committed now), [OutcomeReplayed] (an earlier delivery was processed; fn
+// did not run and the message only needs to be acknowledged), or why
+// neither.
 //
 // The rules are those of [Store.Execute]: an error from fn rolls back
 // everything and leaves the ID unprocessed, so a redelivery runs fn again;
-// an error marked with [Final] (a poison message, say) is recorded, and
-// redeliveries return it with duplicate true. [IsFinal] tells a recorded
-// error (acknowledge or terminate the message) from any other error, after
-// which the message must be redelivered: it was not processed, or (the
-// database failed during COMMIT) it may have been, and the redelivery then
-// finds it processed. A redelivery that arrives while the first delivery is
-// still being processed waits for it up to the store's in-progress wait,
-// then gets [ErrInProgress]: negatively acknowledge it with a delay.
-// Acknowledge a message only after ProcessMessage returned without error,
-// or with an error for which IsFinal is true.
-func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
+// an error marked with [Final] (a poison message, say) is stored, and
+// redeliveries return it again with [OutcomeReplayed]. [IsFinal] tells a
+// final error (acknowledge or terminate the message) from any other error,
+// after which the message must be redelivered: it was not processed, or
+// (the database failed during COMMIT) it may have been, and the redelivery
+// then finds it processed. A redelivery that arrives while the first
+// delivery is still being processed waits for it up to the store's
+// in-progress wait, then gets [ErrInProgress]: negatively acknowledge it
+// with a delay. Acknowledge a message only after ProcessMessage returned
+// without error, or with an error for which IsFinal is true.
+func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (Outcome, error) {
+	if err := ValidateKey(m.ID); err != nil {
+		return OutcomeRejected, keyError(err, "ID", "message ID")
+	}
 	sum := sha256.Sum256(m.Body)
 	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: sum[:], TTL: m.TTL}
 	res, err := s.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		return nil, fn(ctx, tx)
 	})
-	return res.Outcome == OutcomeReplayed, err
+	return res.Outcome, err
 }

@@ -236,7 +236,7 @@ func runCrashChild() int {
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.MaxConns = 8
-	cfg.ConnConfig.Tracer = k
+	cfg.ConnConfig.Tracer = k.tracer()
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -280,12 +280,20 @@ func runCrashChild() int {
 }
 
 // killSwitch kills the process with SIGKILL the at-th time a call reaches
-// point. It is also the pool's tracer, to see a commit about to be sent,
-// alone or at the end of a batch.
+// point. Its tracer sees a commit about to be sent, alone or at the end of a
+// batch.
 type killSwitch struct {
 	point string
 	at    int64
 	n     atomic.Int64
+}
+
+func (k *killSwitch) tracer() *testdb.Tracer {
+	return &testdb.Tracer{OnRoundTrip: func(_ context.Context, _ *pgx.Conn, statements []string) {
+		if testdb.HasCommit(statements) {
+			k.hit("before-commit")
+		}
+	}}
 }
 
 func (k *killSwitch) hit(point string) {
@@ -295,28 +303,3 @@ func (k *killSwitch) hit(point string) {
 	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
 	select {} // nothing of this call may happen after the kill
 }
-
-func (k *killSwitch) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	if isCommit(data.SQL) {
-		k.hit("before-commit")
-	}
-	return ctx
-}
-
-func (k *killSwitch) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
-// TraceBatchStart sees a commit sent in one round trip with other
-// statements.
-func (k *killSwitch) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
-	for _, q := range data.Batch.QueuedQueries {
-		if isCommit(q.SQL) {
-			k.hit("before-commit")
-		}
-	}
-	return ctx
-}
-
-func (k *killSwitch) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (k *killSwitch) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
-
-func isCommit(sql string) bool { return strings.EqualFold(strings.TrimSpace(sql), "commit") }

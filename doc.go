@@ -1,4 +1,5 @@
-// Package idempotency makes non-idempotent gRPC calls safe to retry.
+// Package idempotency makes non-idempotent calls safe to retry: gRPC calls,
+// and messages of at-least-once streams.
 //
 // # The guarantee
 //
@@ -8,7 +9,7 @@
 // result never exists without its key, and a crash at any point before the
 // commit leaves nothing behind: the client's retry runs the call at once, as
 // if it were the first. After the commit, every retry with the same key gets
-// the stored response instead of running the handler again.
+// the stored result instead of running the handler again.
 //
 // This holds across restarts and across any number of replicas sharing the
 // database, because the only state is the key table: a key is claimed with
@@ -35,17 +36,38 @@
 //		...
 //	}
 //
+// A handler's error rolls its writes back. An error whose code says the
+// request was decided (InvalidArgument, NotFound, ...: [DefaultFinalCodes],
+// changed with [WithFinalCodes]) is final: it is stored with the key and
+// replayed. Any other error releases the key, so a retry runs again.
+//
 // A handler that calls another system (a payment provider, another
 // service) cannot take that system's effect into the transaction: it must
-// pass the same key downstream so that the other system deduplicates too.
+// pass its key ([CallKeyFromContext]) downstream so that the other system
+// deduplicates too.
+//
+// Which methods need a key is written in the .proto files: the
+// (idempotency.v1.method) option of proto/idempotency/v1/idempotency.proto,
+// and protobuf's own idempotency_level (NO_SIDE_EFFECTS and IDEMPOTENT
+// methods need none).
+//
+// # Client
+//
+// [UnaryClientInterceptor] gives each logical call one key (a UUIDv7, or one
+// chosen with [WithOutgoingKey]) and keeps it on every retry; retries must
+// run below it, in go-grpc-middleware's retry interceptor or in gRPC's own
+// retry policy. [UnaryClientInterceptors] is the ready chain:
+//
+//	conn, err := grpc.NewClient(target,
+//		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
 //
 // # Outcomes
 //
-// The status codes a client can see from this package; each of these
-// carries a google.rpc.ErrorInfo detail whose domain is [ErrorDomain]:
+// What a client can see:
 //
-//   - a retry of a finished call: the stored response (or stored error),
-//     with the trailer "idempotency-replayed: true";
+//   - a retry of a finished call: the stored response (or stored final
+//     error), with the trailer "idempotency-replayed: true" and no detail of
+//     this package;
 //   - the key is held by a call still running: codes.Aborted with RetryInfo
 //     ([ErrInProgress]);
 //   - the key was used for another request or method:
@@ -55,9 +77,22 @@
 //   - the database is unreachable or failing: codes.Unavailable
 //     ([ErrStoreUnavailable]); a retry with the same key is safe.
 //
-// # Without gRPC
+// Each error of this package (not the replays, not a handler's own errors)
+// carries a google.rpc.ErrorInfo detail whose domain is [ErrorDomain];
+// clients read it with [IsInProgress], [IsKeyReused] and [RetryDelay].
 //
-// [Store.Execute] is the engine under the interceptor and works for any
-// transport, such as at-least-once message consumers deduplicating by
-// message ID.
+// # Message consumers
+//
+// [Store.ProcessMessage] is the same engine for at-least-once streams (NATS
+// JetStream, Kafka): it applies a message's effect once per message ID, in
+// the transaction that records the ID, and returns the [Outcome]
+// (executed, or replayed for a duplicate). [Store.Execute] is the engine
+// itself, for any other transport.
+//
+// # Options
+//
+// Each constructor takes its own option type: [StoreOption] for [NewStore],
+// [ServerOption] for [UnaryServerInterceptor], [ClientOption] for the client
+// interceptors. An invalid option makes NewStore return an error and the
+// interceptor constructors panic, each message naming the option.
 package idempotency

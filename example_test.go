@@ -116,29 +116,29 @@ func ExampleUnaryClientInterceptor_nativeRetry() {
 	defer conn.Close()
 }
 
-// Choosing the key: WithKey for a key derived from the request (an order
+// Choosing the key: WithOutgoingKey for a key derived from the request (an order
 // ID), and CaptureKey to learn a generated key and retry the same logical
 // call later.
-func ExampleWithKey() {
+func ExampleWithOutgoingKey() {
 	var conn *grpc.ClientConn // with idempotency.UnaryClientInterceptors()
 	var req, resp any         // your request and response messages
-	ctx := idempotency.WithKey(context.Background(), "order-1001")
+	ctx := idempotency.WithOutgoingKey(context.Background(), "order-1001")
 	err := conn.Invoke(ctx, "/payments.v1.PaymentService/Charge", req, resp)
 
 	var key string
 	err = conn.Invoke(context.Background(), "/payments.v1.PaymentService/Charge", req, resp, idempotency.CaptureKey(&key))
 	if status.Code(err) == codes.Unavailable {
 		// Later, the same logical call: same key, so at most one charge.
-		err = conn.Invoke(idempotency.WithKey(context.Background(), key), "/payments.v1.PaymentService/Charge", req, resp)
+		err = conn.Invoke(idempotency.WithOutgoingKey(context.Background(), key), "/payments.v1.PaymentService/Charge", req, resp)
 	}
 	_ = err
 }
 
 // A handler that calls another system forwards its own key, so that system
 // deduplicates the retries too.
-func ExampleKeyFromContext() {
+func ExampleCallKeyFromContext() {
 	forward := func(ctx context.Context, provider *grpc.ClientConn, req, resp any) error {
-		key, _ := idempotency.KeyFromContext(ctx)
+		key, _ := idempotency.CallKeyFromContext(ctx)
 		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
 		return provider.Invoke(ctx, "/provider.v1.Cards/Capture", req, resp)
 	}
@@ -152,19 +152,73 @@ func ExampleStore_ProcessMessage() {
 	ctx := context.Background()
 	msgID, body := "order-1001-paid", []byte(`{"order":1001}`)
 
-	duplicate, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "orders/billing", ID: msgID, Body: body},
+	outcome, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "orders/billing", ID: msgID, Body: body},
 		func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, `UPDATE orders SET status = 'paid' WHERE id = 1001`)
 			return err
 		})
 	switch {
 	case idempotency.IsFinal(err):
-		fmt.Println("outcome recorded (a poison message, say); acknowledge or terminate")
+		fmt.Println("final outcome stored (a poison message, say); acknowledge or terminate")
 	case err != nil:
 		fmt.Println("not processed; negatively acknowledge so it comes back")
-	case duplicate:
+	case outcome == idempotency.OutcomeReplayed:
 		fmt.Println("already processed; acknowledge")
 	default:
 		fmt.Println("processed; acknowledge")
 	}
+}
+
+// Keys are checked before anything is sent or stored; a UUID is a good key.
+func ExampleValidateKey() {
+	for _, key := range []string{"0190f3b4-7c1e-7000-8000-000000000000", "", "has space", "ключ"} {
+		fmt.Printf("%q: %v\n", key, idempotency.ValidateKey(key))
+	}
+	// Output:
+	// "0190f3b4-7c1e-7000-8000-000000000000": <nil>
+	// "": idempotency: invalid idempotency key: key is empty
+	// "has space": idempotency: invalid idempotency key: byte 3 is 0x20; only printable ASCII 0x21-0x7E is allowed
+	// "ключ": idempotency: invalid idempotency key: byte 0 is non-ASCII 'к'; only printable ASCII 0x21-0x7E is allowed
+}
+
+// A handler (or a message's Func) marks an error final when repeating the
+// request can only give the same answer: it is stored with the key and
+// replayed, while the handler's writes roll back. Other errors release the
+// key, so a retry runs again.
+func ExampleFinal() {
+	unknownAccount := idempotency.Final(status.Error(codes.NotFound, "no account acct-9"))
+	providerDown := status.Error(codes.Unavailable, "card processor timed out")
+
+	for _, err := range []error{unknownAccount, providerDown} {
+		fmt.Printf("%v: final=%t code=%v\n", err, idempotency.IsFinal(err), status.Code(err))
+	}
+	// Output:
+	// rpc error: code = NotFound desc = no account acct-9: final=true code=NotFound
+	// rpc error: code = Unavailable desc = card processor timed out: final=false code=Unavailable
+}
+
+// A client tells the library's outcomes from a handler's own errors with the
+// same code by their ErrorInfo, and learns when to retry from RetryInfo.
+func ExampleIsInProgress() {
+	// As a client receives it: a status, rebuilt from the wire.
+	err := status.ErrorProto(status.Convert(idempotency.ErrInProgress).Proto())
+	delay, _ := idempotency.RetryDelay(err)
+	fmt.Println(status.Code(err), idempotency.IsInProgress(err), idempotency.IsKeyReused(err), delay)
+
+	handlersOwn := status.Error(codes.Aborted, "optimistic lock lost")
+	fmt.Println(status.Code(handlersOwn), idempotency.IsInProgress(handlersOwn))
+	// Output:
+	// Aborted true false 0s
+	// Aborted false
+}
+
+// The client's key for outgoing calls and the key of the call a server is
+// running are separate: a handler that makes calls of its own forwards its
+// key explicitly.
+func ExampleWithOutgoingKey_separateFromCallKey() {
+	ctx := idempotency.WithOutgoingKey(context.Background(), "abc")
+	_, ok := idempotency.CallKeyFromContext(ctx)
+	fmt.Println("a client's chosen key is not the key of a served call:", !ok)
+	// Output:
+	// a client's chosen key is not the key of a served call: true
 }

@@ -83,7 +83,7 @@ func TestScopeAndKeyCannotInjectSQL(t *testing.T) {
 	t.Parallel()
 	scopes := []string{"tenant", "tenant' OR '1'='1", "x'); DROP TABLE ledger; --", `"; DELETE FROM idempotency_keys; --`, `\`, "%"}
 	keys := []string{"k", "k'", "k%", "k_", "%", "_", `\`, "$1", "';DROP_TABLE_ledger;--", `k"--`}
-	e := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithScope(func(ctx context.Context) (string, error) {
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithScope(func(ctx context.Context) (string, error) {
 		return metadata.ValueFromIncomingContext(ctx, "x-tenant")[0], nil // the caller's choice, unchecked
 	})}})
 	call := func(scope, key string) reply {

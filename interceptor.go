@@ -2,8 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"crypto/sha256"
-	"errors"
 	"fmt"
 	"time"
 
@@ -29,7 +27,7 @@ const (
 // A call with a valid key runs in a transaction that the handler reaches
 // with [TxFromContext]; its writes, the claim of the key and the stored
 // response commit together. Retries of a finished call get the stored
-// response (or decided error) with the trailer [ReplayedTrailer]; see
+// response (or final error) with the trailer [ReplayedTrailer]; see
 // [Store.Execute] for every outcome and codes.go for the status codes.
 //
 // Which calls need a key is decided per method, once, from the method's
@@ -41,16 +39,16 @@ const (
 //
 // It panics if store is nil or an option is invalid, as those are
 // programming errors found at startup.
-func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterceptor {
+func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServerInterceptor {
 	if store == nil {
 		panic("idempotency: UnaryServerInterceptor: store is nil")
 	}
-	o := evaluateOptions(opts)
-	if o.ttl <= 0 {
-		panic(fmt.Sprintf("idempotency: WithTTL: must be positive, got %v", o.ttl))
+	o := defaultServerOptions()
+	for _, opt := range opts {
+		opt(&o)
 	}
-	if o.scope == nil {
-		panic("idempotency: WithScope: function is nil")
+	if err := o.validate(); err != nil {
+		panic(err.Error())
 	}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		pol := policyFor(info.FullMethod)
@@ -62,7 +60,7 @@ func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterc
 			if pol.mode == modeOptional || (pol.mode == modeDefault && !o.requireKey) {
 				return handler(ctx, req)
 			}
-			err = missingKey()
+			err = ErrMissingKey.with("", nil).about(MetadataKey)
 		}
 		if err != nil {
 			o.report(ctx, info.FullMethod, OutcomeRejected, err)
@@ -86,9 +84,121 @@ func UnaryServerInterceptor(store *Store, opts ...Option) grpc.UnaryServerInterc
 	}
 }
 
+// ServerOption configures [UnaryServerInterceptor]. An invalid value makes
+// UnaryServerInterceptor panic, naming the option.
+type ServerOption func(*serverOptions)
+
+type serverOptions struct {
+	scope      func(context.Context) (string, error)
+	requireKey bool
+	ttl        time.Duration
+	final      map[codes.Code]bool
+	onOutcome  func(ctx context.Context, method string, o Outcome, err error)
+	err        error // the first invalid option
+}
+
+func defaultServerOptions() serverOptions {
+	return serverOptions{
+		scope: func(context.Context) (string, error) { return "", nil },
+		ttl:   DefaultTTL,
+		final: codeSet(DefaultFinalCodes()),
+	}
+}
+
+func (o *serverOptions) validate() error {
+	switch {
+	case o.err != nil:
+		return o.err
+	case o.scope == nil:
+		return fmt.Errorf("idempotency: WithScope: function is nil")
+	case o.ttl <= 0:
+		return fmt.Errorf("idempotency: WithTTL: must be positive, got %v", o.ttl)
+	}
+	return nil
+}
+
+// DefaultFinalCodes returns the handler error codes that are final by
+// default: they mean the request was decided and repeating it gives the
+// same answer, so they are stored and replayed. Every other code releases
+// the key so a retry runs the handler again.
+func DefaultFinalCodes() []codes.Code {
+	return []codes.Code{
+		codes.InvalidArgument, codes.NotFound, codes.AlreadyExists, codes.PermissionDenied,
+		codes.FailedPrecondition, codes.OutOfRange, codes.Unimplemented, codes.Unauthenticated,
+	}
+}
+
+func codeSet(cs []codes.Code) map[codes.Code]bool {
+	set := make(map[codes.Code]bool, len(cs))
+	for _, c := range cs {
+		set[c] = true
+	}
+	return set
+}
+
+// WithScope sets the function that names the caller's key scope, usually
+// from the authenticated identity an earlier interceptor put in ctx. Keys
+// are unique per scope, so two callers can use the same key without seeing
+// each other's results. An error from the function rejects the call; return
+// a status error (e.g. codes.Unauthenticated) to choose its code, other
+// errors become codes.Internal.
+//
+// Defaults to one scope ("") shared by every caller. That is only safe when
+// all callers trust each other: a caller who learns another caller's key
+// and request body can read that call's stored response.
+func WithScope(f func(ctx context.Context) (string, error)) ServerOption {
+	return func(o *serverOptions) { o.scope = f }
+}
+
+// WithKeyRequired makes calls without an idempotency key fail with
+// codes.InvalidArgument ([ErrMissingKey]) instead of passing through, for
+// methods whose descriptor does not decide. Defaults to false.
+func WithKeyRequired(required bool) ServerOption {
+	return func(o *serverOptions) { o.requireKey = required }
+}
+
+// WithTTL sets how long finished keys are kept; a retry after that runs the
+// call again. Must be positive. Defaults to 24 hours ([DefaultTTL]).
+func WithTTL(ttl time.Duration) ServerOption {
+	return func(o *serverOptions) { o.ttl = ttl }
+}
+
+// WithFinalCodes replaces the set of handler error codes that are final:
+// stored and replayed like responses (their business writes still roll
+// back). Errors with other codes release the key. codes.OK is not an error
+// code and is refused. Use with care: making a transient code such as
+// Unavailable final makes the failure permanent for that key. Defaults to
+// [DefaultFinalCodes].
+func WithFinalCodes(cs ...codes.Code) ServerOption {
+	return func(o *serverOptions) {
+		for _, c := range cs {
+			if c == codes.OK || c > codes.Unauthenticated {
+				o.err = fmt.Errorf("idempotency: WithFinalCodes: %v is not an error code", c)
+				return
+			}
+		}
+		o.final = codeSet(cs)
+	}
+}
+
+// WithOutcomeHook calls f once per call the interceptor handled: every call
+// that carried a key, and every call refused for a missing key; calls that
+// passed through are not reported. err is the error returned to the client,
+// if any. f runs on the request's goroutine; keep it fast. f must not be
+// nil. Defaults to none.
+func WithOutcomeHook(f func(ctx context.Context, fullMethod string, o Outcome, err error)) ServerOption {
+	return func(o *serverOptions) {
+		if f == nil {
+			o.err = fmt.Errorf("idempotency: WithOutcomeHook: function is nil")
+			return
+		}
+		o.onOutcome = f
+	}
+}
+
 // callKey returns the key of a call: from the metadata, else from the
 // method's key field; "" when it has none.
-func (o *options) callKey(ctx context.Context, pol methodPolicy, req any) (string, error) {
+func (o *serverOptions) callKey(ctx context.Context, pol methodPolicy, req any) (string, error) {
 	if pol.err != nil {
 		return "", status.Errorf(codes.Internal, "idempotency: misconfigured: %v", pol.err)
 	}
@@ -102,17 +212,15 @@ func (o *options) callKey(ctx context.Context, pol methodPolicy, req any) (strin
 	}
 	key = pol.keyFromField(msg)
 	if key == "" {
-		return "", invalidKeyField(pol.keyPath, fmt.Sprintf("request field %s is empty and the call has no %s metadata", pol.keyPath, MetadataKey))
+		return "", invalidKey(pol.keyPath, fmt.Sprintf("request field %s is empty and the call has no %s metadata", pol.keyPath, MetadataKey))
 	}
 	if err := ValidateKey(key); err != nil {
-		var e *Error
-		errors.As(err, &e)
-		return "", invalidKeyField(pol.keyPath, "request field "+pol.keyPath+": "+e.detail)
+		return "", keyError(err, pol.keyPath, "request field "+pol.keyPath)
 	}
 	return key, nil
 }
 
-func (o *options) serve(ctx context.Context, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, error) {
+func (o *serverOptions) serve(ctx context.Context, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, error) {
 	msg, ok := req.(proto.Message)
 	if !ok {
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
@@ -132,7 +240,7 @@ func (o *options) serve(ctx context.Context, store *Store, key string, ttl time.
 	return store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		resp, err := handler(ctx, req)
 		if err != nil {
-			if o.decided[status.Code(err)] {
+			if o.final[status.Code(err)] {
 				return nil, Final(err)
 			}
 			return nil, err
@@ -145,7 +253,7 @@ func (o *options) serve(ctx context.Context, store *Store, key string, ttl time.
 	})
 }
 
-func (o *options) report(ctx context.Context, method string, outcome Outcome, err error) {
+func (o *serverOptions) report(ctx context.Context, method string, outcome Outcome, err error) {
 	if o.onOutcome != nil {
 		o.onOutcome(ctx, method, outcome, err)
 	}
@@ -160,30 +268,10 @@ func keyFromIncoming(ctx context.Context) (key string, ok bool, err error) {
 		return "", false, nil
 	case 1:
 		if err := ValidateKey(vals[0]); err != nil {
-			return "", false, err
+			return "", false, keyError(err, MetadataKey, "")
 		}
 		return vals[0], true, nil
 	default:
-		return "", false, invalidKey(fmt.Sprintf("%d values sent, exactly one is allowed", len(vals)))
+		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values sent, exactly one is allowed", len(vals)))
 	}
-}
-
-func missingKey() error {
-	e := ErrMissingKey.with("", nil)
-	e.violation = MetadataKey
-	return e
-}
-
-// Fingerprint identifies a request for key-reuse checks: SHA-256 over the
-// full method name and the deterministic protobuf encoding of req.
-func Fingerprint(fullMethod string, req proto.Message) ([]byte, error) {
-	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(req)
-	if err != nil {
-		return nil, errors.Join(errors.New("fingerprint request"), err)
-	}
-	h := sha256.New()
-	h.Write([]byte(fullMethod))
-	h.Write([]byte{0})
-	h.Write(b)
-	return h.Sum(nil), nil
 }

@@ -145,7 +145,7 @@ func TestHandlerErrorRollsBackAndReleasesKey(t *testing.T) {
 	require.Equal(t, 1, e.ledgerRows())
 }
 
-func TestDecidedErrorIsStoredAndReplayed(t *testing.T) {
+func TestFinalErrorIsStoredAndReplayed(t *testing.T) {
 	t.Parallel()
 	var e *env
 	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
@@ -163,7 +163,7 @@ func TestDecidedErrorIsStoredAndReplayed(t *testing.T) {
 	require.Equal(t, codes.InvalidArgument, status.Code(first.err))
 	require.False(t, first.replayed)
 	require.Equal(t, 0, e.ledgerRows(), "business writes of a failed call roll back")
-	require.Equal(t, "failed", e.keyState("k"), "a decided error keeps the key")
+	require.Equal(t, "failed", e.keyState("k"), "a final error keeps the key")
 
 	again := e.call(ctx, methodCharge, "k", "-5")
 	require.True(t, again.replayed)
@@ -173,8 +173,8 @@ func TestDecidedErrorIsStoredAndReplayed(t *testing.T) {
 }
 
 // A handler whose statement failed (the transaction is aborted) and that
-// returns a decided error: the error must still be stored and replayed.
-func TestDecidedErrorAfterFailedStatementIsStored(t *testing.T) {
+// returns a final error: the error must still be stored and replayed.
+func TestFinalErrorAfterFailedStatementIsStored(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		tx := idempotency.MustTxFromContext(ctx)
@@ -203,7 +203,7 @@ func TestCallLongerThanTTLKeepsItsKey(t *testing.T) {
 	t.Parallel()
 	var e *env
 	e = newEnv(t, envConfig{
-		opts: []idempotency.Option{idempotency.WithTTL(100 * time.Millisecond)},
+		opts: []idempotency.ServerOption{idempotency.WithTTL(100 * time.Millisecond)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			resp, err := e.insertLedger(ctx, req)
 			time.Sleep(250 * time.Millisecond)
@@ -237,10 +237,10 @@ func TestHandlerEndingTheTransactionIsNotASuccess(t *testing.T) {
 	require.Equal(t, 1, e.ledgerRows())
 }
 
-func TestDecidedCodesOption(t *testing.T) {
+func TestFinalCodesOption(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{
-		opts: []idempotency.Option{idempotency.WithDecidedCodes(codes.ResourceExhausted)},
+		opts: []idempotency.ServerOption{idempotency.WithFinalCodes(codes.ResourceExhausted)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			if req.GetValue() == "exhausted" {
 				return nil, status.Error(codes.ResourceExhausted, "quota")
@@ -283,7 +283,7 @@ func TestKeyReusedWithDifferentRequest(t *testing.T) {
 
 func TestExpiredKeyExecutesAgain(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithTTL(200 * time.Millisecond)}})
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithTTL(200 * time.Millisecond)}})
 	ctx := context.Background()
 	first := e.call(ctx, methodCharge, "k", "x")
 	require.NoError(t, first.err)
@@ -310,7 +310,7 @@ func TestDisconnectAfterSuccessStillStores(t *testing.T) {
 			<-ctx.Done() // the client hung up; the work is already done
 		}
 		return resp, err
-	}, opts: []idempotency.Option{idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, err error) {
+	}, opts: []idempotency.ServerOption{idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, err error) {
 		if o == idempotency.OutcomeExecuted {
 			finished <- err
 		}
@@ -437,7 +437,7 @@ func TestCallsWithoutKey(t *testing.T) {
 	require.Equal(t, "no tx", r.resp.GetValue(), "a call without a key passes through untouched")
 	require.Equal(t, 0, optional.keyRows())
 
-	required := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithKeyRequired(true)}})
+	required := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired(true)}})
 	r = required.call(context.Background(), methodCharge, "", "x")
 	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
 	require.ErrorContains(t, r.err, "required")
@@ -557,7 +557,7 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	var commitErr, rollbackErr error
 	var key string
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-		key, _ = idempotency.KeyFromContext(ctx)
+		key, _ = idempotency.CallKeyFromContext(ctx)
 		tx := idempotency.MustTxFromContext(ctx)
 		commitErr = tx.Commit(ctx)
 		rollbackErr = tx.Rollback(ctx)
@@ -596,7 +596,7 @@ func TestScopesIsolateCallers(t *testing.T) {
 		}
 		return v[0], nil
 	}
-	e := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithScope(tenant)}})
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithScope(tenant)}})
 	as := func(who string) context.Context {
 		return metadata.AppendToOutgoingContext(context.Background(), "tenant", who)
 	}
@@ -616,7 +616,7 @@ func TestOutcomeHookSeesEveryKeyedCall(t *testing.T) {
 	t.Parallel()
 	var mu sync.Mutex
 	var seen []idempotency.Outcome
-	e := newEnv(t, envConfig{opts: []idempotency.Option{idempotency.WithOutcomeHook(func(_ context.Context, m string, o idempotency.Outcome, _ error) {
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithOutcomeHook(func(_ context.Context, m string, o idempotency.Outcome, _ error) {
 		mu.Lock()
 		defer mu.Unlock()
 		seen = append(seen, o)
@@ -630,17 +630,5 @@ func TestOutcomeHookSeesEveryKeyedCall(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Equal(t, []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeReplayed, idempotency.OutcomeKeyReused, idempotency.OutcomeRejected}, seen)
-	require.Equal(t, "key reused", idempotency.OutcomeKeyReused.String())
-}
-
-func TestSentinelErrors(t *testing.T) {
-	t.Parallel()
-	err := idempotency.ValidateKey("")
-	require.ErrorIs(t, err, idempotency.ErrInvalidKey)
-	require.False(t, errors.Is(err, idempotency.ErrKeyReused))
-	st, ok := status.FromError(err)
-	require.True(t, ok)
-	require.Equal(t, codes.InvalidArgument, st.Code())
-	require.NoError(t, idempotency.ValidateKey("0190f3b4-7c1e-7000-8000-000000000000"))
-	require.False(t, idempotency.IsInProgress(status.Error(codes.Aborted, "someone else's Aborted")))
+	require.Equal(t, "key_reused", idempotency.OutcomeKeyReused.String())
 }

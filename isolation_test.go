@@ -56,7 +56,7 @@ func TestStolenKeyGetsItsOwnExecution(t *testing.T) {
 	var e *env
 	e = newEnv(t, envConfig{
 		interceptors: []grpc.UnaryServerInterceptor{authenticate(map[string]string{"alice-token": "alice", "mallory-token": "mallory"})},
-		opts:         []idempotency.Option{idempotency.WithScope(scopeFromPrincipal)},
+		opts:         []idempotency.ServerOption{idempotency.WithScope(scopeFromPrincipal)},
 		storeOpts:    []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Second)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			if req.GetValue() == "hold" {

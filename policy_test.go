@@ -76,7 +76,7 @@ type policyEnv struct {
 	client testingv1.PolicyServiceClient
 }
 
-func newPolicyEnv(t *testing.T, opts ...idempotency.Option) *policyEnv {
+func newPolicyEnv(t *testing.T, opts ...idempotency.ServerOption) *policyEnv {
 	t.Helper()
 	db := testdb.New(t, 8)
 	ctx := context.Background()

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 const (
@@ -70,7 +71,7 @@ func TestConcurrentDuplicatesExecuteOnceAndAgreeByteForByte(t *testing.T) {
 		start := make(chan struct{})
 		var wg sync.WaitGroup
 		for k := wave; k < min(wave+raceWave, raceKeys); k++ {
-			ctx := idempotency.WithKey(context.Background(), keys[k])
+			ctx := idempotency.WithOutgoingKey(context.Background(), keys[k])
 			for g := range racePerKey {
 				wg.Go(func() {
 					<-start
@@ -127,7 +128,7 @@ func TestDuplicateArrivingAtCommitGetsReplay(t *testing.T) {
 	const rounds = 100
 	db := suiteDB(t)
 	gate := &commitGate{}
-	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.Tracer = gate })
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: gate.roundTrip} })
 	srv := startReplica(t, pool, replicaConfig{storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Second)}})
 	conn := dial(t, srv.addr) // no retries: the duplicate's first answer must be the replay
 
@@ -167,7 +168,7 @@ func TestDuplicateArrivingAtCommitGetsReplay(t *testing.T) {
 	t.Logf("duplicates at the commit: %d rounds, 0 errors, 0 duplicate executions; database round trips of the duplicate -> rounds: %v", rounds, statements)
 }
 
-// commitGate is a pool tracer that holds the commit of the call marked
+// commitGate is a pool's round-trip hook that holds the commit of the call marked
 // "winner" until the call marked "loser" has started its holdUntil-th
 // statement, then for jitter more.
 type commitGate struct{ round atomic.Pointer[gateRound] }
@@ -182,7 +183,8 @@ type gateRound struct {
 	once            sync.Once
 }
 
-func (g *commitGate) statement(ctx context.Context, commit bool) {
+func (g *commitGate) roundTrip(ctx context.Context, _ *pgx.Conn, statements []string) {
+	commit := testdb.HasCommit(statements)
 	r := g.round.Load()
 	if r == nil {
 		return
@@ -204,22 +206,3 @@ func (g *commitGate) statement(ctx context.Context, commit bool) {
 		})
 	}
 }
-
-func (g *commitGate) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	g.statement(ctx, isCommit(data.SQL))
-	return ctx
-}
-
-func (g *commitGate) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
-func (g *commitGate) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
-	commit := false
-	for _, q := range data.Batch.QueuedQueries {
-		commit = commit || isCommit(q.SQL)
-	}
-	g.statement(ctx, commit)
-	return ctx
-}
-
-func (g *commitGate) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (g *commitGate) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}

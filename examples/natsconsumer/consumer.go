@@ -19,7 +19,7 @@ import (
 // An error rolls back tx and the message is redelivered after a short
 // backoff ([WithRetryBackoff]). Return
 // [idempotency.Final](err) for a message that can never succeed, such as one
-// that does not parse: the error is recorded as the message's outcome and
+// that does not parse: the error is stored as the message's final outcome and
 // the message is terminated, on this delivery and on any later one.
 type Handler func(ctx context.Context, tx pgx.Tx, id string, msg jetstream.Msg) error
 
@@ -191,17 +191,17 @@ func (c *Consumer) backoff(n uint64) time.Duration {
 
 // apply runs the handler for msg at most once per ID and says what happened.
 func (c *Consumer) apply(ctx context.Context, id string, msg jetstream.Msg) (Outcome, error) {
-	duplicate, err := c.store.ProcessMessage(ctx, idempotency.Message{Scope: c.opts.scope, ID: id, Body: msg.Data(), TTL: c.opts.ttl},
+	outcome, err := c.store.ProcessMessage(ctx, idempotency.Message{Scope: c.opts.scope, ID: id, Body: msg.Data(), TTL: c.opts.ttl},
 		func(ctx context.Context, tx pgx.Tx) error { return c.handler(ctx, tx, id, msg) })
 	switch {
-	case err == nil && duplicate:
+	case err == nil && outcome == idempotency.OutcomeReplayed:
 		return Duplicate, nil
 	case err == nil:
 		return Applied, nil
 	case errors.Is(err, idempotency.ErrInProgress):
 		return InProgress, err
 	case idempotency.IsFinal(err), errors.Is(err, idempotency.ErrKeyReused), errors.Is(err, idempotency.ErrInvalidKey):
-		// Recorded as the message's outcome (now or by an earlier delivery),
+		// Stored as the message's final outcome (now or by an earlier delivery),
 		// or never processable: redelivering cannot change it.
 		return Rejected, err
 	default:

@@ -211,7 +211,7 @@ func TestConsumerKilledMidMessage(t *testing.T) {
 
 // JetStream drops a republished Nats-Msg-Id only within the stream's
 // duplicate window; after it, the copy is a new message in the stream, and
-// the consumer recognizes it by the ID it recorded.
+// the consumer recognizes it by the ID it stored.
 func TestSameIDAfterDuplicateWindow(t *testing.T) {
 	t.Parallel()
 	pool, store := newDB(t)
@@ -247,7 +247,7 @@ func TestSameIDAfterDuplicateWindow(t *testing.T) {
 }
 
 // A message that can never be applied is terminated on its first delivery,
-// and its recorded outcome rejects it again when it comes back.
+// and its final outcome, stored, rejects it again when it comes back.
 func TestPoisonMessagesAreTerminated(t *testing.T) {
 	t.Parallel()
 	pool, store := newDB(t)
@@ -286,7 +286,7 @@ func TestPoisonMessagesAreTerminated(t *testing.T) {
 		require.ErrorContains(t, d.Err, "credit poison-1")
 		require.NoError(t, d.AckErr)
 	}
-	require.Equal(t, int32(1), runs.Load(), "the recorded outcome is replayed without running the handler")
+	require.Equal(t, int32(1), runs.Load(), "the final outcome is replayed without running the handler")
 	require.ErrorIs(t, tl.of("bad id")[0].Err, idempotency.ErrInvalidKey)
 	requireAppliedOnce(t, pool, map[string]natsconsumer.Credit{"credit-ok": credit})
 }

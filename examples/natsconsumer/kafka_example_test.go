@@ -46,11 +46,11 @@ func Example_kafka() {
 		if id == "" {
 			id = fmt.Sprintf("%s/%d/%d", rec.Topic, rec.Partition, rec.Offset)
 		}
-		duplicate, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "credits-group", ID: id, Body: rec.Value},
+		outcome, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "credits-group", ID: id, Body: rec.Value},
 			func(ctx context.Context, tx pgx.Tx) error {
 				amount, err := strconv.ParseInt(string(rec.Value), 10, 64)
 				if err != nil {
-					return idempotency.Final(err) // poison: recorded, never retried
+					return idempotency.Final(err) // poison: stored as final, never retried
 				}
 				_, err = tx.Exec(ctx, `INSERT INTO account_credits (msg_id, account_id, amount_cents) VALUES ($1, $2, $3)`,
 					id, string(rec.Key), amount)
@@ -61,10 +61,10 @@ func Example_kafka() {
 			// Nothing committed (or another consumer holds the ID during a
 			// rebalance): leave the offset, seek back to rec and retry.
 			return err
-		case duplicate:
+		case outcome == idempotency.OutcomeReplayed:
 			log.Printf("%s: already applied, committing its offset", id)
 		}
-		// Applied now or before, or a recorded poison outcome: done.
+		// Applied now or before, or a final poison outcome: done.
 		return commit(ctx, rec)
 	}
 	_ = handle

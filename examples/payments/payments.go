@@ -104,9 +104,9 @@ func (s *Server) GetBalance(ctx context.Context, req *paymentsv1.GetBalanceReque
 // NewGRPCServer returns a gRPC server with the idempotency interceptor and
 // the PaymentService registered. logger, when not nil, gets one line per
 // keyed call: method, key, outcome and status code.
-func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, logger *log.Logger, opts ...idempotency.Option) *grpc.Server {
+func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, logger *log.Logger, opts ...idempotency.ServerOption) *grpc.Server {
 	if logger != nil {
-		opts = append([]idempotency.Option{idempotency.WithOutcomeHook(LogOutcome(logger))}, opts...)
+		opts = append([]idempotency.ServerOption{idempotency.WithOutcomeHook(LogOutcome(logger))}, opts...)
 	}
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store, opts...)))
 	paymentsv1.RegisterPaymentServiceServer(srv, NewServer(pool))

@@ -69,7 +69,7 @@ func TestChargeKeepsARunningBalance(t *testing.T) {
 func TestChargeWithTheSameKeyChargesOnce(t *testing.T) {
 	t.Parallel()
 	c, db := newService(t)
-	ctx := idempotency.WithKey(context.Background(), "order-1001")
+	ctx := idempotency.WithOutgoingKey(context.Background(), "order-1001")
 	var wg sync.WaitGroup
 	resps := make([]*paymentsv1.ChargeResponse, 10)
 	for i := range resps {
@@ -94,7 +94,7 @@ func TestChargeWithTheSameKeyChargesOnce(t *testing.T) {
 	require.Equal(t, codes.FailedPrecondition, status.Code(err), "the key belongs to the 500 charge")
 }
 
-func TestInvalidChargesAreDecidedAndReplayed(t *testing.T) {
+func TestInvalidChargesAreFinalAndReplayed(t *testing.T) {
 	t.Parallel()
 	c, db := newService(t)
 	for i, req := range []*paymentsv1.ChargeRequest{
@@ -102,14 +102,14 @@ func TestInvalidChargesAreDecidedAndReplayed(t *testing.T) {
 		{AccountId: "c", AmountCents: -5},
 		{AccountId: "", AmountCents: 5},
 	} {
-		ctx := idempotency.WithKey(context.Background(), fmt.Sprintf("bad-%d", i))
+		ctx := idempotency.WithOutgoingKey(context.Background(), fmt.Sprintf("bad-%d", i))
 		var tr metadata.MD
 		_, err := c.Charge(ctx, req)
 		require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", req)
 		require.False(t, idempotency.IsKeyReused(err) || strings.Contains(err.Error(), "idempotency"), "the handler's own error: %v", err)
 		_, err = c.Charge(ctx, req, grpc.Trailer(&tr))
 		require.Equal(t, codes.InvalidArgument, status.Code(err))
-		require.Equal(t, []string{"true"}, tr.Get(idempotency.ReplayedTrailer), "a decided error is replayed")
+		require.Equal(t, []string{"true"}, tr.Get(idempotency.ReplayedTrailer), "a final error is replayed")
 	}
 	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM ledger`))
 }

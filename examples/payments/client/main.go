@@ -42,7 +42,7 @@ func main() {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if *key != "" {
-		ctx = idempotency.WithKey(ctx, *key)
+		ctx = idempotency.WithOutgoingKey(ctx, *key)
 	}
 	var used string
 	var trailer metadata.MD

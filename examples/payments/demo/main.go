@@ -268,7 +268,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	charge := func(j job, key string) *paymentsv1.ChargeResponse {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 		defer cancel()
-		ctx = idempotency.WithKey(ctx, key)
+		ctx = idempotency.WithOutgoingKey(ctx, key)
 		req := &paymentsv1.ChargeRequest{AccountId: j.account, AmountCents: j.amount}
 		for {
 			resp, err := client.Charge(ctx, req, onRetry)

@@ -59,7 +59,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	require.NoError(t, err)
 	defer conn.Close()
 	client := paymentsv1.NewPaymentServiceClient(conn)
-	callCtx := idempotency.WithKey(context.Background(), "server-test-1")
+	callCtx := idempotency.WithOutgoingKey(context.Background(), "server-test-1")
 	req := &paymentsv1.ChargeRequest{AccountId: "acct", AmountCents: 42}
 	var first *paymentsv1.ChargeResponse
 	require.Eventually(t, func() bool { first, err = client.Charge(callCtx, req); return err == nil }, 10*time.Second, 50*time.Millisecond)

@@ -1,0 +1,83 @@
+package idempotency
+
+import (
+	"context"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/protobuf/proto"
+)
+
+// Call names one execution that must happen at most once.
+type Call struct {
+	// Scope isolates keys: the same key in two scopes names two calls. Use
+	// the authenticated caller (tenant, client ID) so one caller can never
+	// see another's results. It must be valid UTF-8 without NUL bytes.
+	Scope string
+	// Key is the idempotency key chosen by the client: 1 to 255 printable
+	// ASCII characters (see [ValidateKey]).
+	Key string
+	// Method names the operation, e.g. the full gRPC method. A key first used
+	// for one method is rejected for any other with [ErrKeyReused].
+	Method string
+	// Fingerprint identifies the request body (e.g. [Fingerprint]). The same
+	// key with a different fingerprint is rejected with [ErrKeyReused].
+	Fingerprint []byte
+	// TTL is how long the key is kept, counted from the start of the call
+	// (a call that outlasts it keeps its key a full TTL from when it
+	// finished). Defaults to [DefaultTTL].
+	TTL time.Duration
+}
+
+// Func is the work done at most once per key. tx is the call's transaction:
+// everything written through it commits together with the stored result, or
+// not at all. Func must not commit or roll back tx; the returned error does
+// that (see [Final]). The same tx, and the call's key, are available to code
+// deeper in the call through [TxFromContext] and [CallKeyFromContext].
+type Func func(ctx context.Context, tx pgx.Tx) (proto.Message, error)
+
+// Outcome says what [Store.Execute] did with a call.
+type Outcome int
+
+// Outcomes of [Store.Execute].
+const (
+	// OutcomeExecuted: the key was new; Func ran and its result committed,
+	// a response or a [Final] error.
+	OutcomeExecuted Outcome = iota + 1
+	// OutcomeReplayed: the key was finished; its stored result was returned
+	// and Func did not run.
+	OutcomeReplayed
+	// OutcomeReleased: Func ran and failed with an error not marked
+	// [Final], or panicked; the transaction rolled back and the key is free
+	// again.
+	OutcomeReleased
+	// OutcomeInProgress: another call held the key past the wait ([ErrInProgress]).
+	OutcomeInProgress
+	// OutcomeKeyReused: the key belongs to another request ([ErrKeyReused]).
+	OutcomeKeyReused
+	// OutcomeRejected: the call was malformed, e.g. an invalid or missing
+	// key ([ErrInvalidKey], [ErrMissingKey]).
+	OutcomeRejected
+	// OutcomeUnavailable: the database failed ([ErrStoreUnavailable]).
+	OutcomeUnavailable
+)
+
+var outcomeNames = [...]string{"unknown", "executed", "replayed", "released", "in_progress", "key_reused", "rejected", "unavailable"}
+
+// String returns the outcome's name in snake_case, such as "replayed" or
+// "key_reused", for logs and metric labels.
+func (o Outcome) String() string {
+	if o < 0 || int(o) >= len(outcomeNames) {
+		return outcomeNames[0]
+	}
+	return outcomeNames[o]
+}
+
+// Result is what a call returned, fresh or replayed.
+type Result struct {
+	// Response is the message Func returned, or its stored copy on replay.
+	// It is nil when the call ended in an error or Func returned nil.
+	Response proto.Message
+	// Outcome says whether Func ran, was replayed, or why neither.
+	Outcome Outcome
+}

@@ -1,0 +1,80 @@
+package idempotency
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+func TestUnitBackoff(t *testing.T) {
+	t.Parallel()
+	const base, ceiling = 50 * time.Millisecond, 2 * time.Second
+	for attempt, want := range map[uint]time.Duration{1: 50 * time.Millisecond, 2: 100 * time.Millisecond, 3: 200 * time.Millisecond, 7: ceiling, 60: ceiling} {
+		require.Equal(t, want, backoffDelay(attempt, base, ceiling, 0.5, 0), "attempt %d without jitter", attempt)
+		require.Equal(t, time.Duration(float64(want)*0.8), backoffDelay(attempt, base, ceiling, 0, 0), "attempt %d, -20%%", attempt)
+		require.Equal(t, time.Duration(float64(want)*1.2), backoffDelay(attempt, base, ceiling, 1, 0), "attempt %d, +20%%", attempt)
+	}
+	require.Equal(t, 3*time.Second, backoffDelay(1, base, ceiling, 0.5, 3*time.Second), "the server's RetryInfo is a lower bound")
+}
+
+// How the client picks a call's key, without a connection.
+func TestUnitClientKeyChoice(t *testing.T) {
+	t.Parallel()
+	o := evaluateClientOptions(nil)
+	ctx := context.Background()
+	const method = "/no.such.Service/Charge" // unknown: gets a key by default
+
+	k, inMD, err := o.keyFor(ctx, method)
+	require.NoError(t, err)
+	require.False(t, inMD)
+	require.EqualValues(t, 7, uuid.MustParse(k).Version(), "a generated key is a UUIDv7")
+
+	k, inMD, err = o.keyFor(WithOutgoingKey(ctx, "order-42"), method)
+	require.NoError(t, err)
+	require.Equal(t, "order-42", k)
+	require.False(t, inMD)
+
+	k, inMD, err = o.keyFor(metadata.AppendToOutgoingContext(ctx, MetadataKey, "md"), method)
+	require.NoError(t, err)
+	require.Equal(t, "md", k)
+	require.True(t, inMD)
+
+	_, _, err = o.keyFor(WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, MetadataKey, "a"), "b"), method)
+	require.ErrorIs(t, err, ErrInvalidKey)
+	_, _, err = o.keyFor(WithOutgoingKey(ctx, ""), method)
+	require.ErrorContains(t, err, "WithOutgoingKey: key is empty")
+
+	_, _, err = o.keyFor(metadata.AppendToOutgoingContext(ctx, retry.AttemptMetadataKey, "1"), method)
+	require.ErrorIs(t, err, ErrChainOrder, "a retry attempt without a key")
+	require.Equal(t, codes.Internal, status.Code(err))
+
+	k, _, err = evaluateClientOptions([]ClientOption{WithKeysForUnknownMethods(false)}).keyFor(ctx, method)
+	require.NoError(t, err)
+	require.Empty(t, k)
+}
+
+// The client's and the server's halves of the key API never see each
+// other's key: one is the caller's choice for outgoing calls, the other the
+// key of the call being served.
+func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
+	t.Parallel()
+	ctx := WithOutgoingKey(context.Background(), "abc")
+	k, ok := CallKeyFromContext(ctx)
+	require.False(t, ok)
+	require.Empty(t, k)
+
+	served := withCall(context.Background(), nil, "served-key")
+	k, ok = CallKeyFromContext(served)
+	require.True(t, ok)
+	require.Equal(t, "served-key", k)
+	chosen, _, err := evaluateClientOptions(nil).keyFor(served, "/no.such.Service/Charge")
+	require.NoError(t, err)
+	require.NotEqual(t, "served-key", chosen, "a served call's key is not reused for outgoing calls by accident")
+}

@@ -1,0 +1,102 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Each outcome of the layer maps to its documented code and details, and
+// survives the trip to a client as a status.
+func TestUnitErrorStatus(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		err     error
+		code    codes.Code
+		reason  string
+		details []string // detail types besides ErrorInfo
+	}{
+		{inProgress("", 123*time.Millisecond), codes.Aborted, "KEY_IN_PROGRESS", []string{"RetryInfo"}},
+		{ErrKeyReused.with("", nil).about("k"), codes.FailedPrecondition, "KEY_REUSED", []string{"PreconditionFailure"}},
+		{invalidKey(MetadataKey, "bad"), codes.InvalidArgument, "INVALID_KEY", []string{"BadRequest"}},
+		{ErrMissingKey.with("", nil).about(MetadataKey), codes.InvalidArgument, "MISSING_KEY", []string{"BadRequest"}},
+		{ErrStoreUnavailable.with("claim", errors.New("secret host db-7")), codes.Unavailable, "STORE_UNAVAILABLE", nil},
+		{ErrChainOrder.with("/m", nil), codes.Internal, "CHAIN_ORDER", nil},
+	} {
+		st := status.Convert(tc.err)
+		require.Equal(t, tc.code, st.Code(), tc.reason)
+		var got []string
+		for _, d := range st.Details() {
+			switch d := d.(type) {
+			case *errdetails.ErrorInfo:
+				require.Equal(t, ErrorDomain, d.GetDomain())
+				require.Equal(t, tc.reason, d.GetReason())
+			case *errdetails.RetryInfo:
+				require.Equal(t, 123*time.Millisecond, d.GetRetryDelay().AsDuration())
+				got = append(got, "RetryInfo")
+			case *errdetails.PreconditionFailure:
+				require.Equal(t, "k", d.GetViolations()[0].GetSubject())
+				got = append(got, "PreconditionFailure")
+			case *errdetails.BadRequest:
+				require.Equal(t, MetadataKey, d.GetFieldViolations()[0].GetField())
+				got = append(got, "BadRequest")
+			default:
+				t.Fatalf("%s: unexpected detail %T", tc.reason, d)
+			}
+		}
+		require.Equal(t, tc.details, got, tc.reason)
+		require.NotContains(t, st.Message(), "secret", "causes stay on the server")
+	}
+
+	// On the client, errors arrive as statuses.
+	wire := status.ErrorProto(status.Convert(inProgress("", time.Second)).Proto())
+	require.True(t, IsInProgress(wire))
+	require.False(t, IsKeyReused(wire))
+	d, ok := RetryDelay(wire)
+	require.True(t, ok)
+	require.Equal(t, time.Second, d)
+	require.True(t, IsKeyReused(status.ErrorProto(status.Convert(ErrKeyReused).Proto())))
+	require.False(t, IsInProgress(status.Error(codes.Aborted, "someone else's Aborted")))
+	_, ok = RetryDelay(errors.New("plain"))
+	require.False(t, ok)
+
+	// errors.Is matches the sentinel, whatever the detail.
+	require.ErrorIs(t, fmt.Errorf("wrapped: %w", invalidKey("f", "x")), ErrInvalidKey)
+	require.False(t, errors.Is(invalidKey("f", "x"), ErrKeyReused))
+}
+
+func TestUnitFinal(t *testing.T) {
+	t.Parallel()
+	require.NoError(t, Final(nil))
+	base := status.Error(codes.NotFound, "no such account")
+	f := Final(base)
+	require.True(t, IsFinal(f))
+	require.True(t, IsFinal(fmt.Errorf("context: %w", f)))
+	require.False(t, IsFinal(base))
+	require.Equal(t, codes.NotFound, status.Code(f), "the mark keeps the status")
+	require.Same(t, base, unwrapFinal(f))
+	require.Same(t, base, unwrapFinal(base))
+
+	ctxErr := contextError{context.DeadlineExceeded}
+	require.ErrorIs(t, ctxErr, context.DeadlineExceeded)
+	require.Equal(t, codes.DeadlineExceeded, status.Code(ctxErr))
+}
+
+func TestUnitOutcomeNames(t *testing.T) {
+	t.Parallel()
+	want := map[Outcome]string{
+		OutcomeExecuted: "executed", OutcomeReplayed: "replayed", OutcomeReleased: "released",
+		OutcomeInProgress: "in_progress", OutcomeKeyReused: "key_reused", OutcomeRejected: "rejected",
+		OutcomeUnavailable: "unavailable", 0: "unknown", 99: "unknown",
+	}
+	for o, name := range want {
+		require.Equal(t, name, o.String())
+	}
+}

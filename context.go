@@ -1,0 +1,54 @@
+package idempotency
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Accessors for the idempotent call running in a context: the server side
+// of a call (a gRPC handler, a message handler), never the client side. The
+// client side chooses a key with [WithOutgoingKey].
+
+type (
+	txKey      struct{}
+	callKeyKey struct{}
+)
+
+// withCall returns ctx carrying the transaction and key of a running call.
+func withCall(ctx context.Context, tx pgx.Tx, key string) context.Context {
+	return context.WithValue(context.WithValue(ctx, txKey{}, tx), callKeyKey{}, key)
+}
+
+// TxFromContext returns the transaction of the idempotent call running in
+// ctx. Handlers write through it so their business changes commit together
+// with the stored response. The transaction's Commit and Rollback return
+// [ErrTxOwned]; nested transactions (savepoints) work as usual.
+func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
+	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
+	return tx, ok
+}
+
+// MustTxFromContext is [TxFromContext] for code that only runs inside an
+// idempotent call. It panics when ctx has no transaction: the call is not
+// protected (no key, or the interceptor is missing) and writing outside the
+// transaction would break the exactly-once guarantee.
+func MustTxFromContext(ctx context.Context) pgx.Tx {
+	tx, ok := TxFromContext(ctx)
+	if !ok {
+		panic("idempotency: no idempotent call in context: is the interceptor installed and did the call carry a key?")
+	}
+	return tx
+}
+
+// CallKeyFromContext returns the idempotency key of the call running in ctx
+// (the key the client sent, or the message's ID), on the server side. A
+// handler that calls another system (a payment provider, another service)
+// cannot take that system's effect into its transaction; it passes this key
+// along so the other system deduplicates the retries too.
+//
+// It does not read keys set for outgoing calls with [WithOutgoingKey].
+func CallKeyFromContext(ctx context.Context) (string, bool) {
+	k, ok := ctx.Value(callKeyKey{}).(string)
+	return k, ok
+}

@@ -1,0 +1,443 @@
+package idempotency_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protodesc"
+	"google.golang.org/protobuf/reflect/protoregistry"
+	"google.golang.org/protobuf/types/descriptorpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// The test harness of the package: a hand-declared gRPC service, servers on
+// loopback sockets with stores on real PostgreSQL schemas, and the clients
+// and checks that the suites share. Every test file builds on it.
+
+// The test service is declared by hand so that the core tests need no
+// generated code: two unary methods taking and returning StringValue.
+const (
+	methodCharge = "/idempotency.test.Ledger/Charge"
+	methodRefund = "/idempotency.test.Ledger/Refund"
+)
+
+type handlerFunc func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error)
+
+func ledgerDesc() *grpc.ServiceDesc {
+	method := func(name string) grpc.MethodDesc {
+		return grpc.MethodDesc{MethodName: name, Handler: func(srv any, ctx context.Context, dec func(any) error, icpt grpc.UnaryServerInterceptor) (any, error) {
+			req := &wrapperspb.StringValue{}
+			if err := dec(req); err != nil {
+				return nil, err
+			}
+			h := srv.(*ledger).handler
+			info := &grpc.UnaryServerInfo{Server: srv, FullMethod: "/idempotency.test.Ledger/" + name}
+			if icpt == nil {
+				return h(ctx, req)
+			}
+			return icpt(ctx, req, info, func(ctx context.Context, req any) (any, error) {
+				return h(ctx, req.(*wrapperspb.StringValue))
+			})
+		}}
+	}
+	return &grpc.ServiceDesc{
+		ServiceName: "idempotency.test.Ledger",
+		HandlerType: (*any)(nil),
+		Methods:     []grpc.MethodDesc{method("Charge"), method("Refund")},
+	}
+}
+
+type ledger struct{ handler handlerFunc }
+
+// env is one test's world: its own schema with a migrated key table and a
+// ledger table, a store, and a gRPC server on a loopback TCP socket.
+type env struct {
+	t     *testing.T
+	db    *testdb.DB
+	store *idempotency.Store
+	conn  *grpc.ClientConn
+	addr  string
+	runs  atomic.Int64 // handler invocations, committed or not
+	execs atomic.Int64 // calls whose execution committed (OutcomeExecuted)
+	srv   *grpc.Server
+}
+
+type envConfig struct {
+	handler      handlerFunc
+	opts         []idempotency.ServerOption
+	storeOpts    []idempotency.StoreOption
+	interceptors []grpc.UnaryServerInterceptor // outside ours
+}
+
+func newEnv(t *testing.T, cfg envConfig) *env {
+	t.Helper()
+	e := &env{t: t, db: testdb.New(t, 40)}
+	ctx := context.Background()
+	e.store = migratedStore(t, e.db, cfg.storeOpts...)
+	_, err := e.db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	require.NoError(t, err)
+
+	h := cfg.handler
+	if h == nil {
+		h = e.insertLedger
+	}
+	counted := func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		e.runs.Add(1)
+		return h(ctx, req)
+	}
+	chain := append(append([]grpc.UnaryServerInterceptor{}, cfg.interceptors...), idempotency.UnaryServerInterceptor(e.store, append([]idempotency.ServerOption{
+		idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, _ error) {
+			if o == idempotency.OutcomeExecuted {
+				e.execs.Add(1)
+			}
+		}),
+	}, cfg.opts...)...))
+	e.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
+	e.srv.RegisterService(ledgerDesc(), &ledger{handler: counted})
+	e.addr = serve(t, e.srv)
+	e.conn = dial(t, e.addr)
+	return e
+}
+
+func dial(t *testing.T, addr string) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// insertLedger is the default handler: one business row, written through the
+// call's transaction, and a response naming that row.
+func (e *env) insertLedger(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+	var db interface {
+		QueryRow(context.Context, string, ...any) pgx.Row
+	} = e.db.Pool // calls without a key have no transaction
+	if tx, ok := idempotency.TxFromContext(ctx); ok {
+		db = tx
+	}
+	var id int64
+	if err := db.QueryRow(ctx, `INSERT INTO ledger (note) VALUES ($1) RETURNING id`, req.GetValue()).Scan(&id); err != nil {
+		return nil, err
+	}
+	return wrapperspb.String(req.GetValue() + "#" + time.Now().Format(time.RFC3339Nano) + "#" + strconv.FormatInt(id, 10)), nil
+}
+
+// reply is what a client saw of one call.
+type reply struct {
+	resp     *wrapperspb.StringValue
+	raw      []byte // the response re-encoded, for byte comparisons
+	err      error
+	replayed bool
+}
+
+func (e *env) call(ctx context.Context, method, key, body string) reply {
+	if key != "" {
+		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
+	}
+	return invoke(ctx, e.conn, method, body)
+}
+
+func invoke(ctx context.Context, conn *grpc.ClientConn, method, body string) reply {
+	var trailer metadata.MD
+	resp := &wrapperspb.StringValue{}
+	err := conn.Invoke(ctx, method, wrapperspb.String(body), resp, grpc.Trailer(&trailer))
+	r := reply{err: err, replayed: len(trailer.Get(idempotency.ReplayedTrailer)) == 1 && trailer.Get(idempotency.ReplayedTrailer)[0] == "true"}
+	if err == nil {
+		r.resp = resp
+		r.raw, _ = proto.Marshal(resp)
+	}
+	return r
+}
+
+func (e *env) ledgerRows() int { return e.db.Count(e.t, `SELECT count(*) FROM ledger`) }
+
+func (e *env) keyRows() int { return e.db.Count(e.t, `SELECT count(*) FROM idempotency_keys`) }
+
+func (e *env) keyState(key string) string {
+	var st string
+	err := e.db.Pool.QueryRow(context.Background(), `SELECT state FROM idempotency_keys WHERE key = $1`, key).Scan(&st)
+	if err == pgx.ErrNoRows {
+		return ""
+	}
+	require.NoError(e.t, err)
+	return st
+}
+
+// init registers a descriptor for idempotency.test.Catalog in the global
+// registry, as generated code would: Get is NO_SIDE_EFFECTS, Put is
+// IDEMPOTENT, Buy is unmarked.
+func init() {
+	level := func(l descriptorpb.MethodOptions_IdempotencyLevel) *descriptorpb.MethodOptions {
+		return &descriptorpb.MethodOptions{IdempotencyLevel: l.Enum()}
+	}
+	method := func(name string, opts *descriptorpb.MethodOptions) *descriptorpb.MethodDescriptorProto {
+		return &descriptorpb.MethodDescriptorProto{
+			Name: proto.String(name), InputType: proto.String(".google.protobuf.StringValue"),
+			OutputType: proto.String(".google.protobuf.StringValue"), Options: opts,
+		}
+	}
+	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
+		Name:       proto.String("idempotency/test/catalog.proto"),
+		Package:    proto.String("idempotency.test"),
+		Dependency: []string{"google/protobuf/wrappers.proto"},
+		Syntax:     proto.String("proto3"),
+		Service: []*descriptorpb.ServiceDescriptorProto{{
+			Name: proto.String("Catalog"),
+			Method: []*descriptorpb.MethodDescriptorProto{
+				method("Get", level(descriptorpb.MethodOptions_NO_SIDE_EFFECTS)),
+				method("Put", level(descriptorpb.MethodOptions_IDEMPOTENT)),
+				method("Buy", nil),
+			},
+		}},
+	}, protoregistry.GlobalFiles)
+	if err != nil {
+		panic(err)
+	}
+	if err := protoregistry.GlobalFiles.RegisterFile(fd); err != nil {
+		panic(err)
+	}
+}
+
+// migratedStore returns a store on db's schema with its table migrated.
+func migratedStore(t testing.TB, db *testdb.DB, opts ...idempotency.StoreOption) *idempotency.Store {
+	t.Helper()
+	store, err := idempotency.NewStore(db.Pool, opts...)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(context.Background()))
+	return store
+}
+
+// serve starts srv on a loopback port, stopped when t ends, and returns the
+// address.
+func serve(t *testing.T, srv *grpc.Server) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return lis.Addr().String()
+}
+
+// What the reliability suite (crash, outage, replicas, races) adds:
+// servers built on a pool the test chooses, a ledger that names the key of
+// every business row, and a client that records every attempt.
+
+// suiteDB is a schema with a migrated key table and a ledger whose rows name
+// the key of the call that wrote them, so keys and business rows can be
+// matched one to one.
+func suiteDB(t *testing.T) *testdb.DB {
+	t.Helper()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL, key text NOT NULL)`)
+	require.NoError(t, err)
+	return db
+}
+
+// schemaPool opens a pool on the schema of db, for a server of its own;
+// tweak, when set, adjusts the configuration first (its address, a tracer).
+func schemaPool(t testing.TB, schema string, maxConns int32, tweak func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = maxConns
+	if tweak != nil {
+		tweak(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// keyedLedger is the suite's handler: one ledger row per execution, written
+// through the call's transaction and naming the call's key, and a response
+// naming that row ("<body>#<row id>").
+func keyedLedger(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+	tx := idempotency.MustTxFromContext(ctx)
+	key := metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey)[0]
+	var id int64
+	if err := tx.QueryRow(ctx, `INSERT INTO ledger (note, key) VALUES ($1, $2) RETURNING id`, req.GetValue(), key).Scan(&id); err != nil {
+		return nil, err // as a handler would: the library decides what the client sees
+	}
+	return wrapperspb.String(fmt.Sprintf("%s#%d", req.GetValue(), id)), nil
+}
+
+// replica is one server on a shared database.
+type replica struct {
+	srv   *grpc.Server
+	addr  string
+	execs atomic.Int64 // committed executions
+}
+
+type replicaConfig struct {
+	handler      handlerFunc // defaults to keyedLedger
+	interceptors []grpc.UnaryServerInterceptor
+	storeOpts    []idempotency.StoreOption
+	onOutcome    func(ctx context.Context, method string, o idempotency.Outcome, err error)
+}
+
+// startReplica serves the test ledger on a loopback port with a store on
+// pool. The server stops when the test ends; a test may stop it earlier.
+func startReplica(t *testing.T, pool *pgxpool.Pool, cfg replicaConfig) *replica {
+	t.Helper()
+	store, err := idempotency.NewStore(pool, cfg.storeOpts...)
+	require.NoError(t, err)
+	r := &replica{}
+	h := cfg.handler
+	if h == nil {
+		h = keyedLedger
+	}
+	hook := idempotency.WithOutcomeHook(func(ctx context.Context, method string, o idempotency.Outcome, err error) {
+		if o == idempotency.OutcomeExecuted {
+			r.execs.Add(1)
+		}
+		if cfg.onOutcome != nil {
+			cfg.onOutcome(ctx, method, o, err)
+		}
+	})
+	r.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(append(slices.Clone(cfg.interceptors), idempotency.UnaryServerInterceptor(store, hook))...))
+	r.srv.RegisterService(ledgerDesc(), &ledger{handler: h})
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	r.addr = lis.Addr().String()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = r.srv.Serve(lis)
+	}()
+	t.Cleanup(func() {
+		r.srv.Stop()
+		<-done
+	})
+	return r
+}
+
+// requireKeysMatchLedger checks the database after a fault: every key has
+// exactly one business row and every business row its key, and no key is
+// left unfinished.
+func requireKeysMatchLedger(t *testing.T, db *testdb.DB) {
+	t.Helper()
+	for what, sql := range map[string]string{
+		"keys without a ledger row":      `SELECT count(*) FROM idempotency_keys k WHERE NOT EXISTS (SELECT FROM ledger l WHERE l.key = k.key)`,
+		"ledger rows without a key":      `SELECT count(*) FROM ledger l WHERE NOT EXISTS (SELECT FROM idempotency_keys k WHERE k.key = l.key)`,
+		"keys with several ledger rows":  `SELECT count(*) FROM (SELECT key FROM ledger GROUP BY key HAVING count(*) > 1) d`,
+		"keys not finished successfully": `SELECT count(*) FROM idempotency_keys WHERE state <> 'succeeded'`,
+	} {
+		require.Zero(t, db.Count(t, sql), what)
+	}
+}
+
+// attemptLog is a client interceptor placed below the retry interceptor, so
+// it sees every attempt: it tallies their status codes and the longest one.
+type attemptLog struct {
+	mu      sync.Mutex
+	codes   map[codes.Code]int
+	longest time.Duration
+}
+
+func (a *attemptLog) intercept(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	start := time.Now()
+	err := invoker(ctx, method, req, reply, cc, opts...)
+	d := time.Since(start)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.codes == nil {
+		a.codes = map[codes.Code]int{}
+	}
+	a.codes[status.Code(err)]++
+	a.longest = max(a.longest, d)
+	return err
+}
+
+// failures returns the failed attempts by code, e.g. "Unavailable=12".
+func (a *attemptLog) failures() (n int, byCode string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var parts []string
+	for c, k := range a.codes {
+		if c != codes.OK {
+			n += k
+			parts = append(parts, fmt.Sprintf("%s=%d", c, k))
+		}
+	}
+	slices.Sort(parts)
+	return n, strings.Join(parts, " ")
+}
+
+// requireOnlyFailures fails the test if any attempt ended with a code not
+// in allowed.
+func (a *attemptLog) requireOnlyFailures(t *testing.T, allowed ...codes.Code) {
+	t.Helper()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for c, n := range a.codes {
+		if c != codes.OK && !slices.Contains(allowed, c) {
+			t.Errorf("%d attempts ended with %s; only %v are expected", n, c, allowed)
+		}
+	}
+}
+
+// retryingClient dials target with the library's retry chain and an
+// attemptLog below it.
+func retryingClient(t *testing.T, target string, retryMax uint, extra ...grpc.DialOption) (*grpc.ClientConn, *attemptLog) {
+	t.Helper()
+	log := &attemptLog{}
+	chain := append(idempotency.UnaryClientInterceptors(
+		idempotency.WithRetryMax(retryMax),
+		idempotency.WithRetryBackoff(10*time.Millisecond, 250*time.Millisecond),
+		idempotency.WithPerAttemptTimeout(30*time.Second),
+	), log.intercept)
+	opts := append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(chain...),
+	}, extra...)
+	conn, err := grpc.NewClient(target, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn, log
+}
+
+// retryCounter is a call option counting the retry interceptor's retries.
+func retryCounter(n *atomic.Int64) grpc.CallOption {
+	return retry.WithOnRetryCallback(func(context.Context, uint, error) { n.Add(1) })
+}
+
+// chargeUntilDone finishes logical call i: the retry chain retries it with
+// one key; when the chain gives up on a retryable error, the application
+// retries the same logical call later with the key it captured.
+func chargeUntilDone(ctx context.Context, conn *grpc.ClientConn, i int, retries, appRetries *atomic.Int64) (*wrapperspb.StringValue, error) {
+	var key string
+	onRetry := retryCounter(retries)
+	resp, err := charge(ctx, conn, i, idempotency.CaptureKey(&key), onRetry)
+	for err != nil && slices.Contains(idempotency.RetryCodes(), status.Code(err)) && ctx.Err() == nil {
+		appRetries.Add(1)
+		time.Sleep(100 * time.Millisecond)
+		resp, err = charge(idempotency.WithOutgoingKey(ctx, key), conn, i, onRetry)
+	}
+	return resp, err
+}

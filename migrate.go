@@ -1,0 +1,62 @@
+package idempotency
+
+import (
+	"context"
+	"fmt"
+	"hash/fnv"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/exactlyonce/idempotency/internal/schema"
+)
+
+// Migration is one schema change of the key table, for teams that apply
+// migrations with their own tool (goose, Atlas, golang-migrate, ...).
+type Migration = schema.Migration
+
+// Migrations returns the SQL that creates and evolves this store's table, in
+// order, with the configured table name filled in. [Store.Migrate] applies
+// exactly these.
+func (s *Store) Migrations() ([]Migration, error) { return schema.Render(s.ident) }
+
+// Migrate brings the key table up to date. It records applied versions in a
+// table named like the key table with a "_migrations" suffix and holds an
+// advisory lock while it works, so replicas starting together are safe.
+func (s *Store) Migrate(ctx context.Context) error {
+	migrations, err := s.Migrations()
+	if err != nil {
+		return err
+	}
+	versions := append(pgx.Identifier{}, s.ident...)
+	versions[len(versions)-1] += "_migrations"
+	h := fnv.New64a()
+	h.Write([]byte(s.ident.Sanitize()))
+
+	conn, err := s.db.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("idempotency: migrate: %w", err)
+	}
+	defer conn.Release()
+	return pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", int64(h.Sum64())); err != nil {
+			return fmt.Errorf("idempotency: migrate: lock: %w", err)
+		}
+		if _, err := tx.Exec(ctx, "CREATE TABLE IF NOT EXISTS "+versions.Sanitize()+
+			" (version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"); err != nil {
+			return fmt.Errorf("idempotency: migrate: %w", err)
+		}
+		for _, m := range migrations {
+			tag, err := tx.Exec(ctx, "INSERT INTO "+versions.Sanitize()+" (version, name) VALUES ($1, $2) ON CONFLICT DO NOTHING", m.Version, m.Name)
+			if err != nil {
+				return fmt.Errorf("idempotency: migrate %s: %w", m.Name, err)
+			}
+			if tag.RowsAffected() == 0 {
+				continue // already applied
+			}
+			if _, err := tx.Exec(ctx, m.SQL); err != nil {
+				return fmt.Errorf("idempotency: migrate %s: %w", m.Name, err)
+			}
+		}
+		return nil
+	})
+}

@@ -1,0 +1,80 @@
+package idempotency
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+)
+
+// One rule for every option: an invalid value makes NewStore return an
+// error and the interceptor constructors panic, each naming the option.
+func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
+	t.Parallel()
+	var pool *pgxpool.Pool // NewStore does not touch the database
+	for name, opt := range map[string]StoreOption{
+		"WithTable":          WithTable("", ""),
+		"WithTable ":         WithTable("", strings.Repeat("t", 64)),
+		"WithTable  ":        WithTable("a\x00b", "t"),
+		"WithInProgressWait": WithInProgressWait(0),
+		"WithRetryDelay":     WithRetryDelay(-time.Second),
+		"WithFinishTimeout":  WithFinishTimeout(0),
+	} {
+		_, err := NewStore(pool, opt)
+		require.ErrorContains(t, err, strings.TrimSpace(name))
+	}
+	_, err := NewStore(nil)
+	require.ErrorContains(t, err, "db is nil")
+	store, err := NewStore(pool)
+	require.NoError(t, err)
+
+	for name, opt := range map[string]ServerOption{
+		"WithScope":       WithScope(nil),
+		"WithTTL":         WithTTL(0),
+		"WithFinalCodes":  WithFinalCodes(codes.NotFound, codes.OK),
+		"WithFinalCodes ": WithFinalCodes(codes.Code(17)),
+		"WithOutcomeHook": WithOutcomeHook(nil),
+	} {
+		require.PanicsWithValue(t, panicMessage(t, func() { UnaryServerInterceptor(store, opt) }), func() { UnaryServerInterceptor(store, opt) })
+		require.Contains(t, panicMessage(t, func() { UnaryServerInterceptor(store, opt) }), strings.TrimSpace(name))
+	}
+	require.Contains(t, panicMessage(t, func() { UnaryServerInterceptor(nil) }), "store is nil")
+
+	for name, opt := range map[string]ClientOption{
+		"WithRetryBackoff":      WithRetryBackoff(0, time.Second),
+		"WithRetryBackoff ":     WithRetryBackoff(time.Second, time.Millisecond),
+		"WithPerAttemptTimeout": WithPerAttemptTimeout(-time.Second),
+	} {
+		require.Contains(t, panicMessage(t, func() { UnaryClientInterceptor(opt) }), strings.TrimSpace(name))
+		require.Contains(t, panicMessage(t, func() { UnaryClientInterceptors(opt) }), strings.TrimSpace(name))
+	}
+
+	// Valid edge values are accepted.
+	UnaryServerInterceptor(store, WithFinalCodes(), WithScope(func(context.Context) (string, error) { return "", nil }))
+	UnaryClientInterceptors(WithRetryMax(0), WithPerAttemptTimeout(0), WithRetryBackoff(time.Millisecond, time.Millisecond))
+}
+
+func panicMessage(t *testing.T, f func()) (msg string) {
+	t.Helper()
+	defer func() {
+		r := recover()
+		require.NotNil(t, r, "expected a panic")
+		msg, _ = r.(string)
+	}()
+	f()
+	return ""
+}
+
+// Exported defaults are copies: changing them changes nothing.
+func TestUnitDefaultsAreCopies(t *testing.T) {
+	t.Parallel()
+	DefaultFinalCodes()[0] = codes.Unavailable
+	RetryCodes()[0] = codes.OK
+	require.Equal(t, codes.InvalidArgument, DefaultFinalCodes()[0])
+	require.Equal(t, codes.Unavailable, RetryCodes()[0])
+	require.False(t, defaultServerOptions().final[codes.Unavailable])
+}

@@ -1,0 +1,61 @@
+package idempotency
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	_ "github.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1" // registers PolicyService
+)
+
+// Policy resolution from descriptors, without a server or a database.
+func TestUnitPolicyResolution(t *testing.T) {
+	t.Parallel()
+	const svc = "/idempotency.testing.v1.PolicyService/"
+	for _, tc := range []struct {
+		method        string
+		mode          keyMode
+		ttl           time.Duration
+		keyPath       string
+		err           string
+		clientKey     bool // the client generates a key
+		retryWithout  bool // a keyless call may be retried
+		knownToClient bool
+	}{
+		{method: "Required", mode: modeRequired, clientKey: true, knownToClient: true},
+		{method: "Optional", mode: modeOptional, clientKey: true, knownToClient: true},
+		{method: "Disabled", mode: modePassThrough, knownToClient: true},
+		{method: "NoSideEffects", mode: modePassThrough, retryWithout: true, knownToClient: true},
+		{method: "Idempotent", mode: modePassThrough, retryWithout: true, knownToClient: true},
+		{method: "RequiredDespiteLevel", mode: modeRequired, clientKey: true, retryWithout: true, knownToClient: true},
+		{method: "Unannotated", mode: modeDefault, clientKey: true, knownToClient: true},
+		{method: "NaturalKey", mode: modeRequired, keyPath: "meta.request_id", retryWithout: true, knownToClient: true},
+		{method: "ShortTTL", mode: modeDefault, ttl: 200 * time.Millisecond, clientKey: true, knownToClient: true},
+		{method: "BadKeyField", err: `has no field "missing"`, knownToClient: true},
+		{method: "NonStringKeyField", err: "the key must be a string field", knownToClient: true},
+	} {
+		p := resolvePolicy(svc + tc.method)
+		require.Equal(t, tc.knownToClient, p.known, tc.method)
+		if tc.err != "" {
+			require.ErrorContains(t, p.err, tc.err, tc.method)
+			require.ErrorContains(t, p.err, tc.method, "%s: the error names the method", tc.method)
+			continue
+		}
+		require.NoError(t, p.err, tc.method)
+		require.Equal(t, tc.mode, p.mode, tc.method)
+		require.Equal(t, tc.ttl, p.ttl, tc.method)
+		require.Equal(t, tc.keyPath, p.keyPath, tc.method)
+		require.Equal(t, tc.clientKey, p.clientGeneratesKey(true), "%s: client generates a key", tc.method)
+		require.Equal(t, tc.retryWithout, p.retrySafeWithoutKey(), "%s: retry without a key", tc.method)
+	}
+
+	unknown := resolvePolicy("/no.such.Service/Method")
+	require.False(t, unknown.known)
+	require.Equal(t, modeDefault, unknown.mode)
+	require.True(t, unknown.clientGeneratesKey(true))
+	require.False(t, unknown.clientGeneratesKey(false))
+	require.False(t, resolvePolicy("not a method name").known)
+
+	require.Equal(t, policyFor(svc+"Required"), policyFor(svc+"Required"), "cached")
+}
