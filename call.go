@@ -23,10 +23,19 @@ type Call struct {
 	// Fingerprint identifies the request body (e.g. [Fingerprint]). The same
 	// key with a different fingerprint is rejected with [ErrKeyReused].
 	Fingerprint []byte
-	// TTL is how long the key is kept, counted from the start of the call
-	// (a call that outlasts it keeps its key a full TTL from when it
-	// finished). Defaults to [DefaultTTL].
+	// TTL is how long the key is kept, counted from when the call's result
+	// was stored (a commit that takes a large part of the TTL has it counted
+	// from the commit), so a retry right after the call always replays it.
+	// Defaults to [DefaultTTL].
 	TTL time.Duration
+	// Retry says the call may have run before: the transport marks it as a
+	// retry attempt (gRPC's grpc-previous-rpc-attempts, go-grpc-middleware's
+	// x-retry-attempt, a redelivered message). The stored result is then
+	// looked for first, in one read outside any transaction. A first attempt
+	// skips that read and goes straight to the claim, which finds a stored
+	// result too, at the cost of a transaction; so Retry only makes replays
+	// cheaper, never changes an outcome.
+	Retry bool
 }
 
 // Func is the work done at most once per key. tx is the call's transaction:

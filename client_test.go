@@ -13,6 +13,8 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
@@ -445,4 +447,50 @@ func TestRetriesWithoutKeyOnlyWhenSafe(t *testing.T) {
 	p.DropNextResponse()
 	_, err = testingv1.NewPolicyServiceClient(conn).NoSideEffects(context.Background(), &testingv1.Request{Body: "read"})
 	require.NoError(t, err, "a safe read is retried without a key, whatever the chain order")
+}
+
+// Both retry styles mark their retries, and the server uses the mark: the
+// replay of a call whose first response was lost costs one round trip to
+// PostgreSQL and no transaction.
+func TestRetryAttemptsReplayInOneRoundTrip(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	var roundTrips atomic.Int64
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) {
+		c.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(context.Context, *pgx.Conn, []string) { roundTrips.Add(1) }}
+	})
+	var attempts atomic.Int64
+	var marked atomic.Int64
+	loseFirstResponse := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		md, _ := metadata.FromIncomingContext(ctx)
+		if len(md.Get("grpc-previous-rpc-attempts"))+len(md.Get(retry.AttemptMetadataKey)) > 0 {
+			marked.Add(1)
+		}
+		resp, err := h(ctx, req)
+		if attempts.Add(1)%2 == 1 {
+			return nil, status.Error(codes.Unavailable, "response lost") // committed, but the client never hears of it
+		}
+		return resp, err
+	}
+	srv := startReplica(t, pool, replicaConfig{interceptors: []grpc.UnaryServerInterceptor{loseFirstResponse}})
+
+	interceptorChain, _ := retryingClient(t, "passthrough:///"+srv.addr, 3)
+	native, err := grpc.NewClient("passthrough:///"+srv.addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
+		grpc.WithDefaultServiceConfig(`{"methodConfig": [{"name": [{"service": "idempotency.test.Ledger"}],
+		  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2,
+		    "retryableStatusCodes": ["UNAVAILABLE"]}}]}`))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = native.Close() })
+
+	for name, conn := range map[string]*grpc.ClientConn{"retry interceptor": interceptorChain, "native retry policy": native} {
+		before, markedBefore := roundTrips.Load(), marked.Load()
+		resp, err := charge(context.Background(), conn, 1)
+		require.NoError(t, err, name)
+		require.Contains(t, resp.GetValue(), "#", name)
+		require.EqualValues(t, 1, marked.Load()-markedBefore, "%s: the retry arrives marked", name)
+		require.EqualValues(t, 3+1, roundTrips.Load()-before, "%s: a fresh call (3 round trips), then its replay (1)", name)
+	}
+	require.EqualValues(t, 2, srv.execs.Load())
 }

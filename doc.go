@@ -12,9 +12,16 @@
 // the stored result instead of running the handler again.
 //
 // This holds across restarts and across any number of replicas sharing the
-// database, because the only state is the key table: a key is claimed with
-// INSERT ... ON CONFLICT DO NOTHING under the table's primary key
-// (scope, key), never by checking first and inserting later.
+// database, because the only state is the key table and PostgreSQL's own
+// locks. A call holds its key with a transaction-scoped advisory lock while
+// it runs (a crash releases it with the transaction), and writes the key's
+// row, with its result, as the last statement before COMMIT. The row is a
+// plain INSERT under the table's primary key (scope, key): if any other
+// writer has committed a row for the key, the INSERT fails and the whole
+// transaction, business writes included, rolls back. Nothing is decided by
+// checking first and inserting later. A fresh call thus costs one more row
+// in the handler's own commit, and no more round trips than the handler's
+// own BEGIN and COMMIT.
 //
 // # Server
 //

@@ -5,7 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strings"
+	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
@@ -21,20 +23,25 @@ import (
 // Execute runs fn at most once per (scope, key), in one transaction with the
 // key:
 //
-//   - A new key is claimed with INSERT ... ON CONFLICT DO NOTHING, fn runs, and
-//     its response is stored in the same transaction as fn's own writes.
+//   - A new key: the call takes the key's lock (a transaction-scoped
+//     advisory lock), fn runs, and its response is written as the key's row
+//     in the same transaction as fn's own writes, with the COMMIT.
 //     Result.Outcome is OutcomeExecuted.
 //   - A finished key with the same method and fingerprint returns the stored
 //     response, or the stored [Final] error, without running fn
 //     (OutcomeReplayed).
-//   - A key held by a call still running: Execute waits up to the store's
-//     in-progress wait for it to finish, then returns its result, runs fn if
-//     the holder failed, or returns [ErrInProgress].
+//   - A key held by a call still running: Execute waits, holding no
+//     database connection, up to the store's in-progress wait for it to
+//     finish, then returns its result, runs fn if the holder failed, or
+//     returns [ErrInProgress].
 //   - A finished key with another method or fingerprint: [ErrKeyReused].
 //   - fn returns an error not marked [Final], or panics: everything rolls
 //     back, no key is left behind, and the error (or panic) is passed on.
 //   - The database fails before the outcome is known: [ErrStoreUnavailable].
 //
+// The key's row is the only write of the engine: the primary key (scope,
+// key) makes a second row for a key impossible, whoever writes it, and the
+// lock only keeps duplicates from running fn while the first call runs.
 // The result is committed with a context that ignores ctx's cancellation,
 // so a caller that goes away after fn succeeded still finds its result
 // stored when it retries.
@@ -56,152 +63,295 @@ func (s *Store) Execute(ctx context.Context, call Call, fn Func) (Result, error)
 	if call.Fingerprint == nil {
 		call.Fingerprint = []byte{}
 	}
+
+	w := waiter{deadline: time.Now().Add(s.opts.inProgressWait)}
+	probe := call.Retry
+	for conflicts := 0; ; {
+		if probe {
+			rec, free, err := s.probe(ctx, call)
+			switch {
+			case err != nil:
+				return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "look up key", err)
+			case rec != nil && !rec.expired:
+				return s.replay(call, *rec)
+			case !free:
+				if err := w.wait(ctx); err != nil {
+					return s.busy(ctx, err)
+				}
+				continue
+			}
+		}
+		res, next, err := s.attempt(ctx, call, fn)
+		switch next {
+		case done:
+			return res, err
+		case busy:
+			if err := w.wait(ctx); err != nil {
+				return s.busy(ctx, err)
+			}
+		case conflict:
+			// Another writer's row appeared where the lock said none
+			// would, or a row expired while this call used it. Rare; look
+			// again, a few times at most.
+			if conflicts++; conflicts == 3 {
+				return Result{Outcome: OutcomeInProgress}, inProgress("the key kept changing while it was being claimed", s.opts.retryDelay)
+			}
+		}
+		probe = true
+	}
+}
+
+// next says what Execute does after an attempt.
+type next int
+
+const (
+	done     next = iota
+	busy          // another call holds the key's lock: wait, then probe
+	conflict      // look at the key again at once
+)
+
+// attempt makes one try at running the call on a connection of its own:
+// take the key's lock, look for its row, run fn, and write the row with
+// the COMMIT.
+func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, error) {
 	pc, err := s.db.Acquire(ctx)
 	if err != nil {
-		return Result{Outcome: OutcomeUnavailable}, s.unavailable(ctx, "acquire connection", err)
+		return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "acquire connection", err)
 	}
 	// Release returns the connection to the pool, or destroys it if a
 	// failure left it inside a transaction.
 	defer pc.Release()
 	conn := pc.Conn()
 
-	// A finished key that expired is deleted and the call tried again. A
-	// key that keeps expiring under us (a TTL shorter than the calls that
-	// use it, or a cleaner racing the claim) is reported as in progress, so
-	// the caller retries later rather than getting no result at all.
-	for attempt := 0; attempt < 3; attempt++ {
-		res, expired, err := s.execute(ctx, conn, call, fn)
-		if !expired {
-			return res, err
-		}
-		if _, err := conn.Exec(ctx, s.sql.deleteExpiredKey, call.Scope, call.Key); err != nil {
-			return Result{Outcome: OutcomeUnavailable}, s.unavailable(ctx, "delete expired key", err)
-		}
-	}
-	return Result{Outcome: OutcomeInProgress}, inProgress("the key expired while it was being claimed", s.opts.retryDelay)
-}
-
-func (s *Store) execute(ctx context.Context, conn *pgx.Conn, call Call, fn Func) (res Result, expired bool, err error) {
-	// The common retry, of a call that finished, costs one read and no
-	// transaction. This is only a shortcut: a key it does not find is still
-	// claimed atomically below, and races are settled there.
-	rec, found, err := s.lookup(ctx, conn, call)
-	if err != nil {
-		return Result{Outcome: OutcomeUnavailable}, false, s.unavailable(ctx, "look up key", err)
-	}
-	if found {
-		if rec.expired {
-			return Result{}, true, nil
-		}
-		res, err := s.replay(call, rec)
-		return res, false, err
-	}
-
-	done := false
+	finished := false
 	defer func() {
 		// Runs on every path that did not commit, panics included. The
-		// rollback must happen even when ctx is cancelled, or the key stays
-		// locked until the connection is reaped.
-		if !done {
+		// rollback must happen even when ctx is cancelled: until it does,
+		// the key's lock is held.
+		if !finished {
 			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
 			defer cancel()
 			_, _ = conn.Exec(rctx, "ROLLBACK")
 		}
 	}()
 
-	rec, claimed, err := s.claim(ctx, conn, call)
-	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available: lock_timeout fired
-			return Result{Outcome: OutcomeInProgress}, false, inProgress("", s.opts.retryDelay)
-		}
-		return Result{Outcome: OutcomeUnavailable}, false, s.unavailable(ctx, "claim", err)
+	locked, rec, err := s.claim(ctx, conn, call)
+	switch {
+	case err != nil:
+		return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "claim", err)
+	case !locked:
+		return Result{}, busy, nil
+	case rec != nil && !rec.expired:
+		res, err := s.replay(call, *rec)
+		return res, done, err
 	}
-	if !claimed {
-		if rec.expired {
-			return Result{}, true, nil
-		}
-		res, err := s.replay(call, rec)
-		return res, false, err
-	}
+	replaceExpired := rec != nil
 
 	htx := &callTx{conn: conn}
+	defer htx.close()
 	resp, fnErr := fn(withCall(ctx, htx, call.Key), htx)
 
 	// From here the outcome is known; finish it even if the caller left.
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
 	defer cancel()
-	batch := &pgx.Batch{}
 	var final *finalError
+	txStatus := conn.PgConn().TxStatus()
 	switch {
-	case fnErr == nil:
-		var typ string
-		var b []byte
+	case conn.IsClosed():
+		// The database connection died under fn: report an outage, not
+		// fn's raw driver error, so clients retry.
+		return Result{Outcome: OutcomeUnavailable}, done, ErrStoreUnavailable.with("connection lost during the call", fnErr)
+	case txStatus == 'I':
+		finished = true // nothing left to roll back
+		res, err := s.handlerEndedTx(fctx, conn, call)
+		return res, done, err
+	case fnErr != nil && !errors.As(fnErr, &final):
+		return Result{Outcome: OutcomeReleased}, done, fnErr
+	case fnErr == nil && txStatus == 'E':
+		return Result{Outcome: OutcomeReleased}, done, grpcstatus.Error(codes.Internal,
+			"idempotency: the handler returned success, but one of its statements failed and aborted the call's transaction; nothing was committed")
+	}
+
+	row := []any{call.Scope, call.Key, call.Method, call.Fingerprint, "succeeded", "", []byte(nil), []byte(nil), call.TTL.Microseconds()}
+	batch := &pgx.Batch{}
+	if final == nil {
 		if resp != nil {
-			typ = string(resp.ProtoReflect().Descriptor().FullName())
-			if b, err = (proto.MarshalOptions{Deterministic: true}).Marshal(resp); err != nil {
-				return Result{Outcome: OutcomeReleased}, false, fmt.Errorf("idempotency: marshal response: %w", err)
+			row[5] = string(resp.ProtoReflect().Descriptor().FullName())
+			b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
+			if err != nil {
+				return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal response: %w", err)
 			}
+			row[6] = b
 		}
-		batch.Queue(s.sql.storeResponse, call.Scope, call.Key, call.TTL.Microseconds(), typ, b)
-	case errors.As(fnErr, &final):
+		// Fails if the savepoint is gone: fn committed and began another
+		// transaction, so its earlier writes did not wait for the key.
+		batch.Queue(s.sql.release)
+	} else {
 		b, err := proto.Marshal(grpcstatus.Convert(final.err).Proto())
 		if err != nil {
-			return Result{Outcome: OutcomeReleased}, false, fmt.Errorf("idempotency: marshal status: %w", err)
+			return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal status: %w", err)
 		}
-		// On its own, before the batch: if fn's statements failed, the
-		// transaction is aborted and PostgreSQL would refuse to prepare the
-		// batch's UPDATE until the savepoint is rolled back.
-		if _, err := conn.Exec(fctx, s.sql.rollbackHandler); err != nil {
-			return Result{Outcome: OutcomeUnavailable}, false, ErrStoreUnavailable.with("store result", err)
+		row[4], row[7] = "failed", b
+		if txStatus == 'E' {
+			// On its own, before the batch: in an aborted transaction
+			// PostgreSQL refuses to prepare the batch's statements until
+			// the savepoint is rolled back.
+			if _, err := conn.Exec(fctx, s.sql.rollbackToSavepoint); err != nil {
+				return s.finishFailed(fctx, conn, call, err)
+			}
+		} else {
+			batch.Queue(s.sql.rollbackToSavepoint)
 		}
-		batch.Queue(s.sql.storeError, call.Scope, call.Key, call.TTL.Microseconds(), b)
-	case conn.IsClosed():
-		// fn failed because the database connection died under it: report
-		// an outage, not fn's raw driver error, so clients retry.
-		return Result{Outcome: OutcomeUnavailable}, false, ErrStoreUnavailable.with("connection lost during the call", fnErr)
-	default:
-		return Result{Outcome: OutcomeReleased}, false, fnErr
 	}
+	if replaceExpired {
+		batch.Queue(s.sql.deleteExpiredKey, call.Scope, call.Key)
+	}
+	batch.Queue(s.sql.insert, row...)
 	batch.Queue("COMMIT")
+	start := time.Now()
 	if err := sendAll(fctx, conn, batch); err != nil {
-		// Reported as an outage even if fctx timed out: the caller's own
-		// deadline is not what failed. The outcome is unknown; a retry with
-		// the same key replays it if the commit happened, or runs again.
-		return Result{Outcome: OutcomeUnavailable}, false, ErrStoreUnavailable.with("store result", err)
+		return s.finishFailed(fctx, conn, call, err)
 	}
-	done = true
-	return Result{Response: resp, Outcome: OutcomeExecuted}, false, fnErr
+	finished = true
+	if took := time.Since(start); took >= call.TTL/2 {
+		// Best effort: a failure leaves the TTL counted from the insert.
+		_, _ = conn.Exec(fctx, s.sql.extend, call.Scope, call.Key, call.TTL.Microseconds())
+	}
+	return Result{Response: resp, Outcome: OutcomeExecuted}, done, fnErr
+}
+
+// claim opens the call's transaction, takes the key's lock without waiting
+// for it, looks the key up once the lock is held (a new statement, so it
+// sees whatever the previous holder committed), and takes the savepoint
+// that a final error rolls back to: one round trip.
+func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (locked bool, rec *record, err error) {
+	batch := &pgx.Batch{}
+	batch.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
+	batch.Queue(s.sql.lock, call.Scope, call.Key)
+	batch.Queue(s.sql.lookup, call.Scope, call.Key)
+	batch.Queue(s.sql.savepoint)
+	br := conn.SendBatch(ctx, batch)
+	if _, err = br.Exec(); err == nil {
+		if err = br.QueryRow().Scan(&locked); err == nil {
+			if rec, err = scanRecord(br.QueryRow(), nil); err == nil {
+				_, err = br.Exec()
+			}
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return locked, rec, err
+}
+
+// probe looks for the key's row and whether its lock is free, outside any
+// transaction, on a connection held only for that statement.
+func (s *Store) probe(ctx context.Context, call Call) (rec *record, free bool, err error) {
+	pc, err := s.db.Acquire(ctx)
+	if err != nil {
+		return nil, false, err
+	}
+	defer pc.Release()
+	rec, err = scanRecord(pc.QueryRow(ctx, s.sql.probe, call.Scope, call.Key), &free)
+	return rec, free, err
+}
+
+// finishFailed handles a failed attempt to store the result: the
+// transaction is gone, and with it fn's writes.
+func (s *Store) finishFailed(ctx context.Context, conn *pgx.Conn, call Call, err error) (Result, next, error) {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "23505": // unique_violation on the key: someone wrote its row without the lock
+			return Result{}, conflict, nil
+		case "3B001": // invalid_savepoint_specification: fn ended the transaction
+			res, err := s.handlerEndedTx(ctx, conn, call)
+			return res, done, err
+		}
+	}
+	// The outcome may be unknown (the connection died during COMMIT); a
+	// retry with the same key replays it if the commit happened, or runs
+	// again.
+	return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "store result", err)
+}
+
+// handlerEndedTx finishes a call whose fn ended the call's transaction
+// itself: a COMMIT, a ROLLBACK, or a transaction begun and committed on
+// tx.Conn(). fn's writes may have committed without the key, so running the
+// call again could apply them twice. The key is stored with an Internal
+// error, outside any transaction, and every retry gets that error.
+func (s *Store) handlerEndedTx(ctx context.Context, conn *pgx.Conn, call Call) (Result, error) {
+	st := grpcstatus.New(codes.Internal, "idempotency: the handler ended the call's transaction itself (a COMMIT or ROLLBACK statement, "+
+		"or a transaction begun on tx.Conn()), so its writes may have been committed without the key; "+
+		"the key is kept with this error so that the call does not run again. Handlers must not end the transaction")
+	b, err := proto.Marshal(st.Proto())
+	if err == nil {
+		_, err = conn.Exec(ctx, "ROLLBACK") // end a transaction fn may have begun
+		if err == nil {
+			_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds())
+		}
+	}
+	if err != nil {
+		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the error of a handler that ended the transaction", err)
+	}
+	return Result{Outcome: OutcomeExecuted}, Final(st.Err())
+}
+
+// busy ends a wait for the key's holder: the caller's own cancellation, or
+// ErrInProgress once the in-progress wait is over.
+func (s *Store) busy(ctx context.Context, err error) (Result, error) {
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return Result{Outcome: OutcomeInProgress}, contextError{ctxErr}
+	}
+	return Result{Outcome: OutcomeInProgress}, inProgress("", s.opts.retryDelay)
+}
+
+// waiter paces a duplicate's wait for the key's holder: it sleeps, holding
+// no connection, 2 ms at first, twice as long each time up to 50 ms, with
+// jitter, until the deadline.
+type waiter struct {
+	deadline time.Time
+	pause    time.Duration
+}
+
+var errWaitOver = errors.New("in-progress wait is over")
+
+func (w *waiter) wait(ctx context.Context) error {
+	w.pause = min(max(2*w.pause, 2*time.Millisecond), 50*time.Millisecond)
+	left := time.Until(w.deadline)
+	if left <= 0 {
+		return errWaitOver
+	}
+	d := min(time.Duration(float64(w.pause)*(0.75+0.5*rand.Float64())), left)
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }
 
 // sendAll runs a batch of statements that return no rows, in one round
-// trip, and fails unless every one succeeded. A COMMIT that PostgreSQL turned
-// into a ROLLBACK (the transaction had failed) is a failure, and so is an
-// UPDATE of the key that found no row: fn ended the transaction itself
-// (with a raw COMMIT or ROLLBACK), so its writes and the key did not commit
-// together.
+// trip, and fails unless every one succeeded, the COMMIT included (a COMMIT
+// of a failed transaction reports ROLLBACK).
 func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) error {
 	br := conn.SendBatch(ctx, b)
-	var failed error
 	for i, q := range b.QueuedQueries {
 		tag, err := br.Exec()
-		switch {
-		case err != nil:
-			failed = err
-		case q.SQL == "COMMIT" && tag.String() != "COMMIT":
-			failed = fmt.Errorf("transaction rolled back at statement %d: COMMIT returned %s", i+1, tag)
-		case tag.Update() && tag.RowsAffected() != 1:
-			failed = fmt.Errorf("the key's row was not in the call's transaction when its result was stored: did the handler end the transaction?")
+		if err == nil && q.SQL == "COMMIT" && tag.String() != "COMMIT" {
+			err = fmt.Errorf("transaction rolled back at statement %d: COMMIT returned %s", i+1, tag)
 		}
-		if failed != nil {
+		if err != nil {
 			_ = br.Close()
-			return failed
+			return err
 		}
 	}
 	return br.Close()
 }
 
-// record is a key row found by a lookup or a claim that did not insert.
+// record is a key's row.
 type record struct {
 	method       string
 	fingerprint  []byte
@@ -212,63 +362,27 @@ type record struct {
 	expired      bool
 }
 
-func (s *Store) lookup(ctx context.Context, q interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}, call Call) (rec record, found bool, err error) {
-	err = q.QueryRow(ctx, s.sql.readKey, call.Scope, call.Key).Scan(
-		&rec.method, &rec.fingerprint, &rec.state, &rec.responseType, &rec.response, &rec.status, &rec.expired)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return rec, false, nil
+// scanRecord reads a row of the lookup or, with free set, of the probe;
+// rec is nil when the key has no row.
+func scanRecord(row pgx.Row, free *bool) (*record, error) {
+	var rec record
+	var method, state *string // NULL when the probe's outer join found no row
+	var expired *bool
+	dest := []any{&method, &rec.fingerprint, &state, &rec.responseType, &rec.response, &rec.status, &expired}
+	if free != nil {
+		dest = append([]any{free}, dest...)
 	}
-	return rec, err == nil, err
-}
-
-// claim opens the call's transaction and inserts the key or, when it
-// exists, reads it, in one round trip. The insert waits for a concurrent
-// claimer of the same key (the unique index makes it) for at most the
-// in-progress wait; lock_timeout bounds that wait, and is restored before fn
-// runs so fn's own statements are unaffected. A savepoint is taken in the
-// same round trip so that a Final error can undo fn's writes and keep the
-// claim.
-func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (rec record, claimed bool, err error) {
-	batch := &pgx.Batch{}
-	batch.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
-	batch.Queue(s.sql.claim, call.Scope, call.Key, call.Method, call.Fingerprint,
-		call.TTL.Microseconds(), fmt.Sprintf("%dms", max(1, s.opts.inProgressWait.Milliseconds())))
-	batch.Queue(s.sql.savepoint)
-	br := conn.SendBatch(ctx, batch)
-	found := false
-	if _, err = br.Exec(); err == nil {
-		found, err = scanClaim(br.QueryRow(), &rec, &claimed)
+	err := row.Scan(dest...)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return nil, nil
+	case err != nil:
+		return nil, err
+	case method == nil:
+		return nil, nil
 	}
-	if err != nil {
-		_ = br.Close()
-		return rec, false, err
-	}
-	if err := br.Close(); err != nil {
-		return rec, false, err
-	}
-	if found {
-		return rec, claimed, nil
-	}
-	// The insert conflicted with a row committed after this statement's
-	// snapshot was taken: it waited for a concurrent claimer that then
-	// committed. A new statement sees that row.
-	rec, found, err = s.lookup(ctx, conn, call)
-	if err == nil && !found {
-		// Deleted by the cleaner in between: expired, so start over.
-		rec.expired = true
-	}
-	return rec, false, err
-}
-
-func scanClaim(row pgx.Row, rec *record, claimed *bool) (bool, error) {
-	var restored *string
-	err := row.Scan(claimed, &restored, &rec.method, &rec.fingerprint, &rec.state, &rec.responseType, &rec.response, &rec.status, &rec.expired)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
-	}
-	return err == nil, err
+	rec.method, rec.state, rec.expired = *method, *state, *expired
+	return &rec, nil
 }
 
 func (s *Store) replay(call Call, rec record) (Result, error) {
@@ -300,15 +414,15 @@ func (s *Store) replay(call Call, rec record) (Result, error) {
 		}
 		return Result{Outcome: OutcomeReplayed}, Final(grpcstatus.FromProto(st).Err())
 	default:
-		// Unreachable while claims and results commit together; kept so a row
-		// written by some other tool cannot be replayed as a success.
+		// A 'running' row, committed by an engine before this one in the
+		// middle of its call: the call is still in progress.
 		return Result{Outcome: OutcomeInProgress}, inProgress("", s.opts.retryDelay)
 	}
 }
 
-// unavailable wraps a database error. A cancelled or expired ctx is reported
+// dbError wraps a database error. A cancelled or expired ctx is reported
 // as such (the caller gave up; the database may be fine).
-func (s *Store) unavailable(ctx context.Context, op string, err error) error {
+func (s *Store) dbError(ctx context.Context, op string, err error) error {
 	if ctxErr := ctx.Err(); ctxErr != nil && errors.Is(err, ctxErr) {
 		return contextError{ctxErr}
 	}

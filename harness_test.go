@@ -441,3 +441,27 @@ func chargeUntilDone(ctx context.Context, conn *grpc.ClientConn, i int, retries,
 	}
 	return resp, err
 }
+
+// killBackend terminates the PostgreSQL session with pid and waits until it
+// is gone, so that whatever its client sends next meets a dead session.
+func killBackend(t testing.TB, pid uint32) {
+	t.Helper()
+	admin := testdb.Admin(t)
+	ctx := context.Background()
+	if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend($1)`, pid); err != nil {
+		t.Errorf("terminate backend %d: %v", pid, err)
+		return
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		var alive bool
+		if err := admin.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)`, pid).Scan(&alive); err != nil || !alive {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("backend %d still alive 5 s after pg_terminate_backend", pid)
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

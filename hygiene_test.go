@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -73,6 +75,85 @@ func TestDuplicatesHoldNoConnectionBeyondTheWait(t *testing.T) {
 	require.EqualValues(t, 1, e.runs.Load())
 	t.Logf("in-progress wait %v: %d duplicates Aborted, slowest answered after %v, connections held afterwards: %d",
 		wait, duplicates, time.Duration(longest.Load()).Round(time.Millisecond), acquired)
+}
+
+// Duplicates waiting for a slow call hold no pooled connection while they
+// wait: on a pool of 2, with the slow call holding one and 10 duplicates of
+// it waiting, calls with new keys and the slow handler's own read of the
+// pool are served at once, not after the slow call.
+func TestWaitingDuplicatesHoldNoConnection(t *testing.T) {
+	t.Parallel()
+	const duplicates, fresh = 10, 4
+	db := suiteDB(t)
+	pool := schemaPool(t, db.Schema, 2, nil)
+	holding, release := make(chan struct{}), make(chan struct{})
+	readTook := make(chan time.Duration, 1)
+	srv := startReplica(t, pool, replicaConfig{
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(30 * time.Second)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			resp, err := keyedLedger(ctx, req)
+			if req.GetValue() != "slow" {
+				return resp, err
+			}
+			close(holding)
+			<-release // the duplicates wait, and the fresh calls run, now
+			start := time.Now()
+			var one int
+			if err := pool.QueryRow(ctx, `SELECT 1`).Scan(&one); err != nil {
+				return nil, err
+			}
+			readTook <- time.Since(start)
+			return resp, err
+		},
+	})
+	conn := dial(t, srv.addr)
+	as := func(key string) context.Context {
+		return metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, key)
+	}
+	slow := make(chan reply, 1)
+	go func() { slow <- invoke(as("slow-key"), conn, methodCharge, "slow") }()
+	<-holding
+
+	var wg sync.WaitGroup
+	dups := make([]reply, duplicates)
+	for i := range dups {
+		wg.Go(func() { dups[i] = invoke(as("slow-key"), conn, methodCharge, "slow") })
+	}
+	time.Sleep(100 * time.Millisecond) // the duplicates are waiting
+	require.EqualValues(t, 1, pool.Stat().AcquiredConns(), "waiting duplicates hold no connection; the slow call holds one")
+
+	var freshWG sync.WaitGroup
+	took := make([]time.Duration, fresh)
+	for i := range took {
+		freshWG.Go(func() {
+			start := time.Now()
+			r := invoke(as(fmt.Sprintf("fresh-%d", i)), conn, methodCharge, fmt.Sprintf("fresh %d", i))
+			took[i] = time.Since(start)
+			if r.err != nil || r.replayed {
+				t.Errorf("fresh call %d: %v (replayed %t)", i, r.err, r.replayed)
+			}
+		})
+	}
+	done := make(chan struct{})
+	go func() { freshWG.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Error("calls with new keys waited for the slow call: duplicates are holding the pool")
+	}
+	close(release)
+	<-done
+	read := <-readTook
+	require.NoError(t, (<-slow).err)
+	wg.Wait()
+	for i, r := range dups {
+		require.NoError(t, r.err, "duplicate %d", i)
+		require.True(t, r.replayed, "duplicate %d gets the slow call's stored response", i)
+	}
+	require.EqualValues(t, 1+fresh, srv.execs.Load())
+	require.Less(t, read, time.Second, "the handler's own pool read is not queued behind the duplicates")
+	t.Logf("pool of 2, %d duplicates waiting: %d calls with new keys took %v; the slow handler's pool read took %v",
+		duplicates, fresh, took, read.Round(time.Microsecond))
 }
 
 // RunCleaner returns with its context both while it sleeps between rounds

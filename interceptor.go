@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -236,7 +237,7 @@ func (o *serverOptions) serve(ctx context.Context, store *Store, key string, ttl
 	if err != nil {
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
 	}
-	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl}
+	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx)}
 	return store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		resp, err := handler(ctx, req)
 		if err != nil {
@@ -257,6 +258,20 @@ func (o *serverOptions) report(ctx context.Context, method string, outcome Outco
 	if o.onOutcome != nil {
 		o.onOutcome(ctx, method, outcome, err)
 	}
+}
+
+// Metadata that marks an attempt as a retry: gRPC's own retry policy sends
+// the first, go-grpc-middleware's retry interceptor the second.
+const (
+	grpcPreviousAttempts = "grpc-previous-rpc-attempts"
+	retryAttempt         = retry.AttemptMetadataKey
+)
+
+// isRetryAttempt reports whether the client marked the call as a retry, so
+// the engine looks for a stored result before anything else.
+func isRetryAttempt(ctx context.Context) bool {
+	md, _ := metadata.FromIncomingContext(ctx)
+	return len(md.Get(grpcPreviousAttempts)) > 0 || len(md.Get(retryAttempt)) > 0
 }
 
 // keyFromIncoming returns the key of an incoming call. ok is false when the

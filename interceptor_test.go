@@ -6,6 +6,7 @@ import (
 	"errors"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 func TestFirstCallStoresAndRetryReplaysByteForByte(t *testing.T) {
@@ -217,24 +219,61 @@ func TestCallLongerThanTTLKeepsItsKey(t *testing.T) {
 	require.Equal(t, 1, e.ledgerRows())
 }
 
-// A handler that ends the call's transaction behind the engine's back
-// (a raw ROLLBACK) must not be reported as a stored success.
-func TestHandlerEndingTheTransactionIsNotASuccess(t *testing.T) {
+// A handler that ends the call's transaction behind the engine's back may
+// have committed its writes without the key. It must never run a second
+// time: the call fails with Internal saying what happened, and so does
+// every retry, from the stored key.
+func TestHandlerEndingTheTransactionNeverRunsTwice(t *testing.T) {
 	t.Parallel()
-	var e *env
-	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-		resp, err := e.insertLedger(ctx, req)
-		if err == nil && e.runs.Load() == 1 {
-			_, err = idempotency.MustTxFromContext(ctx).Exec(ctx, "ROLLBACK")
-		}
-		return resp, err
-	}})
-	r := e.call(context.Background(), methodCharge, "k", "x")
-	require.Equal(t, codes.Unavailable, status.Code(r.err), "%v", r.err)
-	require.Equal(t, 0, e.keyRows())
-	require.Equal(t, 0, e.ledgerRows())
-	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err, "the retry runs normally")
-	require.Equal(t, 1, e.ledgerRows())
+	for name, misuse := range map[string]func(ctx context.Context, tx pgx.Tx) error{
+		"raw COMMIT": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT")
+			return err
+		},
+		"BeginFunc on tx.Conn()": func(ctx context.Context, tx pgx.Tx) error {
+			// pgx's BEGIN is a no-op inside the open transaction, and its
+			// COMMIT commits the call's transaction.
+			return pgx.BeginFunc(ctx, tx.Conn(), func(inner pgx.Tx) error {
+				_, err := inner.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x')")
+				return err
+			})
+		},
+		"raw ROLLBACK, then writes": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "ROLLBACK")
+			if err == nil {
+				_, err = tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x')") // autocommitted
+			}
+			return err
+		},
+		"COMMIT, then a transaction of its own": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT; BEGIN")
+			if err == nil {
+				_, err = tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('rolled back with the call')")
+			}
+			return err
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+				if err := misuse(ctx, idempotency.MustTxFromContext(ctx)); err != nil {
+					return nil, err
+				}
+				return wrapperspb.String("ok"), nil
+			}})
+			first := e.call(context.Background(), methodCharge, "k", "x")
+			require.Equal(t, codes.Internal, status.Code(first.err), "%v", first.err)
+			require.ErrorContains(t, first.err, "handler ended the call's transaction")
+			for i := 0; i < 2; i++ {
+				again := e.call(context.Background(), methodCharge, "k", "x")
+				require.Equal(t, codes.Internal, status.Code(again.err), "%v", again.err)
+				require.True(t, again.replayed, "the retry gets the stored error")
+			}
+			require.EqualValues(t, 1, e.runs.Load(), "the handler never runs a second time")
+			require.Equal(t, 1, e.ledgerRows(), "the one write the handler committed itself; no second one")
+			require.Equal(t, "failed", e.keyState("k"))
+		})
+	}
 }
 
 func TestFinalCodesOption(t *testing.T) {
@@ -335,8 +374,7 @@ func TestDisconnectAfterSuccessStillStores(t *testing.T) {
 
 func TestDatabaseDownGivesUnavailable(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envConfig{})
-	// A second server whose store points at a port where nothing listens.
+	// A server whose store points at a port where nothing listens.
 	pool, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
@@ -355,14 +393,29 @@ func TestDatabaseDownGivesUnavailable(t *testing.T) {
 	require.Equal(t, codes.Unavailable, status.Code(r.err), "an unreachable database is Unavailable: %v", r.err)
 	require.False(t, ran, "fail closed: the handler must not run without a claimed key")
 
-	// The same when a live database kills the connection during the claim.
-	_, err = e.db.Pool.Exec(context.Background(), `CREATE FUNCTION kill_self() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); RETURN NEW; END $$;
-CREATE TRIGGER kill_self BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION kill_self()`)
-	require.NoError(t, err)
-	r = e.call(context.Background(), methodCharge, "k2", "x")
+	// The same when a live database kills the session during the claim:
+	// the server's session is terminated just before its claim is sent.
+	db := suiteDB(t)
+	var claims atomic.Int64
+	killing := schemaPool(t, db.Schema, 2, func(c *pgxpool.Config) {
+		c.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(ctx context.Context, conn *pgx.Conn, statements []string) {
+			if !strings.Contains(strings.Join(statements, ";"), "pg_try_advisory_xact_lock") {
+				return
+			}
+			claims.Add(1)
+			killBackend(t, conn.PgConn().PID())
+		}}
+	})
+	var runs atomic.Int64
+	killed := startReplica(t, killing, replicaConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		runs.Add(1)
+		return keyedLedger(ctx, req)
+	}})
+	ctx = metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k2")
+	r = invoke(ctx, dial(t, killed.addr), methodCharge, "x")
 	require.Equal(t, codes.Unavailable, status.Code(r.err), "%v", r.err)
-	require.EqualValues(t, 0, e.runs.Load())
+	require.NotZero(t, claims.Load())
+	require.EqualValues(t, 0, runs.Load())
 }
 
 func TestInvalidKeysAreRejectedAndWriteNothing(t *testing.T) {
@@ -535,7 +588,7 @@ func TestStoreFailureRollsBackBusinessWrite(t *testing.T) {
 	ctx := context.Background()
 	_, err := e.db.Pool.Exec(ctx, `CREATE FUNCTION refuse_result() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN RAISE EXCEPTION 'disk full'; END $$;
-CREATE TRIGGER refuse_result BEFORE UPDATE ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_result()`)
+CREATE TRIGGER refuse_result BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_result()`)
 	require.NoError(t, err)
 
 	r := e.call(ctx, methodCharge, "k", "x")

@@ -19,8 +19,8 @@ const DefaultTable = "idempotency_keys"
 
 // DB is what a [Store] needs from PostgreSQL: a connection per call, and
 // plain statements for cleanup. A *pgxpool.Pool satisfies it and is what a
-// server should pass; every call in flight holds one connection for the
-// length of its transaction.
+// server should pass; every call that runs holds one connection for the
+// length of its transaction, and a duplicate waiting for it holds none.
 type DB interface {
 	Acquire(ctx context.Context) (*pgxpool.Conn, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
@@ -107,10 +107,10 @@ func WithTable(schema, table string) StoreOption {
 }
 
 // WithInProgressWait bounds how long a duplicate waits for a call holding the
-// same key before it gets [ErrInProgress] (it is PostgreSQL's lock_timeout
-// during the claim, so it bounds each wait for one holder). The wait holds a
-// database connection, so keep it short. At least 1ms. Defaults to 2
-// seconds.
+// same key before it gets [ErrInProgress]. A waiting duplicate holds no
+// database connection: it looks at the key now and then (every 2 ms at
+// first, backing off to every 50 ms), each time on a connection borrowed
+// for one statement. At least 1ms. Defaults to 2 seconds.
 func WithInProgressWait(d time.Duration) StoreOption {
 	return func(o *storeOptions) { o.inProgressWait = d }
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -14,8 +15,14 @@ import (
 // with the claim, the stored result with COMMIT), which pgx's own Tx cannot
 // do; that saves two round trips per call. Handlers get everything but the
 // right to end it: Commit and Rollback return [ErrTxOwned].
+//
+// Once the call is over the transaction is dead, as a pgx Tx is after its
+// Commit: every method returns [pgx.ErrTxClosed], so a handler that kept it
+// cannot write into an idle pooled connection (autocommit) or into another
+// call's transaction.
 type callTx struct {
 	conn       *pgx.Conn
+	closed     atomic.Bool
 	savepoints int // nested transactions started, for unique savepoint names
 
 	loOnce sync.Once
@@ -24,16 +31,41 @@ type callTx struct {
 
 var _ pgx.Tx = (*callTx)(nil)
 
-func (t *callTx) Begin(ctx context.Context) (pgx.Tx, error) { return beginSavepoint(ctx, t, t) }
+// close ends the handler's use of the transaction, when the call is over.
+func (t *callTx) close() { t.closed.Store(true) }
 
-func (*callTx) Commit(context.Context) error   { return ErrTxOwned }
-func (*callTx) Rollback(context.Context) error { return ErrTxOwned }
+func (t *callTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if t.closed.Load() {
+		return nil, pgx.ErrTxClosed
+	}
+	return beginSavepoint(ctx, t, t)
+}
+
+func (t *callTx) Commit(context.Context) error {
+	if t.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	return ErrTxOwned
+}
+
+func (t *callTx) Rollback(context.Context) error {
+	if t.closed.Load() {
+		return pgx.ErrTxClosed
+	}
+	return ErrTxOwned
+}
 
 func (t *callTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	if t.closed.Load() {
+		return 0, pgx.ErrTxClosed
+	}
 	return t.conn.CopyFrom(ctx, table, cols, src)
 }
 
 func (t *callTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if t.closed.Load() {
+		return closedBatch{}
+	}
 	return t.conn.SendBatch(ctx, b)
 }
 
@@ -51,22 +83,50 @@ func (t *callTx) LargeObjects() pgx.LargeObjects {
 }
 
 func (t *callTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if t.closed.Load() {
+		return nil, pgx.ErrTxClosed
+	}
 	return t.conn.Prepare(ctx, name, sql)
 }
 
 func (t *callTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if t.closed.Load() {
+		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
 	return t.conn.Exec(ctx, sql, args...)
 }
 
 func (t *callTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if t.closed.Load() {
+		return nil, pgx.ErrTxClosed
+	}
 	return t.conn.Query(ctx, sql, args...)
 }
 
 func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if t.closed.Load() {
+		return closedRow{}
+	}
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
+// Conn returns the call's connection. Statements sent on it directly are
+// in the call's transaction only while the call runs; Conn must not be used
+// to begin, commit or roll back transactions.
 func (t *callTx) Conn() *pgx.Conn { return t.conn }
+
+// closedRow and closedBatch are what a dead call transaction returns.
+type closedRow struct{}
+
+func (closedRow) Scan(...any) error { return pgx.ErrTxClosed }
+
+type closedBatch struct{}
+
+func (closedBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, pgx.ErrTxClosed }
+func (closedBatch) Query() (pgx.Rows, error)         { return nil, pgx.ErrTxClosed }
+func (closedBatch) QueryRow() pgx.Row                { return closedRow{} }
+func (closedBatch) Close() error                     { return pgx.ErrTxClosed }
+func (closedBatch) Tx() pgx.Tx                       { return nil }
 
 // savepointTx is a nested transaction inside a call's transaction, made
 // with SAVEPOINT like pgx's own nested transactions.
@@ -94,7 +154,7 @@ func (s *savepointTx) Begin(ctx context.Context) (pgx.Tx, error) {
 }
 
 func (s *savepointTx) Commit(ctx context.Context) error {
-	if s.closed {
+	if s.closed || s.call.closed.Load() {
 		return pgx.ErrTxClosed
 	}
 	_, err := s.call.conn.Exec(ctx, "RELEASE SAVEPOINT "+s.name)
@@ -103,7 +163,7 @@ func (s *savepointTx) Commit(ctx context.Context) error {
 }
 
 func (s *savepointTx) Rollback(ctx context.Context) error {
-	if s.closed {
+	if s.closed || s.call.closed.Load() {
 		return pgx.ErrTxClosed
 	}
 	_, err := s.call.conn.Exec(ctx, "ROLLBACK TO SAVEPOINT "+s.name)

@@ -1,0 +1,157 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// Tests of the engine's own edges, through Store.Execute.
+
+// A transaction a handler kept is dead once its call is over: it can write
+// neither into an idle pooled connection nor into another call's
+// transaction.
+func TestCallTransactionIsDeadAfterTheCall(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 1) // one connection: the next call gets the same one
+	ctx := context.Background()
+	store := migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	require.NoError(t, err)
+
+	var kept pgx.Tx
+	_, err = store.Execute(ctx, idempotency.Call{Key: "first", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		kept = tx
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('first')`)
+		return nil, err
+	})
+	require.NoError(t, err)
+
+	_, err = kept.Exec(ctx, `INSERT INTO ledger (note) VALUES ('after the call')`)
+	require.ErrorIs(t, err, pgx.ErrTxClosed)
+	var n int
+	require.ErrorIs(t, kept.QueryRow(ctx, `SELECT 1`).Scan(&n), pgx.ErrTxClosed)
+	_, err = kept.Query(ctx, `SELECT 1`)
+	require.ErrorIs(t, err, pgx.ErrTxClosed)
+	_, err = kept.Begin(ctx)
+	require.ErrorIs(t, err, pgx.ErrTxClosed)
+	require.ErrorIs(t, kept.Commit(ctx), pgx.ErrTxClosed)
+	require.ErrorIs(t, kept.SendBatch(ctx, &pgx.Batch{}).Close(), pgx.ErrTxClosed)
+	_, err = kept.CopyFrom(ctx, pgx.Identifier{"ledger"}, []string{"note"}, pgx.CopyFromRows([][]any{{"copied"}}))
+	require.ErrorIs(t, err, pgx.ErrTxClosed)
+
+	// Used while another call runs on the same connection: still refused.
+	_, err = store.Execute(ctx, idempotency.Call{Key: "second", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		_, err := kept.Exec(ctx, `INSERT INTO ledger (note) VALUES ('into another call')`)
+		require.ErrorIs(t, err, pgx.ErrTxClosed)
+		return nil, errStop
+	})
+	require.ErrorIs(t, err, errStop)
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`), "only the first call's own write")
+}
+
+var errStop = errors.New("stop")
+
+// A key must not expire while its call commits: with a TTL of 500 ms and a
+// COMMIT that takes 800 ms, a retry right after the call still replays.
+func TestKeyOutlivesASlowCommit(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	ctx := context.Background()
+	store := migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL);
+CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.8); RETURN NULL; END $$;
+CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ledger DEFERRABLE INITIALLY DEFERRED
+FOR EACH ROW EXECUTE FUNCTION slow_commit()`)
+	require.NoError(t, err)
+	var runs atomic.Int64
+	call := idempotency.Call{Key: "k", Method: "m", TTL: 500 * time.Millisecond}
+	run := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
+		return wrapperspb.String("charged"), err
+	}
+	start := time.Now()
+	res, err := store.Execute(ctx, call, run)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+	require.Greater(t, time.Since(start), 800*time.Millisecond, "the commit was slow")
+
+	call.Retry = true
+	res, err = store.Execute(ctx, call, run)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "the retry right after the call replays")
+	require.EqualValues(t, 1, runs.Load())
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// Two stores on two tables of one database never share a key's lock: a
+// call holding key k in one does not make the same key wait in the other.
+func TestStoresOnTwoTablesShareNoLocks(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	a := migratedStore(t, db, idempotency.WithTable("", "keys_a"), idempotency.WithInProgressWait(50*time.Millisecond))
+	b := migratedStore(t, db, idempotency.WithTable("", "keys_b"), idempotency.WithInProgressWait(50*time.Millisecond))
+	holding, release := make(chan struct{}), make(chan struct{})
+	doneA := make(chan error, 1)
+	go func() {
+		_, err := a.Execute(ctx, idempotency.Call{Scope: "s", Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			close(holding)
+			<-release
+			return nil, nil
+		})
+		doneA <- err
+	}()
+	<-holding
+	res, err := b.Execute(ctx, idempotency.Call{Scope: "s", Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err, "the other table's key is free")
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+	_, err = a.Execute(ctx, idempotency.Call{Scope: "s", Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.ErrorIs(t, err, idempotency.ErrInProgress, "the same table's key is held")
+	close(release)
+	require.NoError(t, <-doneA)
+}
+
+// The primary key decides, whoever writes the key's row: a row committed
+// by a writer that did not take the lock (an older engine during a rolling
+// upgrade) makes the call's own INSERT fail, its writes roll back, and the
+// caller gets that row's result.
+func TestRowWrittenWithoutTheLockWins(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store := migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	require.NoError(t, err)
+	other, err := proto.Marshal(wrapperspb.String("the other writer's response"))
+	require.NoError(t, err)
+	call := idempotency.Call{Scope: "s", Key: "k", Method: "m", Fingerprint: []byte{1}}
+	var runs atomic.Int64
+	res, err := store.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('mine')`); err != nil {
+			return nil, err
+		}
+		_, err := testdb.Admin(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{db.Schema, idempotency.DefaultTable}.Sanitize()+`
+(scope, key, method, fingerprint, state, response_type, response, expires_at)
+VALUES ('s', 'k', 'm', '\x01', 'succeeded', 'google.protobuf.StringValue', $1, now() + interval '1 hour')`, other)
+		return wrapperspb.String("mine"), err
+	})
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeReplayed, res.Outcome)
+	require.Equal(t, "the other writer's response", res.Response.(*wrapperspb.StringValue).GetValue())
+	require.EqualValues(t, 1, runs.Load())
+	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM ledger`), "the call's own write rolled back")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
