@@ -73,6 +73,8 @@
 //     the server speaks first are not supported.
 //   - A drop closes the whole TCP connection, so every other RPC in flight on
 //     that connection fails too, whether or not the server processed it.
+//     gRPC fails those with codes.Unavailable, or with a bare io.EOF when
+//     the cut came before the call had written its request.
 //   - Duplicates are best effort. Recording stops for a connection once it has
 //     kept about 1 MiB, after which no request on that connection is
 //     duplicated. A duplicated request larger than the server's initial flow

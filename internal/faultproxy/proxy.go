@@ -178,8 +178,9 @@ func (p *Proxy) Stats() Stats {
 }
 
 // Close stops accepting, closes every live connection (including duplicate
-// replays) and waits for all of the proxy's goroutines to exit. It is safe to
-// call more than once; later calls return the first call's result.
+// replays) and waits for all of the proxy's goroutines to finish. Each one
+// signals as its last act, so it may still be returning when Close does. It
+// is safe to call more than once; later calls return the first call's result.
 func (p *Proxy) Close() error {
 	p.closeOnce.Do(func() {
 		p.mu.Lock()
