@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -36,6 +37,11 @@ type Call struct {
 	// result too, at the cost of a transaction; so Retry only makes replays
 	// cheaper, never changes an outcome.
 	Retry bool
+
+	// finalCode decides whether a FailedPrecondition that the engine finds
+	// at COMMIT (a deferred constraint of fn's writes) is final; the gRPC
+	// interceptor sets its policy here. Nil: the key is released.
+	finalCode func(codes.Code) bool
 }
 
 // Func is the work done at most once per key. tx is the call's transaction:

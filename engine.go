@@ -49,13 +49,14 @@ func (s *Store) Execute(ctx context.Context, call Call, fn Func) (Result, error)
 	if err := ValidateKey(call.Key); err != nil {
 		return Result{Outcome: OutcomeRejected}, err
 	}
-	if call.Method == "" {
-		return Result{Outcome: OutcomeRejected}, errors.New("idempotency: Call.Method is empty")
+	if err := validateText("Call.Method", call.Method, maxMethodLen); err != nil || call.Method == "" {
+		if err == nil {
+			err = errors.New("idempotency: Call.Method is empty")
+		}
+		return Result{Outcome: OutcomeRejected}, err
 	}
-	if !utf8.ValidString(call.Scope) || strings.IndexByte(call.Scope, 0) >= 0 {
-		// PostgreSQL text cannot hold it; fail now rather than as an outage
-		// that clients would retry forever.
-		return Result{Outcome: OutcomeRejected}, grpcstatus.Error(codes.InvalidArgument, "idempotency: scope is not valid UTF-8 or contains a NUL byte")
+	if err := validateText("scope", call.Scope, MaxScopeLen); err != nil {
+		return Result{Outcome: OutcomeRejected}, err
 	}
 	if call.TTL <= 0 {
 		call.TTL = DefaultTTL
@@ -157,6 +158,11 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 	var final *finalError
 	txStatus := conn.PgConn().TxStatus()
 	switch {
+	case fnErr != nil && ctx.Err() != nil:
+		// The caller's deadline (or cancellation) cut fn short; nothing
+		// commits, so a retry is safe. pgx may have closed the connection
+		// to stop fn's statement: that is not an outage.
+		return Result{Outcome: OutcomeReleased}, done, contextError{ctx.Err()}
 	case conn.IsClosed():
 		// The database connection died under fn: report an outage, not
 		// fn's raw driver error, so clients retry.
@@ -187,11 +193,16 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 		// transaction, so its earlier writes did not wait for the key.
 		batch.Queue(s.sql.release)
 	} else {
-		b, err := proto.Marshal(grpcstatus.Convert(final.err).Proto())
+		st := grpcstatus.Convert(final.err)
+		b, err := marshalStatus(st)
 		if err != nil {
 			return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal status: %w", err)
 		}
 		row[4], row[7] = "failed", b
+		if !utf8.ValidString(st.Message()) {
+			// The caller gets what is stored, now and on every replay.
+			fnErr = Final(grpcstatus.ErrorProto(sanitizeStatus(st.Proto())))
+		}
 		if txStatus == 'E' {
 			// On its own, before the batch: in an aborted transaction
 			// PostgreSQL refuses to prepare the batch's statements until
@@ -206,10 +217,19 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 	if replaceExpired {
 		batch.Queue(s.sql.deleteExpiredKey, call.Scope, call.Key)
 	}
+	insertAt := len(batch.QueuedQueries)
 	batch.Queue(s.sql.insert, row...)
 	batch.Queue("COMMIT")
 	start := time.Now()
-	if err := sendAll(fctx, conn, batch); err != nil {
+	if failed, err := sendAll(fctx, conn, batch); err != nil {
+		if failed == insertAt && sqlState(err) == "23505" {
+			// Someone wrote the key's row without its lock.
+			return Result{}, conflict, nil
+		}
+		if failed == insertAt+1 && strings.HasPrefix(sqlState(err), "23") {
+			res, err := s.violatedAtCommit(fctx, conn, call, err)
+			return res, done, err
+		}
 		return s.finishFailed(fctx, conn, call, err)
 	}
 	finished = true
@@ -259,20 +279,29 @@ func (s *Store) probe(ctx context.Context, call Call) (rec *record, free bool, e
 // finishFailed handles a failed attempt to store the result: the
 // transaction is gone, and with it fn's writes.
 func (s *Store) finishFailed(ctx context.Context, conn *pgx.Conn, call Call, err error) (Result, next, error) {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch pgErr.Code {
-		case "23505": // unique_violation on the key: someone wrote its row without the lock
-			return Result{}, conflict, nil
-		case "3B001": // invalid_savepoint_specification: fn ended the transaction
-			res, err := s.handlerEndedTx(ctx, conn, call)
-			return res, done, err
-		}
+	if sqlState(err) == "3B001" { // invalid_savepoint_specification: fn ended the transaction
+		res, err := s.handlerEndedTx(ctx, conn, call)
+		return res, done, err
 	}
 	// The outcome may be unknown (the connection died during COMMIT); a
 	// retry with the same key replays it if the commit happened, or runs
 	// again.
 	return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "store result", err)
+}
+
+// violatedAtCommit handles a COMMIT that failed on a deferred constraint of
+// fn's writes: fn's failure, as if fn had returned FailedPrecondition, and
+// stored as such when the call's policy makes that code final.
+func (s *Store) violatedAtCommit(ctx context.Context, conn *pgx.Conn, call Call, err error) (Result, error) {
+	var pgErr *pgconn.PgError
+	errors.As(err, &pgErr)
+	st := grpcstatus.Newf(codes.FailedPrecondition, "the call's writes violate constraint %s of table %s: %s", pgErr.ConstraintName, pgErr.TableName, pgErr.Message)
+	if call.finalCode == nil || !call.finalCode(codes.FailedPrecondition) {
+		return Result{Outcome: OutcomeReleased}, st.Err()
+	}
+	// The call's transaction is gone; keep the key for the error outside
+	// any, unless a duplicate ran and stored its own result in between.
+	return s.storeOutside(ctx, conn, call, st)
 }
 
 // handlerEndedTx finishes a call whose fn ended the call's transaction
@@ -281,18 +310,23 @@ func (s *Store) finishFailed(ctx context.Context, conn *pgx.Conn, call Call, err
 // call again could apply them twice. The key is stored with an Internal
 // error, outside any transaction, and every retry gets that error.
 func (s *Store) handlerEndedTx(ctx context.Context, conn *pgx.Conn, call Call) (Result, error) {
-	st := grpcstatus.New(codes.Internal, "idempotency: the handler ended the call's transaction itself (a COMMIT or ROLLBACK statement, "+
+	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil { // end a transaction fn may have begun
+		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the error of a handler that ended the transaction", err)
+	}
+	return s.storeOutside(ctx, conn, call, grpcstatus.New(codes.Internal, "idempotency: the handler ended the call's transaction itself (a COMMIT or ROLLBACK statement, "+
 		"or a transaction begun on tx.Conn()), so its writes may have been committed without the key; "+
-		"the key is kept with this error so that the call does not run again. Handlers must not end the transaction")
-	b, err := proto.Marshal(st.Proto())
+		"the key is kept with this error so that the call does not run again. Handlers must not end the transaction"))
+}
+
+// storeOutside stores st as the key's final error outside any transaction,
+// unless the key has a row already, and returns it as the call's outcome.
+func (s *Store) storeOutside(ctx context.Context, conn *pgx.Conn, call Call, st *grpcstatus.Status) (Result, error) {
+	b, err := marshalStatus(st)
 	if err == nil {
-		_, err = conn.Exec(ctx, "ROLLBACK") // end a transaction fn may have begun
-		if err == nil {
-			_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds())
-		}
+		_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds())
 	}
 	if err != nil {
-		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the error of a handler that ended the transaction", err)
+		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the call's final error", err)
 	}
 	return Result{Outcome: OutcomeExecuted}, Final(st.Err())
 }
@@ -335,8 +369,9 @@ func (w *waiter) wait(ctx context.Context) error {
 
 // sendAll runs a batch of statements that return no rows, in one round
 // trip, and fails unless every one succeeded, the COMMIT included (a COMMIT
-// of a failed transaction reports ROLLBACK).
-func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) error {
+// of a failed transaction reports ROLLBACK). failed is the index of the
+// statement that failed.
+func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (failed int, err error) {
 	br := conn.SendBatch(ctx, b)
 	for i, q := range b.QueuedQueries {
 		tag, err := br.Exec()
@@ -345,10 +380,19 @@ func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) error {
 		}
 		if err != nil {
 			_ = br.Close()
-			return err
+			return i, err
 		}
 	}
-	return br.Close()
+	return -1, br.Close()
+}
+
+// sqlState returns the SQLSTATE of a PostgreSQL error, or "".
+func sqlState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
 }
 
 // record is a key's row.
@@ -420,11 +464,37 @@ func (s *Store) replay(call Call, rec record) (Result, error) {
 	}
 }
 
-// dbError wraps a database error. A cancelled or expired ctx is reported
-// as such (the caller gave up; the database may be fine).
-func (s *Store) dbError(ctx context.Context, op string, err error) error {
-	if ctxErr := ctx.Err(); ctxErr != nil && errors.Is(err, ctxErr) {
-		return contextError{ctxErr}
+// MaxScopeLen is the longest scope, in bytes. With the longest key it keeps
+// the primary key's index entry well under PostgreSQL's limit for one.
+const MaxScopeLen = 1024
+
+// maxMethodLen bounds Call.Method, which PostgreSQL stores with every key.
+const maxMethodLen = 1024
+
+// validateText rejects what PostgreSQL's text cannot hold (invalid UTF-8, a
+// NUL byte) or what would not fit, before anything is sent: as an outage it
+// would be retried forever.
+func validateText(what, s string, limit int) error {
+	switch {
+	case len(s) > limit:
+		return grpcstatus.Errorf(codes.InvalidArgument, "idempotency: %s is %d bytes long, the limit is %d", what, len(s), limit)
+	case !utf8.ValidString(s) || strings.IndexByte(s, 0) >= 0:
+		return grpcstatus.Errorf(codes.InvalidArgument, "idempotency: %s is not valid UTF-8 or contains a NUL byte", what)
 	}
-	return ErrStoreUnavailable.with(op, err)
+	return nil
+}
+
+// marshalStatus encodes a final error for storage. Its message must be
+// valid UTF-8 to be encoded at all, so an invalid one is repaired first.
+func marshalStatus(st *grpcstatus.Status) ([]byte, error) {
+	return proto.Marshal(sanitizeStatus(st.Proto()))
+}
+
+// sanitizeStatus replaces each invalid UTF-8 sequence of the message with
+// U+FFFD, which protobuf requires of a string field.
+func sanitizeStatus(p *status.Status) *status.Status {
+	if !utf8.ValidString(p.GetMessage()) {
+		p.Message = strings.ToValidUTF8(p.GetMessage(), "\uFFFD")
+	}
+	return p
 }

@@ -61,7 +61,7 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 			if pol.mode == modeOptional || (pol.mode == modeDefault && !o.requireKey) {
 				return handler(ctx, req)
 			}
-			err = ErrMissingKey.with("", nil).about(MetadataKey)
+			err = missingKey(pol)
 		}
 		if err != nil {
 			o.report(ctx, info.FullMethod, OutcomeRejected, err)
@@ -120,12 +120,18 @@ func (o *serverOptions) validate() error {
 
 // DefaultFinalCodes returns the handler error codes that are final by
 // default: they mean the request was decided and repeating it gives the
-// same answer, so they are stored and replayed. Every other code releases
-// the key so a retry runs the handler again.
+// same answer, so they are stored and replayed: NotFound, AlreadyExists,
+// PermissionDenied, FailedPrecondition, OutOfRange and Unimplemented.
+//
+// Every other code releases the key so a retry runs the handler again:
+// the transient ones (Unavailable, Aborted, DeadlineExceeded, ...), and the
+// two that say the request was never processed, InvalidArgument (it failed
+// validation) and Unauthenticated, so that the corrected request can be
+// sent with the same key.
 func DefaultFinalCodes() []codes.Code {
 	return []codes.Code{
-		codes.InvalidArgument, codes.NotFound, codes.AlreadyExists, codes.PermissionDenied,
-		codes.FailedPrecondition, codes.OutOfRange, codes.Unimplemented, codes.Unauthenticated,
+		codes.NotFound, codes.AlreadyExists, codes.PermissionDenied,
+		codes.FailedPrecondition, codes.OutOfRange, codes.Unimplemented,
 	}
 }
 
@@ -237,7 +243,8 @@ func (o *serverOptions) serve(ctx context.Context, store *Store, key string, ttl
 	if err != nil {
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
 	}
-	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx)}
+	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx),
+		finalCode: func(c codes.Code) bool { return o.final[c] }}
 	return store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		resp, err := handler(ctx, req)
 		if err != nil {
@@ -274,12 +281,25 @@ func isRetryAttempt(ctx context.Context) bool {
 	return len(md.Get(grpcPreviousAttempts)) > 0 || len(md.Get(retryAttempt)) > 0
 }
 
+// missingKey is ErrMissingKey naming where the key is expected.
+func missingKey(pol methodPolicy) error {
+	if pol.keyField != nil {
+		return ErrMissingKey.with(fmt.Sprintf("send it in the %s metadata or the request field %s", MetadataKey, pol.keyPath), nil).about(pol.keyPath)
+	}
+	return ErrMissingKey.with(fmt.Sprintf("send it in the %s metadata", MetadataKey), nil).about(MetadataKey)
+}
+
 // keyFromIncoming returns the key of an incoming call. ok is false when the
 // call has none; more than one value, or an invalid one, is an error.
 func keyFromIncoming(ctx context.Context) (key string, ok bool, err error) {
 	vals := metadata.ValueFromIncomingContext(ctx, MetadataKey)
 	switch len(vals) {
 	case 0:
+		if bin := metadata.ValueFromIncomingContext(ctx, MetadataKey+"-bin"); len(bin) > 0 {
+			// A binary header is a different key to gRPC; ignoring it would
+			// leave the call unprotected.
+			return "", false, invalidKey(MetadataKey+"-bin", fmt.Sprintf("the key was sent as binary metadata %s-bin; send it as the text metadata %s", MetadataKey, MetadataKey))
+		}
 		return "", false, nil
 	case 1:
 		if err := ValidateKey(vals[0]); err != nil {

@@ -154,15 +154,15 @@ func TestFinalErrorIsStoredAndReplayed(t *testing.T) {
 		if _, err := e.insertLedger(ctx, req); err != nil {
 			return nil, err
 		}
-		st, _ := status.New(codes.InvalidArgument, "amount must be positive").WithDetails(&errdetails.BadRequest{
-			FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: "amount", Description: "must be positive"}},
+		st, _ := status.New(codes.FailedPrecondition, "insufficient funds").WithDetails(&errdetails.PreconditionFailure{
+			Violations: []*errdetails.PreconditionFailure_Violation{{Type: "BALANCE", Subject: "acct-1", Description: "balance 3 < 5"}},
 		})
 		return nil, st.Err()
 	}})
 	ctx := context.Background()
 
 	first := e.call(ctx, methodCharge, "k", "-5")
-	require.Equal(t, codes.InvalidArgument, status.Code(first.err))
+	require.Equal(t, codes.FailedPrecondition, status.Code(first.err))
 	require.False(t, first.replayed)
 	require.Equal(t, 0, e.ledgerRows(), "business writes of a failed call roll back")
 	require.Equal(t, "failed", e.keyState("k"), "a final error keeps the key")
@@ -587,7 +587,7 @@ func TestStoreFailureRollsBackBusinessWrite(t *testing.T) {
 	e := newEnv(t, envConfig{})
 	ctx := context.Background()
 	_, err := e.db.Pool.Exec(ctx, `CREATE FUNCTION refuse_result() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN RAISE EXCEPTION 'disk full'; END $$;
+BEGIN RAISE EXCEPTION 'disk full' USING ERRCODE = 'disk_full'; END $$;
 CREATE TRIGGER refuse_result BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_result()`)
 	require.NoError(t, err)
 

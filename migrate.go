@@ -10,6 +10,13 @@ import (
 	"github.com/exactlyonce/idempotency/internal/schema"
 )
 
+// Suffixes of the names of the objects Migrate creates beside the key
+// table: the table of applied versions and the expiry index.
+const (
+	migrationsSuffix   = "_migrations"
+	expiresIndexSuffix = schema.ExpiresIndexSuffix
+)
+
 // Migration is one schema change of the key table, for teams that apply
 // migrations with their own tool (goose, Atlas, golang-migrate, ...).
 type Migration = schema.Migration
@@ -28,7 +35,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 		return err
 	}
 	versions := append(pgx.Identifier{}, s.ident...)
-	versions[len(versions)-1] += "_migrations"
+	versions[len(versions)-1] += migrationsSuffix
 	h := fnv.New64a()
 	h.Write([]byte(s.ident.Sanitize()))
 

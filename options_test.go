@@ -20,6 +20,7 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 		"WithTable":          WithTable("", ""),
 		"WithTable ":         WithTable("", strings.Repeat("t", 64)),
 		"WithTable  ":        WithTable("a\x00b", "t"),
+		"WithTable   ":       WithTable("", strings.Repeat("t", 49)), // fits alone, not with "_expires_at_idx"
 		"WithInProgressWait": WithInProgressWait(0),
 		"WithRetryDelay":     WithRetryDelay(-time.Second),
 		"WithFinishTimeout":  WithFinishTimeout(0),
@@ -31,6 +32,8 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 	require.ErrorContains(t, err, "db is nil")
 	store, err := NewStore(pool)
 	require.NoError(t, err)
+	_, err = NewStore(pool, WithTable("", strings.Repeat("t", 48)))
+	require.NoError(t, err, "48 bytes leave room for both suffixes")
 
 	for name, opt := range map[string]ServerOption{
 		"WithScope":       WithScope(nil),
@@ -74,7 +77,7 @@ func TestUnitDefaultsAreCopies(t *testing.T) {
 	t.Parallel()
 	DefaultFinalCodes()[0] = codes.Unavailable
 	RetryCodes()[0] = codes.OK
-	require.Equal(t, codes.InvalidArgument, DefaultFinalCodes()[0])
+	require.Equal(t, codes.NotFound, DefaultFinalCodes()[0])
 	require.Equal(t, codes.Unavailable, RetryCodes()[0])
 	require.False(t, defaultServerOptions().final[codes.Unavailable])
 }

@@ -86,6 +86,13 @@ func (o storeOptions) validate() error {
 			}
 		}
 	}
+	// Migrate names two more objects after the table; they must fit too.
+	for _, suffix := range []string{migrationsSuffix, expiresIndexSuffix} {
+		if n := len(o.table) + len(suffix); n > 63 {
+			return fmt.Errorf("idempotency: WithTable: table name %q is %d bytes; with the suffix %q of the objects Migrate creates beside it, it must fit PostgreSQL's 63-byte identifier limit, so at most %d bytes",
+				o.table, len(o.table), suffix, 63-len(suffix))
+		}
+	}
 	switch {
 	case o.table == "":
 		return errors.New("idempotency: WithTable: table name is empty")

@@ -94,7 +94,9 @@ func TestChargeWithTheSameKeyChargesOnce(t *testing.T) {
 	require.Equal(t, codes.FailedPrecondition, status.Code(err), "the key belongs to the 500 charge")
 }
 
-func TestInvalidChargesAreFinalAndReplayed(t *testing.T) {
+// A charge that fails validation is not stored: as with Stripe, the
+// corrected request can be sent with the same key.
+func TestInvalidChargeReleasesItsKey(t *testing.T) {
 	t.Parallel()
 	c, db := newService(t)
 	for i, req := range []*paymentsv1.ChargeRequest{
@@ -104,14 +106,20 @@ func TestInvalidChargesAreFinalAndReplayed(t *testing.T) {
 	} {
 		ctx := idempotency.WithOutgoingKey(context.Background(), fmt.Sprintf("bad-%d", i))
 		var tr metadata.MD
-		_, err := c.Charge(ctx, req)
+		_, err := c.Charge(ctx, req, grpc.Trailer(&tr))
 		require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", req)
 		require.False(t, idempotency.IsKeyReused(err) || strings.Contains(err.Error(), "idempotency"), "the handler's own error: %v", err)
-		_, err = c.Charge(ctx, req, grpc.Trailer(&tr))
-		require.Equal(t, codes.InvalidArgument, status.Code(err))
-		require.Equal(t, []string{"true"}, tr.Get(idempotency.ReplayedTrailer), "a final error is replayed")
+		require.Empty(t, tr.Get(idempotency.ReplayedTrailer))
+
+		fixed := &paymentsv1.ChargeRequest{AccountId: "c", AmountCents: 7}
+		resp, err := c.Charge(ctx, fixed)
+		require.NoError(t, err, "the corrected request, same key")
+		_, err = c.Charge(ctx, fixed, grpc.Trailer(&tr))
+		require.NoError(t, err)
+		require.Equal(t, []string{"true"}, tr.Get(idempotency.ReplayedTrailer), "and its retry replays")
+		require.Equal(t, "c", resp.GetAccountId())
 	}
-	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM ledger`))
+	require.Equal(t, 3, db.Count(t, `SELECT count(*) FROM ledger`), "one charge per corrected request")
 }
 
 func TestChargeRequiresAKey(t *testing.T) {

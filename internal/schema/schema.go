@@ -21,6 +21,9 @@ import (
 //go:embed migrations/*.sql
 var files embed.FS
 
+// ExpiresIndexSuffix ends the name of the expiry index, after the table's.
+const ExpiresIndexSuffix = "_expires_at_idx"
+
 // Migration is one rendered schema change.
 type Migration struct {
 	// Version orders migrations; it is the number the file name starts with.
@@ -40,7 +43,7 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 	}
 	r := strings.NewReplacer(
 		"{{table}}", ident.Sanitize(),
-		"{{expires_index}}", pgx.Identifier{ident[len(ident)-1] + "_expires_at_idx"}.Sanitize(),
+		"{{expires_index}}", pgx.Identifier{ident[len(ident)-1] + ExpiresIndexSuffix}.Sanitize(),
 	)
 	var out []Migration
 	for _, e := range entries {

@@ -1,0 +1,230 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// Every error a client can see tells the truth: Unavailable only where a
+// retry can help, and what an operator must do where it cannot.
+
+func TestNeverMigratedIsAConfigurationError(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store, err := idempotency.NewStore(db.Pool) // no Migrate
+	require.NoError(t, err)
+	ran := false
+	res, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"},
+		func(context.Context, pgx.Tx) (proto.Message, error) { ran = true; return nil, nil })
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Contains(t, status.Convert(err).Message(), `key table "idempotency_keys" does not exist: run Store.Migrate`)
+	require.Equal(t, idempotency.OutcomeUnavailable, res.Outcome)
+	require.False(t, ran, "nothing runs without a key table")
+	require.False(t, errors.Is(err, idempotency.ErrStoreUnavailable))
+}
+
+func TestUnstorableCallsAreRejectedUpFront(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	run := func(context.Context, pgx.Tx) (proto.Message, error) { t.Error("ran"); return nil, nil }
+	for name, call := range map[string]idempotency.Call{
+		"scope over the limit":      {Scope: strings.Repeat("s", idempotency.MaxScopeLen+1), Key: "k", Method: "m"},
+		"scope at PostgreSQL limit": {Scope: strings.Repeat("s", 3000), Key: "k", Method: "m"},
+		"non-UTF-8 method":          {Key: "k", Method: "/svc/\xffM"},
+		"NUL in method":             {Key: "k", Method: "/svc/\x00M"},
+	} {
+		res, err := store.Execute(context.Background(), call, run)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%s: %v", name, err)
+		require.Equal(t, idempotency.OutcomeRejected, res.Outcome, name)
+	}
+	res, err := store.Execute(context.Background(), idempotency.Call{Scope: strings.Repeat("s", idempotency.MaxScopeLen), Key: strings.Repeat("k", idempotency.MaxKeyLen), Method: "m"},
+		func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err, "the longest scope with the longest key fits")
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+}
+
+// A deferred constraint the handler's writes violate is found at COMMIT.
+// It is the handler's failure, FailedPrecondition, not an outage: through
+// the interceptor (FailedPrecondition is final there) it is stored and the
+// handler never runs again; for a message (no policy) the ID is released.
+func TestDeferredConstraintAtCommitIsTheHandlersFailure(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		return e.insertLedger(ctx, req)
+	}})
+	ctx := context.Background()
+	_, err := e.db.Pool.Exec(ctx, `ALTER TABLE ledger ADD CONSTRAINT note_not_bad CHECK (note <> 'bad') NOT VALID;
+CREATE TABLE audit (note text UNIQUE DEFERRABLE INITIALLY DEFERRED);
+CREATE FUNCTION audit_note() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN INSERT INTO audit VALUES ('same'); RETURN NEW; END $$;
+CREATE TRIGGER audit_note AFTER INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION audit_note()`)
+	require.NoError(t, err)
+	require.NoError(t, e.call(ctx, methodCharge, "first", "x").err, "the first audit row")
+
+	r := e.call(ctx, methodCharge, "second", "y") // its audit row collides at COMMIT
+	require.Equal(t, codes.FailedPrecondition, status.Code(r.err), "%v", r.err)
+	require.Contains(t, r.err.Error(), "audit_note_key")
+	again := e.call(ctx, methodCharge, "second", "y")
+	require.Equal(t, codes.FailedPrecondition, status.Code(again.err))
+	require.True(t, again.replayed, "final: stored and replayed")
+	require.EqualValues(t, 2, e.runs.Load(), "the handler did not run again")
+	require.Equal(t, 1, e.ledgerRows())
+
+	o, err := e.store.ProcessMessage(ctx, idempotency.Message{ID: "m-1"}, func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('z')`)
+		return err
+	})
+	require.Equal(t, codes.FailedPrecondition, status.Code(err))
+	require.Equal(t, idempotency.OutcomeReleased, o, "without a policy the message's ID is released")
+	require.False(t, idempotency.IsFinal(err))
+}
+
+// With statement_timeout shorter than the in-progress wait, a duplicate
+// still gets the first call's result: no statement waits for a lock.
+func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["statement_timeout"] = "50ms" })
+	holding := make(chan struct{})
+	srv := startReplica(t, pool, replicaConfig{
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(3 * time.Second)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			resp, err := keyedLedger(ctx, req)
+			if req.GetValue() == "slow" {
+				close(holding)
+				time.Sleep(300 * time.Millisecond)
+			}
+			return resp, err
+		},
+	})
+	conn := dial(t, srv.addr)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	first := make(chan reply, 1)
+	go func() { first <- invoke(ctx, conn, methodCharge, "slow") }()
+	<-holding
+	dup := invoke(ctx, conn, methodCharge, "slow")
+	require.NoError(t, dup.err, "a duplicate outwaits statement_timeout")
+	require.True(t, dup.replayed)
+	require.NoError(t, (<-first).err)
+}
+
+// A handler cut short by the caller's deadline: DeadlineExceeded, nothing
+// committed, the key free.
+func TestHandlerPastItsDeadline(t *testing.T) {
+	t.Parallel()
+	var e *env
+	var outcome atomic.Value
+	e = newEnv(t, envConfig{
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			if _, err := e.insertLedger(ctx, req); err != nil {
+				return nil, err
+			}
+			_, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `SELECT pg_sleep(2)`)
+			return wrapperspb.String("late"), err
+		},
+		opts: []idempotency.ServerOption{idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, err error) {
+			outcome.Store([2]any{o, status.Code(err)})
+		})},
+		// A server-side timeout, as a handler-timeout middleware sets one.
+		interceptors: []grpc.UnaryServerInterceptor{func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			defer cancel()
+			return h(ctx, req)
+		}},
+	})
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.Equal(t, codes.DeadlineExceeded, status.Code(r.err))
+	require.Eventually(t, func() bool { return outcome.Load() != nil }, 5*time.Second, 5*time.Millisecond)
+	require.Equal(t, [2]any{idempotency.OutcomeReleased, codes.DeadlineExceeded}, outcome.Load(), "the server reports the deadline, not an outage")
+	require.Equal(t, 0, e.ledgerRows())
+	require.Equal(t, 0, e.keyRows())
+
+	// The same through the engine.
+	dctx, dcancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer dcancel()
+	res, err := e.store.Execute(dctx, idempotency.Call{Key: "k2", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(2)`)
+		return nil, err
+	})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Equal(t, codes.DeadlineExceeded, status.Code(err))
+	require.Equal(t, idempotency.OutcomeReleased, res.Outcome)
+}
+
+// A validation failure does not use up the key: the corrected request can
+// be sent with it (InvalidArgument is not final by default).
+func TestValidationFailureReleasesTheKey(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if req.GetValue() == "" {
+			return nil, status.Error(codes.InvalidArgument, "note is required")
+		}
+		return e.insertLedger(ctx, req)
+	}})
+	ctx := context.Background()
+	r := e.call(ctx, methodCharge, "k", "")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Equal(t, 0, e.keyRows())
+	r = e.call(ctx, methodCharge, "k", "fixed")
+	require.NoError(t, r.err, "the corrected request, same key")
+	require.False(t, r.replayed)
+	require.True(t, e.call(ctx, methodCharge, "k", "fixed").replayed)
+}
+
+// A key sent as binary metadata is not silently ignored.
+func TestBinaryKeyIsRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired(true)}})
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey+"-bin", "k")
+	r := invoke(ctx, e.conn, methodCharge, "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Contains(t, status.Convert(r.err).Message(), "send it as the text metadata idempotency-key")
+	require.Equal(t, idempotency.MetadataKey+"-bin", badRequestField(t, r.err))
+	require.EqualValues(t, 0, e.runs.Load())
+
+	r = e.call(context.Background(), methodCharge, "", "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Contains(t, status.Convert(r.err).Message(), "send it in the idempotency-key metadata", "the missing-key error names the header")
+
+	optional := newEnv(t, envConfig{})
+	r = invoke(ctx, optional.conn, methodCharge, "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err), "refused even where a key is optional: the caller meant to send one")
+	require.EqualValues(t, 0, optional.runs.Load())
+}
+
+// A final error whose message is not valid UTF-8 is stored (repaired) and
+// replayed, instead of failing to store and running again on every retry.
+func TestFinalErrorWithInvalidUTF8IsStored(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		return nil, status.Error(codes.FailedPrecondition, "account \xff\xfe frozen")
+	}})
+	ctx := context.Background()
+	first := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.FailedPrecondition, status.Code(first.err), "%v", first.err)
+	again := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.FailedPrecondition, status.Code(again.err))
+	require.True(t, again.replayed)
+	require.Equal(t, "account \uFFFD frozen", status.Convert(again.err).Message())
+	require.Equal(t, status.Convert(first.err).Message(), status.Convert(again.err).Message(), "the first call and its replay agree")
+	require.EqualValues(t, 1, e.runs.Load())
+}
