@@ -23,6 +23,11 @@ type Call struct {
 	Method string
 	// Fingerprint identifies the request body (e.g. [Fingerprint]). The same
 	// key with a different fingerprint is rejected with [ErrKeyReused].
+	// Fingerprints made by this package carry the version of their
+	// algorithm and a digest of the request's schema; two that differ in
+	// those are not compared, so that a new release or a schema change
+	// during a rolling deploy never turns a retry into ErrKeyReused. Other
+	// byte strings are compared byte for byte.
 	Fingerprint []byte
 	// TTL is how long the key is kept, counted from when the call's result
 	// was stored (a commit that takes a large part of the TTL has it counted

@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"crypto/sha256"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -55,8 +54,7 @@ func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx conte
 	if err := ValidateKey(m.ID); err != nil {
 		return OutcomeRejected, keyError(err, "ID", "message ID")
 	}
-	sum := sha256.Sum256(m.Body)
-	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: sum[:], TTL: m.TTL}
+	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL}
 	res, err := s.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		return nil, fn(ctx, tx)
 	})

@@ -1,7 +1,6 @@
 package idempotency
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -430,7 +429,7 @@ func scanRecord(row pgx.Row, free *bool) (*record, error) {
 }
 
 func (s *Store) replay(call Call, rec record) (Result, error) {
-	if rec.method != call.Method || !bytes.Equal(rec.fingerprint, call.Fingerprint) {
+	if rec.method != call.Method || !sameRequest(rec.fingerprint, call.Fingerprint) {
 		detail := ""
 		if rec.method != call.Method {
 			detail = "key belongs to method " + rec.method

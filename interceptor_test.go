@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,8 +18,10 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
@@ -319,6 +322,54 @@ func TestKeyReusedWithDifferentRequest(t *testing.T) {
 	require.EqualValues(t, 1, e.runs.Load())
 	require.Equal(t, 1, e.ledgerRows())
 }
+
+// A newer client's request carries a map the server does not know, and its
+// retry encodes the map's entries in another order (protobuf's default
+// marshal does not fix it): the same request, replayed, not KEY_REUSED.
+func TestUnknownFieldsInAnotherOrderAreTheSameRequest(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	send := func(order ...int) reply {
+		b := protowire.AppendTag(nil, 1, protowire.BytesType)
+		b = protowire.AppendString(b, "charge 100") // StringValue.value, known
+		for _, i := range order {
+			entry := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), fmt.Sprint("k", i))
+			entry = protowire.AppendString(protowire.AppendTag(entry, 2, protowire.BytesType), fmt.Sprint("v", i))
+			b = protowire.AppendBytes(protowire.AppendTag(b, 7, protowire.BytesType), entry) // unknown to the server
+		}
+		var trailer metadata.MD
+		ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+		req, out := rawMessage(b), rawMessage(nil)
+		err := e.conn.Invoke(ctx, methodCharge, &req, &out, grpc.ForceCodecV2(rawCodec{}), grpc.Trailer(&trailer))
+		return reply{err: err, raw: out, replayed: len(trailer.Get(idempotency.ReplayedTrailer)) == 1}
+	}
+	first := send(0, 1, 2)
+	require.NoError(t, first.err)
+	for _, order := range [][]int{{2, 0, 1}, {1, 2, 0}} {
+		again := send(order...)
+		require.NoError(t, again.err, "the same logical request")
+		require.True(t, again.replayed)
+		require.Equal(t, first.raw, again.raw)
+	}
+	require.EqualValues(t, 1, e.runs.Load())
+}
+
+// rawMessage and rawCodec send and receive bytes exactly as given, as a
+// client of another language or schema version would encode them.
+type rawMessage []byte
+
+type rawCodec struct{}
+
+func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
+	return mem.BufferSlice{mem.SliceBuffer(*v.(*rawMessage))}, nil
+}
+
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	*v.(*rawMessage) = data.Materialize()
+	return nil
+}
+
+func (rawCodec) Name() string { return "proto" }
 
 func TestExpiredKeyExecutesAgain(t *testing.T) {
 	t.Parallel()
