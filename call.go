@@ -7,6 +7,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
 // Call names one execution that must happen at most once.
@@ -42,6 +43,17 @@ type Call struct {
 	// result too, at the cost of a transaction; so Retry only makes replays
 	// cheaper, never changes an outcome.
 	Retry bool
+
+	// responseType is the type the call's method declares for its
+	// response, set by a transport that knows it: a replay decodes the
+	// stored response with it. Nil: the type of the stored name in the
+	// global registry.
+	responseType protoreflect.MessageType
+	// metadata, when set, is called once fn has succeeded or failed with a
+	// final error: what it returns (the handler's headers and trailers, in
+	// the transport's encoding) is stored with the result and handed back on
+	// replay in Result.metadata. An error fails the call, nothing stored.
+	metadata func() ([]byte, error)
 
 	// finalCode decides whether a FailedPrecondition that the engine finds
 	// at COMMIT (a deferred constraint of fn's writes) is final; the gRPC
@@ -100,4 +112,6 @@ type Result struct {
 	Response proto.Message
 	// Outcome says whether Func ran, was replayed, or why neither.
 	Outcome Outcome
+
+	metadata []byte // the transport's stored metadata (Call.metadata)
 }

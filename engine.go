@@ -177,7 +177,14 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 			"idempotency: the handler returned success, but one of its statements failed and aborted the call's transaction; nothing was committed")
 	}
 
-	row := []any{call.Scope, call.Key, call.Method, call.Fingerprint, "succeeded", "", []byte(nil), []byte(nil), call.TTL.Microseconds()}
+	row := []any{call.Scope, call.Key, call.Method, call.Fingerprint, "succeeded", "", []byte(nil), []byte(nil), call.TTL.Microseconds(), []byte(nil)}
+	var meta []byte
+	if call.metadata != nil {
+		if meta, err = call.metadata(); err != nil {
+			return Result{Outcome: OutcomeReleased}, done, err
+		}
+		row[9] = meta
+	}
 	batch := &pgx.Batch{}
 	if final == nil {
 		if resp != nil {
@@ -236,7 +243,7 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 		// Best effort: a failure leaves the TTL counted from the insert.
 		_, _ = conn.Exec(fctx, s.sql.extend, call.Scope, call.Key, call.TTL.Microseconds())
 	}
-	return Result{Response: resp, Outcome: OutcomeExecuted}, done, fnErr
+	return Result{Response: resp, Outcome: OutcomeExecuted, metadata: meta}, done, fnErr
 }
 
 // claim opens the call's transaction, takes the key's lock without waiting
@@ -322,7 +329,7 @@ func (s *Store) handlerEndedTx(ctx context.Context, conn *pgx.Conn, call Call) (
 func (s *Store) storeOutside(ctx context.Context, conn *pgx.Conn, call Call, st *grpcstatus.Status) (Result, error) {
 	b, err := marshalStatus(st)
 	if err == nil {
-		_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds())
+		_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds(), []byte(nil))
 	}
 	if err != nil {
 		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the call's final error", err)
@@ -402,6 +409,7 @@ type record struct {
 	responseType *string
 	response     []byte
 	status       []byte
+	metadata     []byte
 	expired      bool
 }
 
@@ -411,7 +419,7 @@ func scanRecord(row pgx.Row, free *bool) (*record, error) {
 	var rec record
 	var method, state *string // NULL when the probe's outer join found no row
 	var expired *bool
-	dest := []any{&method, &rec.fingerprint, &state, &rec.responseType, &rec.response, &rec.status, &expired}
+	dest := []any{&method, &rec.fingerprint, &state, &rec.responseType, &rec.response, &rec.status, &rec.metadata, &expired}
 	if free != nil {
 		dest = append([]any{free}, dest...)
 	}
@@ -436,31 +444,50 @@ func (s *Store) replay(call Call, rec record) (Result, error) {
 		}
 		return Result{Outcome: OutcomeKeyReused}, ErrKeyReused.with(detail, nil).about(call.Key)
 	}
+	res := Result{Outcome: OutcomeReplayed, metadata: rec.metadata}
 	switch rec.state {
 	case "succeeded":
 		if rec.responseType == nil || *rec.responseType == "" {
-			return Result{Outcome: OutcomeReplayed}, nil
+			return res, nil
 		}
-		mt, err := protoregistry.GlobalTypes.FindMessageByName(protoreflect.FullName(*rec.responseType))
-		if err != nil {
-			return Result{Outcome: OutcomeReplayed}, grpcstatus.Errorf(codes.Internal, "idempotency: stored response type %s is not linked into this binary", *rec.responseType)
-		}
-		m := mt.New().Interface()
-		if err := proto.Unmarshal(rec.response, m); err != nil {
-			return Result{Outcome: OutcomeReplayed}, grpcstatus.Errorf(codes.Internal, "idempotency: stored response: %v", err)
-		}
-		return Result{Response: m, Outcome: OutcomeReplayed}, nil
+		m, err := decodeResponse(call, *rec.responseType, rec.response)
+		res.Response = m
+		return res, err
 	case "failed":
 		st := &status.Status{}
 		if err := proto.Unmarshal(rec.status, st); err != nil {
-			return Result{Outcome: OutcomeReplayed}, grpcstatus.Errorf(codes.Internal, "idempotency: stored status: %v", err)
+			return res, grpcstatus.Errorf(codes.Internal, "idempotency: stored status of key %q: %v", call.Key, err)
 		}
-		return Result{Outcome: OutcomeReplayed}, Final(grpcstatus.FromProto(st).Err())
+		return res, Final(grpcstatus.FromProto(st).Err())
 	default:
 		// A 'running' row, committed by an engine before this one in the
 		// middle of its call: the call is still in progress.
 		return Result{Outcome: OutcomeInProgress}, inProgress("", s.opts.retryDelay)
 	}
+}
+
+// decodeResponse decodes a stored response with the type the call's method
+// declares, when the transport knows it (a dynamic type included), and else
+// with the type of that name linked into the binary. A stored type that is
+// not the declared one (the method's output changed since the call ran) is
+// an error, never bytes decoded as another type.
+func decodeResponse(call Call, typeName string, b []byte) (proto.Message, error) {
+	mt := call.responseType
+	if mt == nil {
+		var err error
+		if mt, err = protoregistry.GlobalTypes.FindMessageByName(protoreflect.FullName(typeName)); err != nil {
+			return nil, grpcstatus.Errorf(codes.Internal, "idempotency: the stored response of key %q is a %s, which is not linked into this binary", call.Key, typeName)
+		}
+	}
+	if declared := mt.Descriptor().FullName(); string(declared) != typeName {
+		return nil, grpcstatus.Errorf(codes.Internal, "idempotency: the stored response of key %q is a %s, but %s now returns %s (the method changed since the call ran); it cannot be replayed",
+			call.Key, typeName, call.Method, declared)
+	}
+	m := mt.New().Interface()
+	if err := proto.Unmarshal(b, m); err != nil {
+		return nil, grpcstatus.Errorf(codes.Internal, "idempotency: the stored response of key %q does not decode as a %s: %v", call.Key, typeName, err)
+	}
+	return m, nil
 }
 
 // MaxScopeLen is the longest scope, in bytes. With the longest key it keeps

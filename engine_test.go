@@ -108,12 +108,15 @@ func TestStoresOnTwoTablesShareNoLocks(t *testing.T) {
 	go func() {
 		_, err := a.Execute(ctx, idempotency.Call{Scope: "s", Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
 			close(holding)
-			<-release
+			select { // released by the test, or abandoned when it fails
+			case <-release:
+			case <-ctx.Done():
+			}
 			return nil, nil
 		})
 		doneA <- err
 	}()
-	<-holding
+	await(t, holding, "the first call's handler to run")
 	res, err := b.Execute(ctx, idempotency.Call{Scope: "s", Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
 	require.NoError(t, err, "the other table's key is free")
 	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)

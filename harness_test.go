@@ -465,3 +465,16 @@ func killBackend(t testing.TB, pid uint32) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+// await receives from ch, failing the test after 10 s instead of hanging the
+// whole binary when what it waits for never happens.
+func await[T any](t testing.TB, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(10 * time.Second):
+		t.Fatalf("gave up after 10 s waiting for %s", what)
+		panic("unreachable")
+	}
+}

@@ -73,8 +73,9 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		}
 		res, err := o.serve(ctx, store, key, ttl, req, info, handler)
 		if res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)) {
-			// Best effort: fails only if the stream is already done.
-			_ = grpc.SetTrailer(ctx, metadata.Pairs(ReplayedTrailer, "true"))
+			if merr := replayMetadata(ctx, res.metadata); merr != nil {
+				res.Response, err = nil, status.Errorf(codes.Internal, "%v", merr)
+			}
 		}
 		err = unwrapFinal(err) // the client gets the status the handler returned
 		o.report(ctx, info.FullMethod, res.Outcome, err)
@@ -244,7 +245,12 @@ func (o *serverOptions) serve(ctx context.Context, store *Store, key string, ttl
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
 	}
 	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx),
-		finalCode: func(c codes.Code) bool { return o.final[c] }}
+		responseType: declaredResponseType(info.FullMethod, msg),
+		finalCode:    func(c codes.Code) bool { return o.final[c] }}
+	ctx, rec := recordMetadata(ctx)
+	if rec != nil {
+		call.metadata = rec.encode
+	}
 	return store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		resp, err := handler(ctx, req)
 		if err != nil {

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
+	"google.golang.org/protobuf/types/dynamicpb"
 
 	idempotencyv1 "github.com/exactlyonce/idempotency/proto/idempotency/v1"
 )
@@ -187,4 +188,56 @@ func methodDescriptor(fullMethod string) protoreflect.MethodDescriptor {
 		return nil
 	}
 	return sd.Methods().ByName(protoreflect.Name(method))
+}
+
+// responseTypes caches declaredResponseType by method and request type.
+var responseTypes sync.Map // responseTypeKey -> protoreflect.MessageType, nil when unknown
+
+type responseTypeKey struct {
+	method string
+	req    protoreflect.MessageDescriptor
+}
+
+// declaredResponseType returns the type a method declares for its
+// response: from the global registry of descriptors, or else from the file
+// that declares the request's type (a service built at run time with
+// dynamicpb). A message type built from that descriptor is used when the
+// generated one is not linked in. Nil when the method is not described
+// anywhere (a hand-written ServiceDesc).
+func declaredResponseType(fullMethod string, req proto.Message) protoreflect.MessageType {
+	key := responseTypeKey{fullMethod, req.ProtoReflect().Descriptor()}
+	if mt, ok := responseTypes.Load(key); ok {
+		mt, _ := mt.(protoreflect.MessageType)
+		return mt
+	}
+	md := methodDescriptor(fullMethod)
+	if md == nil {
+		md = methodInFile(req.ProtoReflect().Descriptor().ParentFile(), fullMethod)
+	}
+	var mt protoreflect.MessageType
+	if md != nil {
+		out := md.Output()
+		if linked, err := protoregistry.GlobalTypes.FindMessageByName(out.FullName()); err == nil && linked.Descriptor() == out {
+			mt = linked
+		} else {
+			mt = dynamicpb.NewMessageType(out)
+		}
+	}
+	responseTypes.Store(key, mt)
+	return mt
+}
+
+// methodInFile finds "/pkg.Service/Method" among the services of fd.
+func methodInFile(fd protoreflect.FileDescriptor, fullMethod string) protoreflect.MethodDescriptor {
+	svc, method, ok := strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
+	if fd == nil || !ok {
+		return nil
+	}
+	services := fd.Services()
+	for i := 0; i < services.Len(); i++ {
+		if sd := services.Get(i); string(sd.FullName()) == svc {
+			return sd.Methods().ByName(protoreflect.Name(method))
+		}
+	}
+	return nil
 }

@@ -25,7 +25,7 @@ func renderStatements(ident string) statements {
 	// followed, and a missing table fails with 42P01.
 	lockKey := "hashtextextended($2, hashtextextended($1, " + quoteLiteral(ident) + "::regclass::oid::bigint))"
 	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", lockKey)
-	const columns = `method, fingerprint, state, response_type, response, status, expires_at <= now()`
+	const columns = `method, fingerprint, state, response_type, response, status, metadata, expires_at <= now()`
 	return statements{
 		// Transaction-scoped: released by COMMIT or ROLLBACK, whatever
 		// happens to the process, and safe behind a transaction pooler.
@@ -36,7 +36,7 @@ func renderStatements(ident string) statements {
 		// is taken and released within the statement). Its snapshot is
 		// older than the lock attempt, so "free and no row" is confirmed
 		// under the lock before anything runs.
-		probe: r.Replace(`SELECT l.free, k.method, k.fingerprint, k.state, k.response_type, k.response, k.status, k.expires_at <= now()
+		probe: r.Replace(`SELECT l.free, k.method, k.fingerprint, k.state, k.response_type, k.response, k.status, k.metadata, k.expires_at <= now()
 FROM (SELECT pg_try_advisory_xact_lock({{lock_key}}) AS free) l
 LEFT JOIN {{table}} k ON k.scope = $1 AND k.key = $2`),
 		// Taken after the lock: rolling back to a savepoint releases the
@@ -70,8 +70,8 @@ AND expires_at <= now()`),
 
 // insertRow writes a key's row; created_at is when it was written, and the
 // TTL counts from then.
-const insertRow = `INSERT INTO {{table}} (scope, key, method, fingerprint, state, response_type, response, status, created_at, expires_at)
-SELECT $1, $2, $3, $4, $5, NULLIF($6, ''), $7, $8, c.t, c.t + $9 * interval '1 microsecond'
+const insertRow = `INSERT INTO {{table}} (scope, key, method, fingerprint, state, response_type, response, status, metadata, created_at, expires_at)
+SELECT $1, $2, $3, $4, $5, NULLIF($6, ''), $7, $8, $10, c.t, c.t + $9 * interval '1 microsecond'
 FROM (SELECT clock_timestamp() AS t) c`
 
 // quoteLiteral quotes s as an SQL string literal that means the same

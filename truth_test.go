@@ -102,7 +102,7 @@ CREATE TRIGGER audit_note AFTER INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION a
 func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
-	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["statement_timeout"] = "50ms" })
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["statement_timeout"] = "300ms" })
 	holding := make(chan struct{})
 	srv := startReplica(t, pool, replicaConfig{
 		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(3 * time.Second)},
@@ -110,7 +110,7 @@ func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
 			resp, err := keyedLedger(ctx, req)
 			if req.GetValue() == "slow" {
 				close(holding)
-				time.Sleep(300 * time.Millisecond)
+				time.Sleep(time.Second) // past statement_timeout, within the wait
 			}
 			return resp, err
 		},
@@ -119,11 +119,11 @@ func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
 	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
 	first := make(chan reply, 1)
 	go func() { first <- invoke(ctx, conn, methodCharge, "slow") }()
-	<-holding
+	await(t, holding, "the first call's handler to run")
 	dup := invoke(ctx, conn, methodCharge, "slow")
 	require.NoError(t, dup.err, "a duplicate outwaits statement_timeout")
 	require.True(t, dup.replayed)
-	require.NoError(t, (<-first).err)
+	require.NoError(t, await(t, first, "the first call").err)
 }
 
 // A handler cut short by the caller's deadline: DeadlineExceeded, nothing

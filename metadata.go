@@ -1,0 +1,171 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+)
+
+// MaxStoredMetadata is the most header and trailer data, in bytes of keys
+// and values, that a handler may set on a call whose result is stored. A
+// call whose handler sets more fails with codes.Internal and nothing is
+// stored: a replay must give the client what the first call gave it.
+const MaxStoredMetadata = 16 << 10
+
+// recordingStream records the headers and trailers a handler sets, so they
+// can be stored with the call's result, and passes them on as usual.
+type recordingStream struct {
+	grpc.ServerTransportStream
+	mu              sync.Mutex
+	header, trailer metadata.MD
+}
+
+// recordMetadata returns ctx with its transport stream wrapped by a
+// recorder, or nil when ctx has no stream (a direct call of the
+// interceptor, as in tests).
+func recordMetadata(ctx context.Context) (context.Context, *recordingStream) {
+	st := grpc.ServerTransportStreamFromContext(ctx)
+	if st == nil {
+		return ctx, nil
+	}
+	r := &recordingStream{ServerTransportStream: st}
+	return grpc.NewContextWithServerTransportStream(ctx, r), r
+}
+
+func (r *recordingStream) SetHeader(md metadata.MD) error {
+	err := r.ServerTransportStream.SetHeader(md)
+	if err == nil {
+		r.mu.Lock()
+		r.header = metadata.Join(r.header, md)
+		r.mu.Unlock()
+	}
+	return err
+}
+
+func (r *recordingStream) SendHeader(md metadata.MD) error {
+	err := r.ServerTransportStream.SendHeader(md)
+	if err == nil {
+		r.mu.Lock()
+		r.header = metadata.Join(r.header, md)
+		r.mu.Unlock()
+	}
+	return err
+}
+
+func (r *recordingStream) SetTrailer(md metadata.MD) error {
+	err := r.ServerTransportStream.SetTrailer(md)
+	if err == nil {
+		r.mu.Lock()
+		r.trailer = metadata.Join(r.trailer, md)
+		r.mu.Unlock()
+	}
+	return err
+}
+
+// encode returns the recorded headers and trailers for storage, nil when
+// there are none worth keeping.
+func (r *recordingStream) encode() ([]byte, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	b, size := encodeMD(nil, 1, r.header, 0)
+	b, size = encodeMD(b, 2, r.trailer, size)
+	if size > MaxStoredMetadata {
+		return nil, status.Errorf(codes.Internal, "idempotency: the handler set %d bytes of headers and trailers; at most %d (MaxStoredMetadata) can be stored for replay", size, MaxStoredMetadata)
+	}
+	return b, nil
+}
+
+// storable reports whether a key the handler set is replayed: not gRPC's
+// reserved keys, not HTTP/2 pseudo-headers, not this package's own.
+func storable(key string) bool {
+	return !strings.HasPrefix(key, "grpc-") && !strings.HasPrefix(key, ":") &&
+		key != ReplayedTrailer && key != MetadataKey && key != MetadataKey+"-bin"
+}
+
+// The stored form, in protobuf's wire format: field 1 holds the header
+// entries and field 2 the trailer entries, each entry a key (field 1) and
+// its values (field 2, repeated), in the order they were set.
+func encodeMD(b []byte, field protowire.Number, md metadata.MD, size int) ([]byte, int) {
+	for key, values := range md {
+		if !storable(key) {
+			continue
+		}
+		entry := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), key)
+		for _, v := range values {
+			entry = protowire.AppendString(protowire.AppendTag(entry, 2, protowire.BytesType), v)
+			size += len(key) + len(v)
+		}
+		b = protowire.AppendBytes(protowire.AppendTag(b, field, protowire.BytesType), entry)
+	}
+	return b, size
+}
+
+// decodeMD reads the stored form back.
+func decodeMD(b []byte) (header, trailer metadata.MD, err error) {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 || typ != protowire.BytesType {
+			return nil, nil, errors.New("stored metadata is malformed")
+		}
+		b = b[n:]
+		entry, n := protowire.ConsumeBytes(b)
+		if n < 0 {
+			return nil, nil, errors.New("stored metadata is malformed")
+		}
+		b = b[n:]
+		key, values, err := decodeEntry(entry)
+		if err != nil {
+			return nil, nil, err
+		}
+		switch num {
+		case 1:
+			header = metadata.Join(header, metadata.MD{key: values})
+		case 2:
+			trailer = metadata.Join(trailer, metadata.MD{key: values})
+		}
+	}
+	return header, trailer, nil
+}
+
+func decodeEntry(b []byte) (key string, values []string, err error) {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 || typ != protowire.BytesType {
+			return "", nil, errors.New("stored metadata entry is malformed")
+		}
+		b = b[n:]
+		v, n := protowire.ConsumeString(b)
+		if n < 0 {
+			return "", nil, errors.New("stored metadata entry is malformed")
+		}
+		b = b[n:]
+		if num == 1 {
+			key = v
+		} else {
+			values = append(values, v)
+		}
+	}
+	return key, values, nil
+}
+
+// replayMetadata sets the stored headers and trailers of a replayed call on
+// its stream, with the replay marker.
+func replayMetadata(ctx context.Context, stored []byte) error {
+	header, trailer, err := decodeMD(stored)
+	if err != nil {
+		return fmt.Errorf("idempotency: %w", err)
+	}
+	if len(header) > 0 {
+		_ = grpc.SetHeader(ctx, header) // fails only if the stream is already done
+	}
+	_ = grpc.SetTrailer(ctx, metadata.Join(trailer, metadata.Pairs(ReplayedTrailer, "true")))
+	return nil
+}

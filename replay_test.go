@@ -1,0 +1,160 @@
+package idempotency_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protodesc"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/descriptorpb"
+	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// A replay gives the client what the first call gave it: the response or
+// error, and the headers and trailers the handler set.
+
+func TestHeadersAndTrailersAreReplayed(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		resp, err := e.insertLedger(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		if err := grpc.SetHeader(ctx, metadata.Pairs("x-charge-id", "ch_"+req.GetValue(), "x-multi", "1", "x-multi", "2")); err != nil {
+			return nil, err
+		}
+		if err := grpc.SetTrailer(ctx, metadata.Pairs("x-ledger-entry", resp.GetValue(), "x-trace-bin", "\x00\xff")); err != nil {
+			return nil, err
+		}
+		switch req.GetValue() {
+		case "declined":
+			return nil, status.Error(codes.FailedPrecondition, "card declined")
+		case "huge":
+			_ = grpc.SetHeader(ctx, metadata.Pairs("x-huge", strings.Repeat("h", idempotency.MaxStoredMetadata)))
+		}
+		return resp, nil
+	}})
+	call := func(key, body string) (metadata.MD, metadata.MD, error) {
+		var header, trailer metadata.MD
+		ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, key)
+		err := e.conn.Invoke(ctx, methodCharge, wrapperspb.String(body), &wrapperspb.StringValue{}, grpc.Header(&header), grpc.Trailer(&trailer))
+		return header, trailer, err
+	}
+	for _, body := range []string{"ok", "declined"} {
+		h1, t1, err1 := call("k-"+body, body)
+		h2, t2, err2 := call("k-"+body, body)
+		require.Equal(t, status.Code(err1), status.Code(err2), body)
+		require.Equal(t, []string{"ch_" + body}, h2.Get("x-charge-id"), "%s: the header is replayed", body)
+		require.Equal(t, []string{"1", "2"}, h2.Get("x-multi"), "%s: every value, in order", body)
+		require.Equal(t, t1.Get("x-ledger-entry"), t2.Get("x-ledger-entry"), "%s: the trailer is replayed", body)
+		require.NotEmpty(t, t2.Get("x-ledger-entry"))
+		require.Equal(t, []string{"\x00\xff"}, t2.Get("x-trace-bin"), "%s: binary values too", body)
+		require.Equal(t, []string{"true"}, t2.Get(idempotency.ReplayedTrailer))
+		require.Empty(t, t1.Get(idempotency.ReplayedTrailer))
+		require.Equal(t, h1.Get("x-charge-id"), h2.Get("x-charge-id"))
+	}
+	require.EqualValues(t, 2, e.runs.Load())
+
+	_, _, err := call("k-huge", "huge")
+	require.Equal(t, codes.Internal, status.Code(err))
+	require.Contains(t, err.Error(), "MaxStoredMetadata")
+	require.Equal(t, "", e.keyState("k-huge"), "nothing half-stored")
+	require.Equal(t, 1, e.ledgerRows(), "the ok charge's write alone: the declined one rolled back (a final error), the huge one with its unstored result")
+}
+
+// dynamicService serves /dyn.v1.Payments/Charge from descriptors built at
+// run time and never registered globally, as a gateway or proxy might: the
+// request is dyn.v1.Req and the response the message named resp.
+func dynamicService(t *testing.T, e *env, resp string) (protoreflect.MessageDescriptor, protoreflect.MessageDescriptor, string) {
+	t.Helper()
+	str := func(name string, n int32) *descriptorpb.FieldDescriptorProto {
+		return &descriptorpb.FieldDescriptorProto{Name: proto.String(name), Number: proto.Int32(n),
+			Type: descriptorpb.FieldDescriptorProto_TYPE_STRING.Enum(), Label: descriptorpb.FieldDescriptorProto_LABEL_OPTIONAL.Enum()}
+	}
+	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
+		Name: proto.String("dyn/v1/payments.proto"), Package: proto.String("dyn.v1"), Syntax: proto.String("proto3"),
+		MessageType: []*descriptorpb.DescriptorProto{
+			{Name: proto.String("Req"), Field: []*descriptorpb.FieldDescriptorProto{str("note", 1)}},
+			{Name: proto.String(resp), Field: []*descriptorpb.FieldDescriptorProto{str("charge_id", 1)}},
+		},
+		Service: []*descriptorpb.ServiceDescriptorProto{{Name: proto.String("Payments"), Method: []*descriptorpb.MethodDescriptorProto{{
+			Name: proto.String("Charge"), InputType: proto.String(".dyn.v1.Req"), OutputType: proto.String(".dyn.v1." + resp),
+		}}}},
+	}, nil)
+	require.NoError(t, err)
+	reqDesc, respDesc := fd.Messages().ByName("Req"), fd.Messages().ByName(protoreflect.Name(resp))
+	icpt := idempotency.UnaryServerInterceptor(e.store)
+	srv := grpc.NewServer()
+	srv.RegisterService(&grpc.ServiceDesc{
+		ServiceName: "dyn.v1.Payments", HandlerType: (*any)(nil),
+		Methods: []grpc.MethodDesc{{MethodName: "Charge", Handler: func(_ any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
+			req := dynamicpb.NewMessage(reqDesc)
+			if err := dec(req); err != nil {
+				return nil, err
+			}
+			return icpt(ctx, req, &grpc.UnaryServerInfo{FullMethod: "/dyn.v1.Payments/Charge"}, func(ctx context.Context, req any) (any, error) {
+				e.runs.Add(1)
+				out := dynamicpb.NewMessage(respDesc)
+				note := req.(proto.Message).ProtoReflect().Get(reqDesc.Fields().ByName("note")).String()
+				out.Set(respDesc.Fields().ByName("charge_id"), protoreflect.ValueOfString("ch_"+note))
+				return out, nil
+			})
+		}}},
+	}, struct{}{})
+	return reqDesc, respDesc, serve(t, srv)
+}
+
+// A response type linked into no binary (dynamicpb) is replayed with the
+// type the method declares.
+func TestDynamicResponseIsReplayed(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	reqDesc, respDesc, addr := dynamicService(t, e, "Receipt")
+	conn := dial(t, addr)
+	req := dynamicpb.NewMessage(reqDesc)
+	req.Set(reqDesc.Fields().ByName("note"), protoreflect.ValueOfString("dyn"))
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	var raws [][]byte
+	for range 2 {
+		resp := dynamicpb.NewMessage(respDesc)
+		var trailer metadata.MD
+		require.NoError(t, conn.Invoke(ctx, "/dyn.v1.Payments/Charge", req, resp, grpc.Trailer(&trailer)))
+		b, err := proto.Marshal(resp)
+		require.NoError(t, err)
+		raws = append(raws, b)
+		require.Equal(t, "ch_dyn", resp.Get(respDesc.Fields().ByName("charge_id")).String())
+	}
+	require.Equal(t, raws[0], raws[1])
+	require.EqualValues(t, 1, e.runs.Load(), "the second call was a replay")
+}
+
+// A deploy changed the method's response type: the stored response of the
+// old type is refused with a clear error, never decoded as the new type.
+func TestResponseTypeChangedBetweenDeploys(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	reqOld, respOld, oldAddr := dynamicService(t, e, "Receipt")
+	reqNew, respNew, newAddr := dynamicService(t, e, "ReceiptV2")
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	send := func(addr string, reqDesc, respDesc protoreflect.MessageDescriptor) error {
+		req := dynamicpb.NewMessage(reqDesc)
+		req.Set(reqDesc.Fields().ByName("note"), protoreflect.ValueOfString("x"))
+		return dial(t, addr).Invoke(ctx, "/dyn.v1.Payments/Charge", req, dynamicpb.NewMessage(respDesc))
+	}
+	require.NoError(t, send(oldAddr, reqOld, respOld))
+	err := send(newAddr, reqNew, respNew)
+	require.Equal(t, codes.Internal, status.Code(err))
+	require.Contains(t, status.Convert(err).Message(), "is a dyn.v1.Receipt, but /dyn.v1.Payments/Charge now returns dyn.v1.ReceiptV2")
+	require.EqualValues(t, 1, e.runs.Load())
+}
