@@ -100,3 +100,28 @@ func TestUnitOutcomeNames(t *testing.T) {
 		require.Equal(t, name, o.String())
 	}
 }
+
+// What a consumer does with a message: a permanent failure is never
+// redelivered, a database problem always is.
+func TestUnitDisposition(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		outcome Outcome
+		err     error
+		want    Disposition
+	}{
+		{OutcomeExecuted, nil, Ack},
+		{OutcomeReplayed, nil, Ack},
+		{OutcomeExecuted, Final(status.Error(codes.InvalidArgument, "poison")), DeadLetter},
+		{OutcomeReplayed, Final(status.Error(codes.InvalidArgument, "poison")), DeadLetter},
+		{OutcomeKeyReused, ErrKeyReused.with("", nil), DeadLetter},
+		{OutcomeRejected, invalidKey("ID", "key is empty"), DeadLetter},
+		{OutcomeReleased, errors.New("downstream down"), Redeliver},
+		{OutcomeInProgress, inProgress("", time.Second), Redeliver},
+		{OutcomeUnavailable, ErrStoreUnavailable.with("claim", nil), Redeliver},
+		{OutcomeUnavailable, contextError{context.Canceled}, Redeliver},
+	} {
+		require.Equal(t, tc.want, DispositionOf(tc.outcome, tc.err), "%v %v", tc.outcome, tc.err)
+	}
+	require.Equal(t, "dead_letter", DeadLetter.String())
+}

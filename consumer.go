@@ -25,6 +25,12 @@ type Message struct {
 	// TTL is how long the ID is remembered. Defaults to [DefaultTTL]; keep it
 	// longer than the longest redelivery horizon of the stream.
 	TTL time.Duration
+	// Redelivered says the broker delivered the message before (NATS's
+	// NumDelivered > 1, a Kafka record read again after a rebalance): the
+	// stored outcome is looked for first, in one read outside any
+	// transaction. It only makes duplicates cheaper; a duplicate not marked
+	// is still found.
+	Redelivered bool
 }
 
 // messageMethod is the Call.Method of every message, so a message ID can
@@ -35,28 +41,69 @@ const messageMethod = "idempotency/message"
 // fn runs in a transaction that also records the ID, and both commit
 // together. The outcome says what happened: [OutcomeExecuted] (fn ran and
 // committed now), [OutcomeReplayed] (an earlier delivery was processed; fn
-// did not run and the message only needs to be acknowledged), or why
-// neither.
+// did not run), or why neither. [DispositionOf] turns outcome and error
+// into what the consumer must do with the message: acknowledge it,
+// redeliver it, or dead-letter it.
 //
 // The rules are those of [Store.Execute]: an error from fn rolls back
 // everything and leaves the ID unprocessed, so a redelivery runs fn again;
 // an error marked with [Final] (a poison message, say) is stored, and
-// redeliveries return it again with [OutcomeReplayed]. [IsFinal] tells a
-// final error (acknowledge or terminate the message) from any other error,
-// after which the message must be redelivered: it was not processed, or
-// (the database failed during COMMIT) it may have been, and the redelivery
-// then finds it processed. A redelivery that arrives while the first
-// delivery is still being processed waits for it up to the store's
-// in-progress wait, then gets [ErrInProgress]: negatively acknowledge it
-// with a delay. Acknowledge a message only after ProcessMessage returned
-// without error, or with an error for which IsFinal is true.
+// redeliveries return it again with [OutcomeReplayed]. A redelivery that
+// arrives while the first delivery is still being processed waits for it
+// up to the store's in-progress wait, then gets [ErrInProgress].
 func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (Outcome, error) {
 	if err := ValidateKey(m.ID); err != nil {
 		return OutcomeRejected, keyError(err, "ID", "message ID")
 	}
-	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL}
+	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL, Retry: m.Redelivered}
 	res, err := s.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		return nil, fn(ctx, tx)
 	})
 	return res.Outcome, err
+}
+
+// Disposition is what a consumer does with a message once
+// [Store.ProcessMessage] returned.
+type Disposition int
+
+const (
+	// Ack: the message's effect is committed, by this delivery or an
+	// earlier one. Acknowledge it (commit its offset).
+	Ack Disposition = iota + 1
+	// Redeliver: nothing was committed, the outcome is unknown (the
+	// database failed during COMMIT), or another delivery of the same ID is
+	// being processed. Let the message come back after a delay (at least
+	// [RetryDelay] of the error when it has one); a redelivery finds it
+	// processed if it was.
+	Redeliver
+	// DeadLetter: the message can never be processed: its error is final (a
+	// poison message; stored, so every redelivery gets it again), its ID is
+	// invalid, or its ID was first used with another body. Redelivering it
+	// would loop forever: move it to a dead-letter queue or terminate it,
+	// and acknowledge it.
+	DeadLetter
+)
+
+var dispositionNames = [...]string{"unknown", "ack", "redeliver", "dead_letter"}
+
+// String returns "ack", "redeliver" or "dead_letter".
+func (d Disposition) String() string {
+	if d < 0 || int(d) >= len(dispositionNames) {
+		return dispositionNames[0]
+	}
+	return dispositionNames[d]
+}
+
+// DispositionOf says what to do with a message after [Store.ProcessMessage]
+// returned outcome and err. A database that is down or misconfigured is
+// Redeliver, never DeadLetter: the message is good, and an operator can
+// fix the rest.
+func DispositionOf(outcome Outcome, err error) Disposition {
+	switch {
+	case err == nil:
+		return Ack
+	case IsFinal(err), outcome == OutcomeKeyReused, outcome == OutcomeRejected:
+		return DeadLetter
+	}
+	return Redeliver
 }

@@ -156,7 +156,7 @@ func (c *Consumer) process(ctx context.Context, msg jetstream.Msg) {
 		if d.ID == "" {
 			d.ID = fmt.Sprintf("seq:%s:%d", c.stream, meta.Sequence.Stream)
 		}
-		d.Outcome, d.Err = c.apply(ctx, d.ID, msg)
+		d.Outcome, d.Err = c.apply(ctx, d.ID, msg, meta.NumDelivered > 1)
 	} else {
 		d.Outcome, d.Err = Rejected, err
 	}
@@ -190,21 +190,22 @@ func (c *Consumer) backoff(n uint64) time.Duration {
 }
 
 // apply runs the handler for msg at most once per ID and says what happened.
-func (c *Consumer) apply(ctx context.Context, id string, msg jetstream.Msg) (Outcome, error) {
-	outcome, err := c.store.ProcessMessage(ctx, idempotency.Message{Scope: c.opts.scope, ID: id, Body: msg.Data(), TTL: c.opts.ttl},
+func (c *Consumer) apply(ctx context.Context, id string, msg jetstream.Msg, redelivered bool) (Outcome, error) {
+	outcome, err := c.store.ProcessMessage(ctx, idempotency.Message{Scope: c.opts.scope, ID: id, Body: msg.Data(), TTL: c.opts.ttl, Redelivered: redelivered},
 		func(ctx context.Context, tx pgx.Tx) error { return c.handler(ctx, tx, id, msg) })
-	switch {
-	case err == nil && outcome == idempotency.OutcomeReplayed:
-		return Duplicate, nil
-	case err == nil:
+	switch idempotency.DispositionOf(outcome, err) {
+	case idempotency.Ack:
+		if outcome == idempotency.OutcomeReplayed {
+			return Duplicate, nil
+		}
 		return Applied, nil
-	case errors.Is(err, idempotency.ErrInProgress):
-		return InProgress, err
-	case idempotency.IsFinal(err), errors.Is(err, idempotency.ErrKeyReused), errors.Is(err, idempotency.ErrInvalidKey):
-		// Stored as the message's final outcome (now or by an earlier delivery),
-		// or never processable: redelivering cannot change it.
+	case idempotency.DeadLetter:
+		// A final outcome (now or by an earlier delivery), or an ID that
+		// can never be processed: redelivering cannot change it.
 		return Rejected, err
-	default:
-		return Retried, err
 	}
+	if errors.Is(err, idempotency.ErrInProgress) {
+		return InProgress, err
+	}
+	return Retried, err
 }
