@@ -11,7 +11,7 @@ package payments
 import (
 	"context"
 	"fmt"
-	"log"
+	"log/slog"
 	"strings"
 
 	"github.com/google/uuid"
@@ -103,8 +103,8 @@ func (s *Server) GetBalance(ctx context.Context, req *paymentsv1.GetBalanceReque
 
 // NewGRPCServer returns a gRPC server with the idempotency interceptor and
 // the PaymentService registered. logger, when not nil, gets one line per
-// keyed call: method, key, outcome and status code.
-func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, logger *log.Logger, opts ...idempotency.ServerOption) *grpc.Server {
+// keyed call (see LogOutcome).
+func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, logger *slog.Logger, opts ...idempotency.ServerOption) *grpc.Server {
 	if logger != nil {
 		opts = append([]idempotency.ServerOption{idempotency.WithOutcomeHook(LogOutcome(logger))}, opts...)
 	}
@@ -113,20 +113,40 @@ func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, logger *log.Log
 	return srv
 }
 
-// LogOutcome returns an outcome hook that logs one line per keyed call.
-func LogOutcome(logger *log.Logger) func(context.Context, string, idempotency.Outcome, error) {
+// LogOutcome returns an outcome hook that logs one structured line per
+// keyed call: the method, the outcome, the key (at most 64 bytes of it),
+// the status code, and on failures the cause, which stays in the server's
+// log and is never sent to the client. Executions and replays are Info,
+// calls the client must act on Warn, a database that failed Error.
+func LogOutcome(logger *slog.Logger) func(context.Context, string, idempotency.Outcome, error) {
 	return func(ctx context.Context, method string, o idempotency.Outcome, err error) {
-		key := strings.Join(metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey), ",")
-		method = method[strings.LastIndexByte(method, '/')+1:]
-		logger.Printf("%-10s %-12s key=%s code=%s", method, outcomeWord(o), key, status.Code(err))
+		attrs := []slog.Attr{
+			slog.String("method", method[strings.LastIndexByte(method, '/')+1:]),
+			slog.String("outcome", o.String()),
+			slog.String("key", truncateKey(strings.Join(metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey), ","))),
+			slog.String("code", status.Code(err).String()),
+		}
+		level := slog.LevelInfo
+		switch {
+		case o == idempotency.OutcomeUnavailable:
+			level = slog.LevelError
+		case err != nil && o != idempotency.OutcomeReplayed && o != idempotency.OutcomeExecuted:
+			level = slog.LevelWarn
+		}
+		if err != nil {
+			attrs = append(attrs, slog.String("cause", err.Error()))
+		}
+		logger.LogAttrs(ctx, level, "call", attrs...)
 	}
 }
 
-func outcomeWord(o idempotency.Outcome) string {
-	if o == idempotency.OutcomeKeyReused {
-		return "mismatch"
+// truncateKey keeps log lines short whatever key a client sends.
+func truncateKey(key string) string {
+	const keep = 64
+	if len(key) <= keep {
+		return key
 	}
-	return o.String()
+	return fmt.Sprintf("%s...(%d bytes)", key[:keep], len(key))
 }
 
 // Balance reads an account directly from the database, for checks.

@@ -13,8 +13,9 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"log"
+	"log/slog"
 	"net"
+	"net/url"
 	"os"
 	"os/signal"
 	"syscall"
@@ -30,22 +31,54 @@ import (
 )
 
 func main() {
-	addr := flag.String("addr", "127.0.0.1:50051", "address to listen on")
-	dbURL := flag.String("database-url", testdb.URL(), "PostgreSQL URL (default: $DATABASE_URL, else the local test database)")
-	flag.Parse()
+	cfg, err := parseFlags(flag.CommandLine, os.Args[1:])
+	if err != nil {
+		os.Exit(2) // the flag package has printed why
+	}
+	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	lis, err := net.Listen("tcp", *addr)
+	lis, err := net.Listen("tcp", cfg.addr)
 	if err != nil {
-		log.Fatal(err)
+		logger.Error("listen", "addr", cfg.addr, "err", err)
+		os.Exit(1)
 	}
-	if err := run(ctx, lis, *dbURL, log.Default()); err != nil {
-		log.Fatal(err)
+	if err := run(ctx, lis, cfg.databaseURL, logger); err != nil {
+		logger.Error("server stopped", "err", err)
+		os.Exit(1)
 	}
 }
 
+type config struct {
+	addr, databaseURL string
+}
+
+// parseFlags reads the command line. The database URL's default comes
+// from $DATABASE_URL, and -h shows it with the password masked.
+func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
+	var c config
+	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "address to listen on")
+	fs.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else the local test database: "+redactURL(testdb.URL())+")")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if c.databaseURL == "" {
+		c.databaseURL = testdb.URL()
+	}
+	return c, nil
+}
+
+// redactURL masks the password of a database URL, for showing it.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(unparsable URL)"
+	}
+	return u.Redacted()
+}
+
 // run serves on lis until ctx is done, then stops gracefully.
-func run(ctx context.Context, lis net.Listener, dbURL string, logger *log.Logger) error {
+func run(ctx context.Context, lis net.Listener, dbURL string, logger *slog.Logger) error {
 	defer lis.Close()
 	pool, err := pgxpool.New(ctx, dbURL)
 	if err != nil {
@@ -62,13 +95,13 @@ func run(ctx context.Context, lis net.Listener, dbURL string, logger *log.Logger
 	cleaned := make(chan struct{})
 	go func() {
 		defer close(cleaned)
-		_ = store.RunCleaner(ctx, time.Minute, 1000, func(err error) { logger.Printf("cleaner: %v", err) })
+		_ = store.RunCleaner(ctx, time.Minute, 1000, func(err error) { logger.Warn("cleaner", "err", err) })
 	}()
 	defer func() { <-cleaned }()
 
 	srv := payments.NewGRPCServer(pool, store, logger)
 	reflection.Register(srv)
-	logger.Printf("PaymentService listening on %s", lis.Addr())
+	logger.Info("PaymentService listening", "addr", lis.Addr().String())
 
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(lis) }()
@@ -77,7 +110,7 @@ func run(ctx context.Context, lis net.Listener, dbURL string, logger *log.Logger
 		return err
 	case <-ctx.Done():
 	}
-	logger.Print("shutting down: finishing calls in flight")
+	logger.Info("shutting down: finishing calls in flight")
 	done := make(chan struct{})
 	go func() { srv.GracefulStop(); close(done) }()
 	select {

@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
-	"log"
+	"errors"
+	"flag"
+	"log/slog"
 	"net"
 	"strings"
 	"sync"
@@ -13,9 +15,11 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/examples/payments"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
@@ -51,7 +55,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	var logs syncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
-	go func() { stopped <- run(ctx, lis, url, log.New(&logs, "", 0)) }()
+	go func() { stopped <- run(ctx, lis, url, slog.New(slog.NewTextHandler(&logs, nil))) }()
 
 	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -90,7 +94,36 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 		t.Fatal("server did not stop")
 	}
 	out := logs.String()
-	for _, want := range []string{"executed", "replayed", "mismatch", "shutting down"} {
+	for _, want := range []string{"outcome=executed", "outcome=replayed", "level=WARN msg=call method=Charge outcome=key_reused key=server-test-1 code=FailedPrecondition cause=", "shutting down"} {
 		require.Contains(t, out, want)
 	}
+}
+
+// -h shows where the database URL comes from, never its password.
+func TestHelpHidesThePassword(t *testing.T) {
+	t.Setenv("DATABASE_URL", "postgres://app:s3cret-pw@db.internal:5432/payments")
+	var help bytes.Buffer
+	fs := flag.NewFlagSet("server", flag.ContinueOnError)
+	fs.SetOutput(&help)
+	_, err := parseFlags(fs, []string{"-h"})
+	require.ErrorIs(t, err, flag.ErrHelp)
+	require.NotContains(t, help.String(), "s3cret-pw")
+	require.Contains(t, help.String(), "postgres://app:xxxxx@db.internal:5432/payments")
+
+	cfg, err := parseFlags(flag.NewFlagSet("server", flag.ContinueOnError), nil)
+	require.NoError(t, err)
+	require.Equal(t, "postgres://app:s3cret-pw@db.internal:5432/payments", cfg.databaseURL, "the real URL is still used")
+}
+
+// Log lines keep their length whatever key a client sends.
+func TestLongKeysAreTruncatedInLogs(t *testing.T) {
+	var logs syncBuffer
+	hook := payments.LogOutcome(slog.New(slog.NewTextHandler(&logs, nil)))
+	ctx := metadata.NewIncomingContext(context.Background(), metadata.Pairs(idempotency.MetadataKey, strings.Repeat("k", 255)))
+	hook(ctx, "/payments.v1.PaymentService/Charge", idempotency.OutcomeReleased, errors.New("charge acct: connection reset"))
+	out := logs.String()
+	require.Contains(t, out, `key="`+strings.Repeat("k", 64)+`...(255 bytes)"`)
+	require.NotContains(t, out, strings.Repeat("k", 65))
+	require.Contains(t, out, "level=WARN")
+	require.Contains(t, out, `cause="charge acct: connection reset"`)
 }
