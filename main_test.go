@@ -14,5 +14,8 @@ func TestMain(m *testing.M) {
 	if os.Getenv(crashChildEnv) != "" {
 		os.Exit(runCrashChild())
 	}
+	if os.Getenv(httpCrashChildEnv) != "" {
+		os.Exit(runHTTPCrashChild())
+	}
 	os.Exit(testdb.RunWithLeakCheck(m))
 }

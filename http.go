@@ -1,0 +1,576 @@
+package idempotency
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// HeaderKey is the HTTP request header carrying the idempotency key
+// (draft-ietf-httpapi-idempotency-key-header).
+const HeaderKey = "Idempotency-Key"
+
+// HeaderReplayed is the response header set to "true" on a replayed
+// response, like the gRPC trailer [ReplayedTrailer].
+const HeaderReplayed = "Idempotency-Replayed"
+
+// HTTPMiddleware returns net/http middleware (the func(http.Handler)
+// http.Handler shape of chi and most routers) that runs each request
+// carrying an Idempotency-Key at most once, using store: the same engine,
+// and the same guarantee, as [UnaryServerInterceptor].
+//
+// The handler writes through the request's transaction ([TxFromContext] on
+// r.Context()); its writes, the key and the stored response commit
+// together. A retry of a finished request gets the stored response: the
+// same status and body, byte for byte, and the headers that describe the
+// body (Content-Type, Location and the others of [DefaultReplayedHeaders],
+// plus [WithHTTPReplayedHeaders]), with "Idempotency-Replayed: true".
+//
+// POST and PATCH are protected by default; other methods pass through, as
+// RFC 9110 makes them idempotent ([WithHTTPMethods] changes that; give a
+// route its own middleware for its own settings). On a protected method:
+//
+//	no key (when required)            400, problem+json
+//	invalid key                       400
+//	the key's request still running   409 Conflict, Retry-After
+//	the key used for another request  422 Unprocessable Content
+//	the database unavailable          503 Service Unavailable, Retry-After
+//	the store misconfigured           500
+//
+// Error bodies are application/problem+json (RFC 9457). The key is read as
+// the draft's structured-field string ("abc") or a bare token (abc).
+//
+// The request is the same request when its method, path (with query) and
+// body bytes are the same. Which handler responses are stored: see
+// [DefaultStoredStatus]. A handler that streams (Flush, Hijack, full duplex
+// through http.ResponseController) gets an error from those calls, and a
+// response over the size limit ([WithHTTPMaxResponseBytes]) fails the
+// request with 500 and stores nothing: a stored response is always whole.
+//
+// It panics if store is nil or an option is invalid.
+func HTTPMiddleware(store *Store, opts ...HTTPOption) func(http.Handler) http.Handler {
+	if store == nil {
+		panic("idempotency: HTTPMiddleware: store is nil")
+	}
+	o := defaultHTTPOptions()
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if err := o.validate(); err != nil {
+		panic(err.Error())
+	}
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if !o.methods[r.Method] {
+				next.ServeHTTP(w, r)
+				return
+			}
+			o.serve(store, next, w, r)
+		})
+	}
+}
+
+// HTTPOption configures [HTTPMiddleware]. An invalid value makes
+// HTTPMiddleware panic, naming the option.
+type HTTPOption func(*httpOptions)
+
+type httpOptions struct {
+	methods     map[string]bool
+	scope       func(*http.Request) (string, error)
+	keyRequired bool
+	ttl         time.Duration
+	stored      func(status int) bool
+	replayed    []string // canonical header names
+	maxRequest  int64
+	maxResponse int
+	onOutcome   func(r *http.Request, route string, o Outcome, status int, err error)
+	err         error
+}
+
+func defaultHTTPOptions() httpOptions {
+	return httpOptions{
+		methods:     map[string]bool{http.MethodPost: true, http.MethodPatch: true},
+		scope:       func(*http.Request) (string, error) { return "", nil },
+		keyRequired: true,
+		ttl:         DefaultTTL,
+		stored:      DefaultStoredStatus,
+		replayed:    DefaultReplayedHeaders(),
+		maxRequest:  1 << 20,
+		maxResponse: 1 << 20,
+	}
+}
+
+func (o *httpOptions) validate() error {
+	switch {
+	case o.err != nil:
+		return o.err
+	case o.ttl <= 0:
+		return fmt.Errorf("idempotency: WithHTTPTTL: must be positive, got %v", o.ttl)
+	case o.maxRequest <= 0:
+		return fmt.Errorf("idempotency: WithHTTPMaxRequestBytes: must be positive, got %d", o.maxRequest)
+	case o.maxResponse <= 0:
+		return fmt.Errorf("idempotency: WithHTTPMaxResponseBytes: must be positive, got %d", o.maxResponse)
+	}
+	return nil
+}
+
+// DefaultStoredStatus reports whether a handler's response with this
+// status is stored and replayed by default, matching the gRPC side:
+// 1xx-3xx are; 5xx are not (the key is released and a retry runs again);
+// of 4xx, those that say the request was decided are (403, 404, 409, 410,
+// 412 and the other 4xx), those that say it was never processed are not:
+// 400, 401, 408, 413, 414, 415, 422, 429 and 431, so the corrected request
+// can reuse its key.
+func DefaultStoredStatus(status int) bool {
+	switch {
+	case status >= 500:
+		return false
+	case status < 400:
+		return true
+	}
+	switch status {
+	case http.StatusBadRequest, http.StatusUnauthorized, http.StatusRequestTimeout,
+		http.StatusRequestEntityTooLarge, http.StatusRequestURITooLong, http.StatusUnsupportedMediaType,
+		http.StatusUnprocessableEntity, http.StatusTooManyRequests, http.StatusRequestHeaderFieldsTooLarge:
+		return false
+	}
+	return true
+}
+
+// DefaultReplayedHeaders returns the response headers a replay carries by
+// default: those that describe the body or its resource. Others (Date,
+// Set-Cookie, tracing headers) belong to the first response alone.
+func DefaultReplayedHeaders() []string {
+	return []string{"Content-Type", "Content-Language", "Content-Location", "Content-Disposition", "Location", "Etag", "Last-Modified"}
+}
+
+// WithHTTPMethods sets the request methods that are protected; others pass
+// through untouched. Defaults to POST and PATCH.
+func WithHTTPMethods(methods ...string) HTTPOption {
+	return func(o *httpOptions) {
+		o.methods = map[string]bool{}
+		for _, m := range methods {
+			if m == "" || strings.ToUpper(m) != m {
+				o.err = fmt.Errorf("idempotency: WithHTTPMethods: %q is not a method name in upper case", m)
+				return
+			}
+			o.methods[m] = true
+		}
+	}
+}
+
+// WithHTTPScope sets the function that names the caller's key scope from
+// the request, usually from the identity an authentication middleware put
+// in r.Context(). An error rejects the request with 401 (wrap it in a
+// status error to choose: codes.PermissionDenied gives 403). Defaults to
+// one scope shared by every caller; see [WithScope] for why that is only
+// safe when all callers trust each other.
+func WithHTTPScope(f func(r *http.Request) (string, error)) HTTPOption {
+	return func(o *httpOptions) {
+		if f == nil {
+			o.err = errors.New("idempotency: WithHTTPScope: function is nil")
+			return
+		}
+		o.scope = f
+	}
+}
+
+// WithHTTPKeyRequired decides whether a protected request without a key is
+// refused with 400 (true) or passes through unprotected (false). Defaults
+// to true.
+func WithHTTPKeyRequired(required bool) HTTPOption {
+	return func(o *httpOptions) { o.keyRequired = required }
+}
+
+// WithHTTPTTL sets how long finished keys are kept. Defaults to 24 hours.
+func WithHTTPTTL(ttl time.Duration) HTTPOption {
+	return func(o *httpOptions) { o.ttl = ttl }
+}
+
+// WithHTTPStoredStatus replaces [DefaultStoredStatus]: f reports whether a
+// handler's response with a status is stored and replayed (true) or
+// releases the key, its writes rolled back (false). f must not be nil.
+func WithHTTPStoredStatus(f func(status int) bool) HTTPOption {
+	return func(o *httpOptions) {
+		if f == nil {
+			o.err = errors.New("idempotency: WithHTTPStoredStatus: function is nil")
+			return
+		}
+		o.stored = f
+	}
+}
+
+// WithHTTPReplayedHeaders adds response headers a replay carries, to
+// [DefaultReplayedHeaders].
+func WithHTTPReplayedHeaders(names ...string) HTTPOption {
+	return func(o *httpOptions) {
+		for _, n := range names {
+			o.replayed = append(o.replayed, http.CanonicalHeaderKey(n))
+		}
+	}
+}
+
+// WithHTTPMaxRequestBytes bounds the request body, which is read whole to
+// be fingerprinted; a larger one gets 413. Defaults to 1 MiB.
+func WithHTTPMaxRequestBytes(n int64) HTTPOption {
+	return func(o *httpOptions) { o.maxRequest = n }
+}
+
+// WithHTTPMaxResponseBytes bounds the response body that is stored; a
+// handler that writes more fails the request with 500, its writes rolled
+// back, nothing stored. Defaults to 1 MiB.
+func WithHTTPMaxResponseBytes(n int) HTTPOption {
+	return func(o *httpOptions) { o.maxResponse = n }
+}
+
+// WithHTTPOutcomeHook calls f once per protected request, after its
+// outcome is known: route is the mux pattern that matched (r.Pattern, Go
+// 1.22 and later) or else the method and path, status the status sent, and
+// err why the outcome is not Executed or Replayed. f must not be nil.
+// Defaults to none.
+func WithHTTPOutcomeHook(f func(r *http.Request, route string, o Outcome, status int, err error)) HTTPOption {
+	return func(o *httpOptions) {
+		if f == nil {
+			o.err = errors.New("idempotency: WithHTTPOutcomeHook: function is nil")
+			return
+		}
+		o.onOutcome = f
+	}
+}
+
+// errHTTPReleased marks a handler response that is not stored: the writes
+// roll back and the key is released, but the response is still sent.
+var errHTTPReleased = errors.New("idempotency: response not stored")
+
+func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWriter, r *http.Request) {
+	route := r.Pattern
+	if route == "" {
+		route = r.Method + " " + r.URL.Path
+	}
+	report := func(outcome Outcome, status int, err error) {
+		if o.onOutcome != nil {
+			o.onOutcome(r, route, outcome, status, err)
+		}
+	}
+	key, err := keyFromHeader(r.Header)
+	if err == nil && key == "" {
+		if !o.keyRequired {
+			next.ServeHTTP(w, r)
+			return
+		}
+		err = ErrMissingKey.with("send it in the "+HeaderKey+" header", nil).about(HeaderKey)
+	}
+	if err != nil {
+		report(OutcomeRejected, writeProblem(w, err, store.opts.retryDelay), err)
+		return
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, o.maxRequest))
+	if err != nil {
+		var tooLarge *http.MaxBytesError
+		if errors.As(err, &tooLarge) {
+			err = status.Errorf(codes.InvalidArgument, "idempotency: the request body is over %d bytes, the most that can be fingerprinted", o.maxRequest)
+			report(OutcomeRejected, problem(w, http.StatusRequestEntityTooLarge, "Request body too large", err.Error(), 0), err)
+			return
+		}
+		err = status.Errorf(codes.InvalidArgument, "idempotency: reading the request body: %v", err)
+		report(OutcomeRejected, writeProblem(w, err, 0), err)
+		return
+	}
+	scope, err := o.scope(r)
+	if err != nil {
+		if _, ok := status.FromError(err); !ok {
+			err = status.Errorf(codes.Unauthenticated, "idempotency: scope: %v", err)
+		}
+		report(OutcomeRejected, writeProblem(w, err, 0), err)
+		return
+	}
+	target := r.URL.EscapedPath()
+	if r.URL.RawQuery != "" {
+		target += "?" + r.URL.RawQuery
+	}
+	call := Call{
+		Scope: scope, Key: key, TTL: o.ttl,
+		Method:      r.Method + " " + r.URL.EscapedPath(),
+		Fingerprint: tagged(kindDigest("http request"), []byte(r.Method), []byte(target), body),
+	}
+	rec := &responseRecorder{header: http.Header{}, max: o.maxResponse, deadlines: http.NewResponseController(w)}
+	call.metadata = rec.encode
+	res, err := store.Execute(r.Context(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		req := r.WithContext(ctx)
+		req.Body = io.NopCloser(bytes.NewReader(body))
+		next.ServeHTTP(rec, req)
+		switch {
+		case rec.tooLarge:
+			return nil, status.Errorf(codes.Internal, "idempotency: the handler wrote over %d bytes of response body, the most that can be stored; nothing was committed", o.maxResponse)
+		case !o.stored(rec.statusCode()):
+			return nil, errHTTPReleased
+		}
+		return wrapperspb.Bytes(rec.body.Bytes()), nil
+	})
+	switch {
+	case errors.Is(err, errHTTPReleased):
+		// The handler's own answer; its writes rolled back.
+		rec.writeTo(w, nil, false)
+		report(OutcomeReleased, rec.statusCode(), nil)
+	case err == nil && res.Outcome == OutcomeExecuted:
+		rec.writeTo(w, nil, false)
+		report(res.Outcome, rec.statusCode(), nil)
+	case err == nil && res.Outcome == OutcomeReplayed:
+		stored, err := decodeHTTPResponse(res)
+		if err != nil {
+			report(res.Outcome, writeProblem(w, err, 0), err)
+			return
+		}
+		stored.writeTo(w, o.replayed, true)
+		report(res.Outcome, stored.statusCode(), nil)
+	case err != nil && r.Context().Err() != nil && errors.Is(err, r.Context().Err()):
+		report(res.Outcome, 0, err) // the client is gone; nothing to write
+	default:
+		report(res.Outcome, writeProblem(w, err, store.opts.retryDelay), err)
+	}
+}
+
+// keyFromHeader reads the Idempotency-Key header: a structured-field
+// string ("abc", as the draft specifies) or a bare token (abc, as most
+// clients send). "" when there is none.
+func keyFromHeader(h http.Header) (string, error) {
+	vals := h.Values(HeaderKey)
+	switch len(vals) {
+	case 0:
+		return "", nil
+	case 1:
+	default:
+		return "", invalidKey(HeaderKey, fmt.Sprintf("%d %s headers sent, exactly one is allowed", len(vals), HeaderKey))
+	}
+	key := strings.TrimSpace(vals[0])
+	if strings.HasPrefix(key, `"`) {
+		unquoted, err := parseSFString(key)
+		if err != nil {
+			return "", invalidKey(HeaderKey, err.Error())
+		}
+		key = unquoted
+	}
+	if err := ValidateKey(key); err != nil {
+		return "", keyError(err, HeaderKey, "")
+	}
+	return key, nil
+}
+
+// parseSFString parses a structured-field string (RFC 8941 section 3.3.3):
+// a quoted string whose only escapes are \" and \\.
+func parseSFString(s string) (string, error) {
+	if len(s) < 2 || s[len(s)-1] != '"' {
+		return "", errors.New(`the key starts with '"' but is not a quoted string`)
+	}
+	var b strings.Builder
+	for i := 1; i < len(s)-1; i++ {
+		c := s[i]
+		switch {
+		case c == '\\':
+			i++
+			if i == len(s)-1 || (s[i] != '"' && s[i] != '\\') {
+				return "", errors.New(`a quoted key may only escape '"' and '\'`)
+			}
+			b.WriteByte(s[i])
+		case c == '"':
+			return "", errors.New("the quoted key has text after its closing quote")
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return b.String(), nil
+}
+
+// responseRecorder is the http.ResponseWriter a protected handler gets: it
+// keeps the whole response, to store it and then send it.
+type responseRecorder struct {
+	header    http.Header
+	status    int
+	body      bytes.Buffer
+	max       int
+	tooLarge  bool
+	deadlines *http.ResponseController // the real writer's, for deadlines only
+}
+
+var errNoStreaming = errors.New("idempotency: a response that is stored cannot be streamed (flushed, hijacked or written in full duplex); it is sent whole once the call commits")
+
+func (rr *responseRecorder) Header() http.Header { return rr.header }
+
+func (rr *responseRecorder) WriteHeader(code int) {
+	if rr.status == 0 { // later calls are ignored, as net/http ignores them
+		rr.status = code
+	}
+}
+
+func (rr *responseRecorder) Write(p []byte) (int, error) {
+	if rr.status == 0 {
+		rr.status = http.StatusOK
+	}
+	if rr.body.Len()+len(p) > rr.max {
+		rr.tooLarge = true
+		return 0, fmt.Errorf("idempotency: response body over %d bytes", rr.max)
+	}
+	return rr.body.Write(p)
+}
+
+// FlushError, Hijack and EnableFullDuplex are what http.ResponseController
+// calls: a stored response is sent whole, so they fail.
+func (rr *responseRecorder) FlushError() error { return errNoStreaming }
+
+func (rr *responseRecorder) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return nil, nil, errNoStreaming
+}
+
+func (rr *responseRecorder) EnableFullDuplex() error { return errNoStreaming }
+
+// SetReadDeadline and SetWriteDeadline pass to the real connection.
+func (rr *responseRecorder) SetReadDeadline(t time.Time) error {
+	return rr.deadlines.SetReadDeadline(t)
+}
+
+func (rr *responseRecorder) SetWriteDeadline(t time.Time) error {
+	return rr.deadlines.SetWriteDeadline(t)
+}
+
+func (rr *responseRecorder) statusCode() int {
+	if rr.status == 0 {
+		return http.StatusOK // a handler that wrote nothing
+	}
+	return rr.status
+}
+
+// writeTo sends the recorded response: every header the first time, only
+// the allowed ones on a replay.
+func (rr *responseRecorder) writeTo(w http.ResponseWriter, allowed []string, replayed bool) {
+	h := w.Header()
+	for name, values := range rr.header {
+		if !replayed || slices.Contains(allowed, name) {
+			h[name] = values
+		}
+	}
+	if replayed {
+		h.Set(HeaderReplayed, "true")
+	}
+	h.Set("Content-Length", strconv.Itoa(rr.body.Len()))
+	w.WriteHeader(rr.statusCode())
+	_, _ = w.Write(rr.body.Bytes())
+}
+
+// encode is the stored form of the response's status and headers: field 1
+// the status, field 2 each header (name, then values), as for gRPC
+// metadata.
+func (rr *responseRecorder) encode() ([]byte, error) {
+	b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), uint64(rr.statusCode()))
+	for name, values := range rr.header {
+		entry := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), name)
+		for _, v := range values {
+			entry = protowire.AppendString(protowire.AppendTag(entry, 2, protowire.BytesType), v)
+		}
+		b = protowire.AppendBytes(protowire.AppendTag(b, 2, protowire.BytesType), entry)
+	}
+	return b, nil
+}
+
+// decodeHTTPResponse rebuilds a stored response.
+func decodeHTTPResponse(res Result) (*responseRecorder, error) {
+	body, ok := res.Response.(*wrapperspb.BytesValue)
+	if !ok {
+		return nil, status.Errorf(codes.Internal, "idempotency: the key's stored result is not an HTTP response (the key was used by a gRPC call?)")
+	}
+	rr := &responseRecorder{header: http.Header{}}
+	rr.body.Write(body.GetValue())
+	b := res.metadata
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return nil, status.Errorf(codes.Internal, "idempotency: stored HTTP response is malformed")
+		}
+		b = b[n:]
+		switch {
+		case num == 1 && typ == protowire.VarintType:
+			v, n := protowire.ConsumeVarint(b)
+			if n < 0 || v > math.MaxInt32 {
+				return nil, status.Errorf(codes.Internal, "idempotency: stored HTTP status is malformed")
+			}
+			rr.status, b = int(v), b[n:]
+		case num == 2 && typ == protowire.BytesType:
+			entry, n := protowire.ConsumeBytes(b)
+			if n < 0 {
+				return nil, status.Errorf(codes.Internal, "idempotency: stored HTTP header is malformed")
+			}
+			name, values, err := decodeEntry(entry)
+			if err != nil {
+				return nil, status.Errorf(codes.Internal, "idempotency: %v", err)
+			}
+			rr.header[name] = values
+			b = b[n:]
+		default:
+			return nil, status.Errorf(codes.Internal, "idempotency: stored HTTP response is malformed")
+		}
+	}
+	return rr, nil
+}
+
+// problem writes an RFC 9457 problem+json response and returns its status.
+func problem(w http.ResponseWriter, code int, title, detail string, retryAfter time.Duration) int {
+	h := w.Header()
+	h.Set("Content-Type", "application/problem+json")
+	if retryAfter > 0 {
+		h.Set("Retry-After", strconv.Itoa(int(math.Ceil(retryAfter.Seconds()))))
+	}
+	w.WriteHeader(code)
+	_ = json.NewEncoder(w).Encode(struct {
+		Type   string `json:"type"`
+		Title  string `json:"title"`
+		Status int    `json:"status"`
+		Detail string `json:"detail"`
+	}{"about:blank", title, code, detail})
+	return code
+}
+
+// writeProblem answers with the HTTP form of an error of the engine or of
+// the middleware, and returns the status sent.
+func writeProblem(w http.ResponseWriter, err error, retryDelay time.Duration) int {
+	st := status.Convert(err)
+	detail := st.Message()
+	switch {
+	case IsInProgress(err):
+		d, _ := RetryDelay(err)
+		return problem(w, http.StatusConflict, "A request with this Idempotency-Key is being processed", detail, max(d, time.Second))
+	case IsKeyReused(err):
+		return problem(w, http.StatusUnprocessableEntity, "Idempotency-Key already used for another request", detail, 0)
+	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrMissingKey):
+		return problem(w, http.StatusBadRequest, "Invalid or missing Idempotency-Key", detail, 0)
+	}
+	switch st.Code() {
+	case codes.Unavailable, codes.Aborted:
+		return problem(w, http.StatusServiceUnavailable, "Service unavailable; retry with the same Idempotency-Key", detail, max(retryDelay, time.Second))
+	case codes.InvalidArgument:
+		return problem(w, http.StatusBadRequest, "Bad request", detail, 0)
+	case codes.Unauthenticated:
+		return problem(w, http.StatusUnauthorized, "Unauthenticated", detail, 0)
+	case codes.PermissionDenied:
+		return problem(w, http.StatusForbidden, "Forbidden", detail, 0)
+	case codes.DeadlineExceeded:
+		return problem(w, http.StatusGatewayTimeout, "Timed out; nothing was committed", detail, 0)
+	}
+	return problem(w, http.StatusInternalServerError, "Internal error", detail, 0)
+}

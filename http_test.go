@@ -1,0 +1,562 @@
+package idempotency_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/faultproxy"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// The HTTP middleware over a real net/http server on loopback, a real
+// client and the real database.
+
+// httpEnv is one test's HTTP world: the suite's ledger table, a store, and
+// a server whose POST /v1/charges handler writes one ledger row in the
+// request's transaction.
+type httpEnv struct {
+	t     *testing.T
+	db    *testdb.DB
+	store *idempotency.Store
+	srv   *httptest.Server
+	runs  atomic.Int64
+}
+
+func newHTTPEnv(t *testing.T, handler http.HandlerFunc, opts ...idempotency.HTTPOption) *httpEnv {
+	t.Helper()
+	return newHTTPEnvWithStore(t, handler, nil, opts...)
+}
+
+func newHTTPEnvWithStore(t *testing.T, handler http.HandlerFunc, storeOpts []idempotency.StoreOption, opts ...idempotency.HTTPOption) *httpEnv {
+	t.Helper()
+	e := &httpEnv{t: t, db: suiteDB(t)}
+	e.store = migratedStore(t, e.db, storeOpts...)
+	if handler == nil {
+		handler = e.charge
+	}
+	counted := func(w http.ResponseWriter, r *http.Request) {
+		e.runs.Add(1)
+		handler(w, r)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/charges", idempotency.HTTPMiddleware(e.store, opts...)(http.HandlerFunc(counted)))
+	mux.Handle("GET /v1/charges", idempotency.HTTPMiddleware(e.store, opts...)(http.HandlerFunc(counted)))
+	e.srv = httptest.NewServer(mux)
+	t.Cleanup(e.srv.Close)
+	return e
+}
+
+// charge writes a ledger row named by the request body and answers 201
+// with its id, a Location and a header that is not replayed.
+func (e *httpEnv) charge(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		http.Error(w, err.Error(), http.StatusBadRequest)
+		return
+	}
+	if len(body) == 0 {
+		http.Error(w, "empty body", http.StatusBadRequest)
+		return
+	}
+	key := r.Header.Get(idempotency.HeaderKey)
+	var id int64
+	if err := idempotency.MustTxFromContext(r.Context()).QueryRow(r.Context(),
+		`INSERT INTO ledger (note, key) VALUES ($1, $2) RETURNING id`, string(body), key).Scan(&id); err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Location", fmt.Sprintf("/v1/charges/%d", id))
+	w.Header().Set("X-Served-At", time.Now().Format(time.RFC3339Nano))
+	w.WriteHeader(http.StatusCreated)
+	_, _ = fmt.Fprintf(w, `{"id":%d,"note":%q}`, id, body)
+}
+
+type httpReply struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func (e *httpEnv) post(key, body string) httpReply {
+	return e.send(http.MethodPost, key, body)
+}
+
+func (e *httpEnv) send(method, key, body string) httpReply {
+	e.t.Helper()
+	req, err := http.NewRequest(method, e.srv.URL+"/v1/charges", strings.NewReader(body))
+	require.NoError(e.t, err)
+	if key != "" {
+		req.Header.Set(idempotency.HeaderKey, key)
+	}
+	resp, err := e.srv.Client().Do(req)
+	require.NoError(e.t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(e.t, err)
+	return httpReply{resp.StatusCode, resp.Header, string(b)}
+}
+
+func (e *httpEnv) ledgerRows() int { return e.db.Count(e.t, `SELECT count(*) FROM ledger`) }
+
+func TestHTTPReplayIsByteIdentical(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, nil)
+	first := e.post("k-1", "charge 100")
+	require.Equal(t, http.StatusCreated, first.status)
+	require.Empty(t, first.header.Get(idempotency.HeaderReplayed))
+	for _, key := range []string{"k-1", `"k-1"`} { // a bare token, and the draft's structured-field string
+		again := e.post(key, "charge 100")
+		require.Equal(t, first.status, again.status, key)
+		require.Equal(t, first.body, again.body, "%s: the body, byte for byte", key)
+		require.Equal(t, "true", again.header.Get(idempotency.HeaderReplayed))
+		require.Equal(t, first.header.Get("Content-Type"), again.header.Get("Content-Type"))
+		require.Equal(t, first.header.Get("Location"), again.header.Get("Location"))
+		require.Empty(t, again.header.Get("X-Served-At"), "headers outside the allow-list belong to the first response")
+	}
+	require.EqualValues(t, 1, e.runs.Load())
+	require.Equal(t, 1, e.ledgerRows())
+
+	// Methods RFC 9110 makes idempotent pass through.
+	get := e.send(http.MethodGet, "k-1", "")
+	require.Equal(t, http.StatusBadRequest, get.status, "GET reached the handler, which wants a body")
+	require.Empty(t, get.header.Get(idempotency.HeaderReplayed))
+}
+
+func TestHTTPErrorsAreProblemDetails(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, nil)
+	require.Equal(t, http.StatusCreated, e.post("k", "charge 100").status)
+	for _, tc := range []struct {
+		name, key, body string
+		status          int
+		title           string
+	}{
+		{"same key, another body", "k", "charge 999", http.StatusUnprocessableEntity, "Idempotency-Key already used for another request"},
+		{"no key", "", "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key"},
+		{"invalid key", "has space", "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key"},
+		{"bad structured string", `"unterminated`, "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key"},
+	} {
+		r := e.post(tc.key, tc.body)
+		require.Equal(t, tc.status, r.status, tc.name)
+		require.Equal(t, "application/problem+json", r.header.Get("Content-Type"), tc.name)
+		var p struct {
+			Type, Title, Detail string
+			Status              int
+		}
+		require.NoError(t, json.Unmarshal([]byte(r.body), &p), tc.name)
+		require.Equal(t, tc.status, p.Status, tc.name)
+		require.Equal(t, tc.title, p.Title, tc.name)
+		require.NotEmpty(t, p.Detail, tc.name)
+	}
+	require.EqualValues(t, 1, e.runs.Load(), "none of them reached the handler")
+
+	req, _ := http.NewRequest(http.MethodPost, e.srv.URL+"/v1/charges", strings.NewReader("x"))
+	req.Header.Add(idempotency.HeaderKey, "a")
+	req.Header.Add(idempotency.HeaderKey, "b")
+	resp, err := e.srv.Client().Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusBadRequest, resp.StatusCode, "two keys")
+}
+
+// Hundreds of duplicates at once: one execution. Each duplicate waits for
+// it and gets the replay or, past the in-progress wait, 409 with
+// Retry-After.
+func TestHTTPConcurrentDuplicates(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name      string
+		wait      time.Duration
+		conflicts bool // every duplicate gets 409
+	}{
+		{"duplicates wait and replay", 5 * time.Second, false},
+		{"duplicates give up with 409", 20 * time.Millisecond, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var e *httpEnv
+			e = newHTTPEnvWithStore(t, func(w http.ResponseWriter, r *http.Request) {
+				e.charge(w, r)
+				time.Sleep(500 * time.Millisecond)
+			}, []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithRetryDelay(1500 * time.Millisecond)})
+			const n = 200
+			replies := make([]httpReply, n)
+			var wg sync.WaitGroup
+			for i := range replies {
+				wg.Go(func() { replies[i] = e.post("dup", "charge 5") })
+			}
+			wg.Wait()
+			var created, replayed, conflicts int
+			for _, r := range replies {
+				switch {
+				case r.status == http.StatusCreated && r.header.Get(idempotency.HeaderReplayed) == "":
+					created++
+				case r.status == http.StatusCreated:
+					replayed++
+				case r.status == http.StatusConflict:
+					conflicts++
+					require.Equal(t, "2", r.header.Get("Retry-After"), "the retry delay, in whole seconds rounded up")
+					require.Equal(t, "application/problem+json", r.header.Get("Content-Type"))
+				default:
+					t.Fatalf("unexpected reply %d: %s", r.status, r.body)
+				}
+			}
+			require.Equal(t, 1, created)
+			require.Equal(t, n, created+replayed+conflicts)
+			if tc.conflicts {
+				// Those that arrive while the first runs; a straggler
+				// started after it finished gets the replay.
+				require.Greater(t, conflicts, n/2)
+			} else {
+				require.Equal(t, n-1, replayed)
+			}
+			require.EqualValues(t, 1, e.runs.Load())
+			require.Equal(t, 1, e.ledgerRows())
+			t.Logf("%d requests at once with one key: 1 created, %d replayed, %d got 409", n, replayed, conflicts)
+		})
+	}
+}
+
+// Which handler responses are stored: 2xx always, 5xx never, 4xx as on the
+// gRPC side; writes roll back with a response that is not stored.
+func TestHTTPStoredStatuses(t *testing.T) {
+	t.Parallel()
+	var e *httpEnv
+	e = newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		_, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ($1, 'k')`, string(body))
+		require.NoError(t, err)
+		code, _ := strconv.Atoi(string(body))
+		w.WriteHeader(code)
+		_, _ = fmt.Fprintf(w, "status %d run %d", code, e.runs.Load())
+	})
+	for _, tc := range []struct {
+		status int
+		stored bool
+	}{
+		{200, true}, {201, true}, {303, true}, {404, true}, {409, true}, {412, true},
+		{400, false}, {401, false}, {422, false}, {429, false}, {500, false}, {503, false},
+	} {
+		key := fmt.Sprint("s-", tc.status)
+		first := e.post(key, fmt.Sprint(tc.status))
+		again := e.post(key, fmt.Sprint(tc.status))
+		require.Equal(t, tc.status, first.status)
+		require.Equal(t, tc.status, again.status)
+		require.Equal(t, tc.stored, again.header.Get(idempotency.HeaderReplayed) == "true", "%d stored", tc.status)
+		require.Equal(t, tc.stored, first.body == again.body, "%d", tc.status)
+		rows := e.db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, fmt.Sprint(tc.status))
+		if tc.stored {
+			require.Equal(t, 1, rows, "%d: the write of a stored response commits", tc.status)
+		} else {
+			require.Equal(t, 0, rows, "%d: the write of a released response rolls back", tc.status)
+		}
+	}
+}
+
+// The response writer's edges: what the client sees first is what a replay
+// shows.
+func TestHTTPResponseWriterMatrix(t *testing.T) {
+	t.Parallel()
+	handlers := map[string]http.HandlerFunc{
+		"WriteHeader twice": func(w http.ResponseWriter, _ *http.Request) {
+			w.WriteHeader(http.StatusAccepted)
+			w.WriteHeader(http.StatusTeapot) // ignored, as net/http ignores it
+			_, _ = io.WriteString(w, "accepted")
+		},
+		"no WriteHeader": func(w http.ResponseWriter, _ *http.Request) {
+			_, _ = io.WriteString(w, "implicit 200")
+		},
+		"Write before WriteHeader": func(w http.ResponseWriter, _ *http.Request) {
+			_, _ = io.WriteString(w, "first")
+			w.WriteHeader(http.StatusCreated) // too late: the status is 200
+			_, _ = io.WriteString(w, " second")
+		},
+		"writes nothing": func(http.ResponseWriter, *http.Request) {},
+		"headers after the body": func(w http.ResponseWriter, _ *http.Request) {
+			_, _ = io.WriteString(w, `{"a":1}`)
+			w.Header().Set("Location", "/late") // too late for net/http too
+		},
+	}
+	want := map[string][2]any{
+		"WriteHeader twice":        {http.StatusAccepted, "accepted"},
+		"no WriteHeader":           {http.StatusOK, "implicit 200"},
+		"Write before WriteHeader": {http.StatusOK, "first second"},
+		"writes nothing":           {http.StatusOK, ""},
+		"headers after the body":   {http.StatusOK, `{"a":1}`},
+	}
+	for name, h := range handlers {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			e := newHTTPEnv(t, h)
+			first := e.post("k", "x")
+			again := e.post("k", "x")
+			require.Equal(t, want[name][0], first.status)
+			require.Equal(t, want[name][1], first.body)
+			require.Equal(t, first.status, again.status)
+			require.Equal(t, first.body, again.body)
+			require.Equal(t, first.header.Get("Content-Type"), again.header.Get("Content-Type"))
+			require.Equal(t, first.header.Get("Location"), again.header.Get("Location"))
+			require.Equal(t, "true", again.header.Get(idempotency.HeaderReplayed))
+			require.EqualValues(t, 1, e.runs.Load())
+		})
+	}
+}
+
+// Streaming fails clearly and a response over the cap is never half-stored.
+func TestHTTPStreamingAndOversizeFailClearly(t *testing.T) {
+	t.Parallel()
+	errs := make(chan [3]error, 1)
+	var e *httpEnv
+	e = newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		_, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ($1, 'k')`, string(body))
+		require.NoError(t, err)
+		if string(body) == "stream" {
+			rc := http.NewResponseController(w)
+			_, _, hijackErr := rc.Hijack()
+			errs <- [3]error{rc.Flush(), hijackErr, rc.EnableFullDuplex()}
+			_, isFlusher := w.(http.Flusher)
+			require.False(t, isFlusher, "no Flush to call by accident")
+			require.NoError(t, rc.SetWriteDeadline(time.Now().Add(time.Minute)), "deadlines still work")
+			_, _ = io.WriteString(w, "whole")
+			return
+		}
+		_, _ = w.Write(make([]byte, 600))
+		_, _ = w.Write(make([]byte, 600)) // over the 1000-byte cap
+	}, idempotency.WithHTTPMaxResponseBytes(1000))
+
+	r := e.post("stream", "stream")
+	require.Equal(t, http.StatusOK, r.status)
+	require.Equal(t, "whole", r.body)
+	for _, err := range <-errs {
+		require.ErrorContains(t, err, "cannot be streamed")
+	}
+
+	big := e.post("big", "big")
+	require.Equal(t, http.StatusInternalServerError, big.status)
+	require.Contains(t, big.body, "over 1000 bytes")
+	require.Equal(t, 0, e.db.Count(t, `SELECT count(*) FROM ledger WHERE note = 'big'`), "its write rolled back")
+	require.Equal(t, 0, e.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'big'`), "nothing half-stored")
+}
+
+// A panicking handler releases the key; the retry runs at once.
+func TestHTTPPanicReleasesTheKey(t *testing.T) {
+	t.Parallel()
+	var e *httpEnv
+	e = newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+		if e.runs.Load() == 1 {
+			_, _ = idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ('panicked', 'k')`)
+			panic(http.ErrAbortHandler) // net/http's way to abort quietly
+		}
+		e.charge(w, r)
+	})
+	req, _ := http.NewRequest(http.MethodPost, e.srv.URL+"/v1/charges", strings.NewReader("x"))
+	req.Header.Set(idempotency.HeaderKey, "k")
+	_, err := e.srv.Client().Do(req)
+	require.Error(t, err, "the aborted response")
+	start := time.Now()
+	r := e.post("k", "x")
+	require.Equal(t, http.StatusCreated, r.status)
+	require.Less(t, time.Since(start), time.Second)
+	require.Equal(t, 1, e.ledgerRows(), "the panicked write rolled back")
+}
+
+// While PostgreSQL refuses connections: 503 with Retry-After, the handler
+// not run; after, the same key runs.
+func TestHTTPDatabaseDownIs503(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	proxy, err := faultproxy.New(pgAddress(t))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) {
+		host, port, _ := net.SplitHostPort(proxy.Addr())
+		c.ConnConfig.Host = host
+		p, _ := strconv.Atoi(port)
+		c.ConnConfig.Port = uint16(p)
+		c.ConnConfig.ConnectTimeout = 2 * time.Second
+	})
+	store, err := idempotency.NewStore(pool)
+	require.NoError(t, err)
+	e := &httpEnv{t: t, db: db, store: store}
+	e.srv = httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		e.runs.Add(1)
+		e.charge(w, r)
+	})))
+	t.Cleanup(e.srv.Close)
+
+	proxy.SetRefusing(true)
+	proxy.CutAll()
+	r := e.post("k", "x")
+	require.Equal(t, http.StatusServiceUnavailable, r.status, r.body)
+	require.NotEmpty(t, r.header.Get("Retry-After"))
+	require.Equal(t, "application/problem+json", r.header.Get("Content-Type"))
+	require.EqualValues(t, 0, e.runs.Load())
+
+	proxy.SetRefusing(false)
+	require.Equal(t, http.StatusCreated, e.post("k", "x").status)
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+// httpCrashChildEnv makes the test binary serve HTTP as the crash test's
+// child: on the listening socket it inherits as fd 3, with a store on the
+// schema the variable names, a handler that kills the process after its
+// business write.
+const httpCrashChildEnv = "IDEMPOTENCY_HTTP_CRASH_CHILD"
+
+func runHTTPCrashChild() int {
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	if err != nil {
+		return 2
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv(httpCrashChildEnv)
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		return 2
+	}
+	store, err := idempotency.NewStore(pool)
+	if err != nil {
+		return 2
+	}
+	lis, err := net.FileListener(os.NewFile(3, "listener"))
+	if err != nil {
+		return 2
+	}
+	fmt.Println("ready")
+	_ = http.Serve(lis, idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ('crashed', 'k')`)
+		if err == nil {
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL) // between the claim and the commit
+			select {}
+		}
+	})))
+	return 1
+}
+
+// A server killed between the claim and the commit leaves no stuck key:
+// the retry, on another server, runs at once and exactly once.
+func TestHTTPServerKilledBeforeCommitLeavesNoKey(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	lisFile, err := lis.(*net.TCPListener).File()
+	require.NoError(t, err)
+	_ = lis.Close()
+	child := exec.Command(os.Args[0], "-test.run=^$")
+	child.Env = append(os.Environ(), httpCrashChildEnv+"="+db.Schema)
+	child.ExtraFiles = []*os.File{lisFile}
+	out, err := child.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, child.Start())
+	_ = lisFile.Close()
+	line, err := bufio.NewReader(out).ReadString('\n')
+	require.NoError(t, err)
+	require.Equal(t, "ready\n", line)
+
+	req, _ := http.NewRequest(http.MethodPost, "http://"+lis.Addr().String()+"/v1/charges", strings.NewReader("x"))
+	req.Header.Set(idempotency.HeaderKey, "k")
+	_, err = http.DefaultClient.Do(req)
+	require.Error(t, err, "the server died mid-request")
+	err = child.Wait()
+	var exit *exec.ExitError
+	require.ErrorAs(t, err, &exit)
+	require.Equal(t, syscall.SIGKILL, exit.Sys().(syscall.WaitStatus).Signal())
+	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM ledger`), "its write died with it")
+
+	var e *httpEnv
+	e = &httpEnv{t: t, db: db, store: migratedStore(t, db)}
+	e.srv = httptest.NewServer(idempotency.HTTPMiddleware(e.store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		e.runs.Add(1)
+		e.charge(w, r)
+	})))
+	t.Cleanup(e.srv.Close)
+	start := time.Now()
+	r := e.post("k", "x")
+	require.Equal(t, http.StatusCreated, r.status)
+	require.Less(t, time.Since(start), time.Second, "no key was left held by the dead process")
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+// The middleware composes with a chi-style chain and with net/http's own
+// mux patterns; the route it reports is the pattern that matched.
+func TestHTTPMiddlewareComposes(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	store := migratedStore(t, db)
+	var routes []string
+	var mu sync.Mutex
+	idem := idempotency.HTTPMiddleware(store, idempotency.WithHTTPOutcomeHook(func(_ *http.Request, route string, o idempotency.Outcome, status int, _ error) {
+		mu.Lock()
+		defer mu.Unlock()
+		routes = append(routes, fmt.Sprintf("%s %v %d", route, o, status))
+	}))
+	auth := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("Authorization") == "" {
+				http.Error(w, "who are you", http.StatusUnauthorized)
+				return
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	chain := func(h http.Handler, mws ...func(http.Handler) http.Handler) http.Handler {
+		for i := len(mws) - 1; i >= 0; i-- {
+			h = mws[i](h)
+		}
+		return h
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/accounts/{id}/charges", chain(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ($1, 'k')`, r.PathValue("id"))
+		require.NoError(t, err)
+		_, _ = io.WriteString(w, "charged "+r.PathValue("id"))
+	}), auth, idem))
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	post := func(path, key string) (int, string) {
+		req, _ := http.NewRequest(http.MethodPost, srv.URL+path, strings.NewReader("x"))
+		req.Header.Set(idempotency.HeaderKey, key)
+		req.Header.Set("Authorization", "Bearer t")
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, body := post("/v1/accounts/a1/charges", "k")
+	require.Equal(t, http.StatusOK, code)
+	require.Equal(t, "charged a1", body)
+	code, body = post("/v1/accounts/a1/charges", "k")
+	require.Equal(t, "charged a1", body)
+	code, _ = post("/v1/accounts/a2/charges", "k")
+	require.Equal(t, http.StatusUnprocessableEntity, code, "the same key for another path is another request")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []string{
+		"POST /v1/accounts/{id}/charges executed 200",
+		"POST /v1/accounts/{id}/charges replayed 200",
+		"POST /v1/accounts/{id}/charges key_reused 422",
+	}, routes)
+}
