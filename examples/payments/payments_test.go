@@ -29,6 +29,12 @@ func newService(t *testing.T) (paymentsv1.PaymentServiceClient, *testdb.DB) {
 	require.NoError(t, err)
 	require.NoError(t, payments.Migrate(ctx, db.Pool, store))
 	require.NoError(t, payments.Migrate(ctx, db.Pool, store), "migrating twice is harmless")
+	return newServiceOn(t, db, store)
+}
+
+// newServiceOn serves gRPC on an existing database and store.
+func newServiceOn(t *testing.T, db *testdb.DB, store *idempotency.Store) (paymentsv1.PaymentServiceClient, *testdb.DB) {
+	t.Helper()
 	srv := payments.NewGRPCServer(db.Pool, store, nil)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)

@@ -5,8 +5,10 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -52,10 +54,12 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
+	httpLis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
 	var logs syncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
-	go func() { stopped <- run(ctx, lis, url, slog.New(slog.NewTextHandler(&logs, nil))) }()
+	go func() { stopped <- run(ctx, lis, httpLis, url, slog.New(slog.NewTextHandler(&logs, nil))) }()
 
 	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -86,6 +90,17 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	require.Contains(t, names, "payments.v1.PaymentService")
 	require.NoError(t, stream.CloseSend())
 
+	// The same service as JSON over HTTP (-http-addr).
+	httpReq, err := http.NewRequest(http.MethodPost, "http://"+httpLis.Addr().String()+"/v1/charges", strings.NewReader(`{"account_id": "acct", "amount_cents": 8}`))
+	require.NoError(t, err)
+	httpReq.Header.Set(idempotency.HeaderKey, "server-test-http")
+	httpResp, err := http.DefaultClient.Do(httpReq)
+	require.NoError(t, err)
+	httpBody, _ := io.ReadAll(httpResp.Body)
+	httpResp.Body.Close()
+	require.Equal(t, http.StatusOK, httpResp.StatusCode, string(httpBody))
+	require.Contains(t, string(httpBody), `"balance_cents":"50"`, "42 over gRPC, then 8 over HTTP, on one account")
+
 	cancel()
 	select {
 	case err := <-stopped:
@@ -94,7 +109,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 		t.Fatal("server did not stop")
 	}
 	out := logs.String()
-	for _, want := range []string{"outcome=executed", "outcome=replayed", "level=WARN msg=call method=Charge outcome=key_reused key=server-test-1 code=FailedPrecondition cause=", "shutting down"} {
+	for _, want := range []string{"msg=\"http call\" route=\"POST /v1/charges\" outcome=executed", "outcome=executed", "outcome=replayed", "level=WARN msg=call method=Charge outcome=key_reused key=server-test-1 code=FailedPrecondition cause=", "shutting down"} {
 		require.Contains(t, out, want)
 	}
 }

@@ -1,0 +1,82 @@
+package payments_test
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/examples/payments"
+	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// The HTTP face of the service: the names tools outside the project call,
+// on the same business code and store as gRPC.
+func TestHTTPChargesAndBalance(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 8)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, payments.Migrate(ctx, db.Pool, store))
+	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store, nil))
+	t.Cleanup(srv.Close)
+	do := func(method, path, key, body string) (int, http.Header, string) {
+		req, err := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
+		require.NoError(t, err)
+		if key != "" {
+			req.Header.Set(idempotency.HeaderKey, key)
+		}
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, resp.Header, string(b)
+	}
+
+	code, h, first := do(http.MethodPost, "/v1/charges", "order-1001", `{"account_id": "acct-1", "amount_cents": 100}`)
+	require.Equal(t, http.StatusOK, code, first)
+	require.Equal(t, "application/json", h.Get("Content-Type"))
+	var charge map[string]any
+	require.NoError(t, json.Unmarshal([]byte(first), &charge))
+	require.Equal(t, "acct-1", charge["account_id"])
+	require.Equal(t, "100", charge["amount_cents"], "int64 fields are JSON strings, as protojson writes them")
+	require.Equal(t, "100", charge["balance_cents"])
+	require.True(t, strings.HasPrefix(charge["charge_id"].(string), "ch_"))
+	require.Len(t, charge, 4, "exactly the ChargeResponse fields, by their proto names")
+
+	code, h, again := do(http.MethodPost, "/v1/charges", "order-1001", `{"account_id": "acct-1", "amount_cents": 100}`)
+	require.Equal(t, http.StatusOK, code)
+	require.Equal(t, first, again, "the replay, byte for byte")
+	require.Equal(t, "true", h.Get(idempotency.HeaderReplayed))
+
+	code, _, body := do(http.MethodPost, "/v1/charges", "order-1001", `{"account_id": "acct-1", "amount_cents": 900}`)
+	require.Equal(t, http.StatusUnprocessableEntity, code, body)
+	code, _, body = do(http.MethodPost, "/v1/charges", "", `{"account_id": "acct-1", "amount_cents": 5}`)
+	require.Equal(t, http.StatusBadRequest, code, body)
+	code, _, body = do(http.MethodPost, "/v1/charges", "bad-json", `{"account_id": `)
+	require.Equal(t, http.StatusBadRequest, code, body)
+	code, _, body = do(http.MethodPost, "/v1/charges", "bad-json", `{"account_id": "acct-1", "amount_cents": 5}`)
+	require.Equal(t, http.StatusOK, code, "a 400 is not stored: the corrected request reuses the key: %s", body)
+
+	code, h, body = do(http.MethodGet, "/v1/accounts/acct-1/balance", "", "")
+	require.Equal(t, http.StatusOK, code, body)
+	require.Empty(t, h.Get(idempotency.HeaderReplayed))
+	var bal map[string]any
+	require.NoError(t, json.Unmarshal([]byte(body), &bal))
+	require.Equal(t, map[string]any{"account_id": "acct-1", "balance_cents": "105", "charges": "2"}, bal)
+
+	// gRPC sees the same accounts.
+	c, _ := newServiceOn(t, db, store)
+	grpcBal, err := c.GetBalance(ctx, &paymentsv1.GetBalanceRequest{AccountId: "acct-1"})
+	require.NoError(t, err)
+	require.EqualValues(t, 105, grpcBal.GetBalanceCents())
+}
