@@ -569,6 +569,8 @@ func writeProblem(w http.ResponseWriter, err error, retryDelay time.Duration) in
 		return problem(w, http.StatusUnauthorized, "Unauthenticated", detail, 0)
 	case codes.PermissionDenied:
 		return problem(w, http.StatusForbidden, "Forbidden", detail, 0)
+	case codes.FailedPrecondition:
+		return problem(w, http.StatusConflict, "Conflict", detail, 0)
 	case codes.DeadlineExceeded:
 		return problem(w, http.StatusGatewayTimeout, "Timed out; nothing was committed", detail, 0)
 	}
