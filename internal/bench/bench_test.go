@@ -40,10 +40,16 @@ func TestShort(t *testing.T) {
 	err := run(ctx, []string{"-short", "-url", testdb.URL()}, &stdout, &stderr)
 	require.NoError(t, err, "stderr:\n%s", stderr.String())
 
-	for _, v := range []string{"fresh", "plain", "replay", "no-db", "contended", "no-key", "fresh-5k", "fresh-5k+cleaner"} {
+	for _, v := range []string{"fresh", "floor", "plain", "fresh/payments", "floor/payments", "plain/payments",
+		"engine:execute", "engine:floor", "engine:plain", "engine:execute/payments", "engine:floor/payments", "engine:plain/payments",
+		"replay", "unmarked-replay", "no-db", "contended", "no-key", "fresh-5k", "fresh-5k+cleaner"} {
 		require.Regexp(t, `(?m)^`+regexp.QuoteMeta(v)+`\s+\d+\s`, stdout.String(), "throughput row of %s", v)
 	}
-	require.Contains(t, stdout.String(), "Targets of issue 6")
+	require.Contains(t, stdout.String(), targetsTitle)
+	for _, goal := range []string{"fresh throughput >= 0.90x floor, payments handler", "WAL bytes per fresh call <= floor's + 15%, trivial handler",
+		"round trips per fresh first attempt == plain's", "replay (x-retry-attempt: 1): one round trip per call"} {
+		require.Contains(t, stdout.String(), goal)
+	}
 
 	schema := regexp.MustCompile(`schema (bench_[0-9a-f]+)`).FindStringSubmatch(stderr.String())
 	require.Len(t, schema, 2, "stderr names the schema:\n%s", stderr.String())
@@ -58,6 +64,8 @@ func TestShort(t *testing.T) {
 func TestFlags(t *testing.T) {
 	for _, args := range [][]string{
 		{"-scenarios", "fresh,bogus"},
+		{"-handlers", "trivial,bogus"},
+		{"-accounts", "0"},
 		{"-cleaner"},
 		{"-scenarios", "preload"},
 		{"-keys", "v1"},

@@ -1,22 +1,35 @@
 // Command bench measures what the idempotency interceptor costs a real
 // gRPC service on a real PostgreSQL, and where that cost goes.
 //
-//	go run ./internal/bench                        # fresh, replay, contended, nokey: 6 rounds x 5 s per variant
+//	go run ./internal/bench                        # fresh, engine, replay, contended, nokey: 6 rounds x 5 s per variant, about 9 minutes
 //	go run ./internal/bench -short                 # a few seconds; checks only that it works
-//	go run ./internal/bench -scenarios fresh -duration 2s -rounds 4
+//	go run ./internal/bench -scenarios fresh,engine,replay -duration 4s
+//	go run ./internal/bench -scenarios fresh -handlers payments -duration 2s -rounds 4
 //	go run ./internal/bench -preload 10000000 -cleaner -scenarios preload
 //
 // It starts gRPC servers on loopback ports in this process, one with the
-// interceptor and one without, on a pgx pool to the database named by -url
+// interceptor, one without (plain) and one that writes the floor's key row
+// without the interceptor, on a pgx pool to the database named by -url
 // (default: DATABASE_URL, else the local test database), in a schema of its
 // own that it drops at the end. Client goroutines, each with its own
 // connection to each server, call as fast as they can for -duration.
 //
+// Two handlers do the business write (-handlers): trivial inserts one
+// ledger row; payments, the shape of examples/payments, upserts the balance
+// of one of -accounts accounts and inserts a charge row in one statement.
+// Their variants are named bare and with "/payments".
+//
 // Variants (see variants.go):
 //
-//	fresh       every call has a new key; the handler inserts a row in the interceptor's transaction
-//	plain       no interceptor; the same handler inserts the row in its own BEGIN/INSERT/COMMIT
-//	replay      every call repeats a finished key
+//	fresh       every call has a new key; the handler writes in the interceptor's transaction
+//	floor       no interceptor; BEGIN, the handler's write, then [INSERT the key row the engine would; COMMIT]:
+//	            the physical floor of a durable key, with no lock, lookup or deduplication
+//	plain       no interceptor; the same handler writes in its own BEGIN/write/COMMIT
+//	engine:execute, engine:floor, engine:plain
+//	            the same three without gRPC: -clients goroutines call Store.Execute, the floor
+//	            or pgx.BeginFunc directly, on the same pool
+//	replay      every call repeats a finished key, marked as a retry (x-retry-attempt: 1)
+//	unmarked-replay  the same without the marker: the claim's transaction finds the result
 //	no-db       no interceptor; a handler that touches no database
 //	contended   -contended-keys groups of clients march through shared keys, so duplicates are in flight
 //	no-key      calls without a key through the interceptor, to the no-database handler
@@ -26,8 +39,9 @@
 // Each round runs every variant of the chosen scenarios once, in a fixed
 // order, so a variant and its baseline alternate (A, B, A, B, ...) and
 // slow drift of the machine affects both alike. Throughput and latency are
-// medians over rounds; ratios are ratios of medians, with the range of the
-// per-round ratios beside them.
+// medians over rounds; ratios are ratios of medians, with the median and
+// the range of the per-round ratios beside them. The targets use the
+// medians of the per-round ratios.
 //
 // For every call it also reports what the database did, from two sides:
 // the client side counts round trips on the pool's sockets (the ground

@@ -56,6 +56,8 @@ type config struct {
 	Pool            int           `json:"pool"`
 	ResponseBytes   int           `json:"response_bytes"`
 	Scenarios       []string      `json:"scenarios"`
+	Handlers        []string      `json:"handlers"`
+	Accounts        int           `json:"accounts"`
 	ContendedKeys   int           `json:"contended_keys"`
 	KeyKind         string        `json:"key_kind"`
 	Preload         int           `json:"preload"`
@@ -71,11 +73,11 @@ type config struct {
 	Short           bool          `json:"short"`
 }
 
-var allScenarios = []string{"fresh", "replay", "contended", "nokey", "preload"}
+var allScenarios = []string{"fresh", "engine", "replay", "contended", "nokey", "preload"}
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
-	var scenarios string
+	var scenarios, handlers string
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.URL, "url", testdb.URL(), "PostgreSQL URL; the tool works in a schema of its own there. On a shared server, give it a database of its own so its commit counts are its alone")
@@ -85,7 +87,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.Clients, "clients", 8, "concurrent clients, each with its own gRPC connection")
 	fs.IntVar(&c.Pool, "pool", 0, "server pool size (0: clients+2)")
 	fs.IntVar(&c.ResponseBytes, "response-bytes", 256, "size of the response body")
-	fs.StringVar(&scenarios, "scenarios", "fresh,replay,contended,nokey", "comma-separated: "+strings.Join(allScenarios, ", ")+" (preload is added when -preload > 0)")
+	fs.StringVar(&scenarios, "scenarios", "fresh,engine,replay,contended,nokey", "comma-separated: "+strings.Join(allScenarios, ", ")+" (preload is added when -preload > 0)")
+	fs.StringVar(&handlers, "handlers", strings.Join(handlerNames, ","), "comma-separated handlers of the fresh and engine scenarios: "+strings.Join(handlerNames, ", ")+" (the other scenarios use trivial)")
+	fs.IntVar(&c.Accounts, "accounts", 64, "accounts the payments handler spreads its charges over, at random")
 	fs.IntVar(&c.ContendedKeys, "contended-keys", 2, "keys in flight at once in the contended scenario; clients share them evenly")
 	fs.StringVar(&c.KeyKind, "keys", "v7", "fresh keys: v7 (time-ordered UUIDs, what the client interceptor sends) or v4 (random UUIDs)")
 	fs.IntVar(&c.Preload, "preload", 0, "fill a second key table with this many finished keys and compare fresh calls on it with the small table")
@@ -96,9 +100,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.Probe, "probe", 20, "calls of each variant run one at a time to list the round trips of one call (0: none)")
 	fs.StringVar(&c.Markdown, "markdown", "", "also write the report as markdown to this file")
 	fs.StringVar(&c.JSON, "json", "", "also write every measurement as JSON to this file")
-	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "write a CPU profile of the measured rounds (server and clients) to this file")
+	fs.StringVar(&c.CPUProfile, "cpuprofile", "", "write a CPU profile of the measured rounds (server and clients) to this file; client goroutines carry the label variant=NAME")
 	fs.BoolVar(&c.Keep, "keep", false, "keep the schema instead of dropping it at the end")
-	fs.BoolVar(&c.Short, "short", false, "a few seconds in all, for CI: every scenario with a small preload and the cleaner; numbers mean nothing")
+	fs.BoolVar(&c.Short, "short", false, "a few seconds in all, for CI: every scenario and handler with a small preload and the cleaner; numbers mean nothing")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return c, err
@@ -112,8 +116,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	if c.Short {
 		short := map[string]func(){
-			"duration":  func() { c.Duration = 250 * time.Millisecond },
-			"warmup":    func() { c.Warmup = 100 * time.Millisecond },
+			"duration":  func() { c.Duration = 150 * time.Millisecond },
+			"warmup":    func() { c.Warmup = 50 * time.Millisecond },
 			"rounds":    func() { c.Rounds = 2 },
 			"clients":   func() { c.Clients = 4 },
 			"scenarios": func() { scenarios = strings.Join(allScenarios, ",") },
@@ -127,15 +131,12 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 			}
 		}
 	}
-	for _, s := range strings.Split(scenarios, ",") {
-		s = strings.TrimSpace(s)
-		switch {
-		case s == "":
-		case !slices.Contains(allScenarios, s):
-			return c, usageError{fmt.Errorf("-scenarios: unknown scenario %q (want some of %s)", s, strings.Join(allScenarios, ", "))}
-		case !slices.Contains(c.Scenarios, s):
-			c.Scenarios = append(c.Scenarios, s)
-		}
+	var err error
+	if c.Scenarios, err = parseList("-scenarios", scenarios, allScenarios); err != nil {
+		return c, err
+	}
+	if c.Handlers, err = parseList("-handlers", handlers, handlerNames); err != nil {
+		return c, err
 	}
 	if c.Preload > 0 && !slices.Contains(c.Scenarios, "preload") {
 		c.Scenarios = append(c.Scenarios, "preload")
@@ -146,6 +147,10 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	switch {
 	case len(c.Scenarios) == 0:
 		return c, usageError{errors.New("-scenarios: none chosen")}
+	case len(c.Handlers) == 0:
+		return c, usageError{errors.New("-handlers: none chosen")}
+	case c.Accounts < 1:
+		return c, usageError{errors.New("-accounts must be positive")}
 	case c.Duration <= 0 || c.Warmup < 0 || c.Rounds < 1 || c.Clients < 1 || c.Pool < 1:
 		return c, usageError{errors.New("-duration, -rounds, -clients and -pool must be positive, -warmup not negative")}
 	case c.ResponseBytes < 0:
@@ -166,6 +171,23 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, usageError{errors.New("-probe must not be negative")}
 	}
 	return c, nil
+}
+
+// parseList parses a comma-separated flag whose values must be among known,
+// dropping repeats.
+func parseList(flagName, list string, known []string) ([]string, error) {
+	var out []string
+	for _, s := range strings.Split(list, ",") {
+		s = strings.TrimSpace(s)
+		switch {
+		case s == "":
+		case !slices.Contains(known, s):
+			return nil, usageError{fmt.Errorf("%s: unknown value %q (want some of %s)", flagName, s, strings.Join(known, ", "))}
+		case !slices.Contains(out, s):
+			out = append(out, s)
+		}
+	}
+	return out, nil
 }
 
 // commandLine is how the run was invoked, for the top of the report.
@@ -250,10 +272,13 @@ type bench struct {
 	wire        *wire
 	stats       *pgStats
 
-	store, preStore, cleanerStore *idempotency.Store
-	idem, plain, preloaded        *server
-	clients                       []*client
-	preloadInfo                   *preloadInfo
+	store, floorStore, preStore, cleanerStore *idempotency.Store
+	idem, plain, floor, preloaded             *server
+	floorTable                                *floorTable
+	allHandlers                               []*handler // trivial first
+	handlers                                  []*handler // those chosen by -handlers
+	clients                                   []*client
+	preloadInfo                               *preloadInfo
 }
 
 func (b *bench) setup(ctx context.Context) error {
@@ -286,11 +311,35 @@ func (b *bench) setup(ctx context.Context) error {
 	if err := b.store.Migrate(ctx); err != nil {
 		return err
 	}
-	if _, err := b.admin.Exec(ctx, `CREATE TABLE `+pgx.Identifier{b.schema, "ledger"}.Sanitize()+
-		` (id bigserial PRIMARY KEY, note text NOT NULL)`); err != nil {
+	// The floor's key table: the library's own migrations, so its columns
+	// and indexes are the key table's.
+	b.floorStore, err = idempotency.NewStore(b.pool, idempotency.WithTable(b.schema, floorTableName))
+	if err != nil {
+		return err
+	}
+	if err := b.floorStore.Migrate(ctx); err != nil {
+		return err
+	}
+	b.floorTable = newFloorTable(b.schema)
+	if _, err := b.pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`); err != nil {
 		return fmt.Errorf("create ledger: %w", err)
 	}
-	svc := &service{pool: b.pool, payload: payload(b.cfg.ResponseBytes)}
+	if _, err := b.pool.Exec(ctx, paymentsTables); err != nil {
+		return fmt.Errorf("create the payments tables: %w", err)
+	}
+	body := payload(b.cfg.ResponseBytes)
+	svc := &service{pool: b.pool, payload: body, trivial: trivialHandler(body), payments: paymentsHandler(body, b.cfg.Accounts)}
+	b.allHandlers = []*handler{svc.trivial, svc.payments}
+	for i, name := range handlerNames {
+		if slices.Contains(b.cfg.Handlers, name) {
+			b.handlers = append(b.handlers, b.allHandlers[i])
+		}
+	}
+	// Every account exists before the runs, so every charge is an update,
+	// as in a service that has been running for a while.
+	if _, err := b.pool.Exec(ctx, `INSERT INTO accounts (account_id) SELECT unnest($1::text[])`, svc.payments.accounts); err != nil {
+		return fmt.Errorf("create accounts: %w", err)
+	}
 
 	if b.cfg.Preload > 0 {
 		b.preStore, err = idempotency.NewStore(b.pool, idempotency.WithTable(b.schema, preloadedTable))
@@ -328,6 +377,11 @@ func (b *bench) setup(ctx context.Context) error {
 	if b.plain, err = startServer("plain", svc, nil); err != nil {
 		return err
 	}
+	floorSvc := *svc
+	floorSvc.floor = b.floorTable
+	if b.floor, err = startServer("floor", &floorSvc, nil); err != nil {
+		return err
+	}
 
 	statsConn, err := connect(ctx, b.cfg.URL)
 	if err != nil {
@@ -346,12 +400,13 @@ func (b *bench) setup(ctx context.Context) error {
 
 	for i := range b.cfg.Clients {
 		c := &client{
-			id:    i,
-			conns: map[*server]*grpc.ClientConn{},
-			req:   &testingv1.Request{Body: "the same request from every client", Amount: 100}, // duplicates must match
-			resp:  &testingv1.Response{},
+			id:     i,
+			conns:  map[*server]*grpc.ClientConn{},
+			req:    &testingv1.Request{Body: "the same request from every client", Amount: 100}, // duplicates must match
+			charge: &testingv1.Request{Amount: 100},
+			resp:   &testingv1.Response{},
 		}
-		for _, s := range []*server{b.idem, b.plain, b.preloaded} {
+		for _, s := range []*server{b.idem, b.plain, b.floor, b.preloaded} {
 			if s == nil {
 				continue
 			}
@@ -409,7 +464,7 @@ func (b *bench) measure(ctx context.Context) (*report, error) {
 			}
 			s.Round = round
 			v.Slots = append(v.Slots, s)
-			b.logf("round %d/%d %-18s %8.0f calls/s  p50 %-8s p99 %-8s %s", round, b.cfg.Rounds, v.Name,
+			b.logf("round %d/%d %-23s %8.0f calls/s  p50 %-8s p99 %-8s %s", round, b.cfg.Rounds, v.Name,
 				s.rate(), fmtDur(s.P50), fmtDur(s.P99), s.brief())
 		}
 	}
@@ -457,7 +512,7 @@ func (b *bench) close() error {
 			conn.Close()
 		}
 	}
-	for _, s := range []*server{b.idem, b.plain, b.preloaded} {
+	for _, s := range []*server{b.idem, b.plain, b.floor, b.preloaded} {
 		if s != nil {
 			s.grpc.Stop()
 		}

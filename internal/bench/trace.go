@@ -75,6 +75,9 @@ type tracer struct {
 	// COMMIT or ROLLBACK, and statements or batches run outside a
 	// transaction block (each is a transaction of its own).
 	commits, rollbacks atomic.Int64
+	// begins counts transaction blocks opened (BEGIN, START TRANSACTION):
+	// unlike commits, it leaves out single statements run by themselves.
+	begins atomic.Int64
 
 	probing atomic.Bool // spares the lock on every statement when false
 	mu      sync.Mutex
@@ -83,12 +86,12 @@ type tracer struct {
 }
 
 type traceCounts struct {
-	RoundTrips, Statements, Prepares, Connects, Commits, Rollbacks int64
+	RoundTrips, Statements, Prepares, Connects, Commits, Rollbacks, Begins int64
 }
 
 func (a traceCounts) sub(b traceCounts) traceCounts {
 	return traceCounts{a.RoundTrips - b.RoundTrips, a.Statements - b.Statements, a.Prepares - b.Prepares,
-		a.Connects - b.Connects, a.Commits - b.Commits, a.Rollbacks - b.Rollbacks}
+		a.Connects - b.Connects, a.Commits - b.Commits, a.Rollbacks - b.Rollbacks, a.Begins - b.Begins}
 }
 
 func newTracer(schema string) *tracer {
@@ -98,7 +101,7 @@ func newTracer(schema string) *tracer {
 func (t *tracer) read() traceCounts {
 	return traceCounts{
 		RoundTrips: t.roundTrips.Load(), Statements: t.statements.Load(), Prepares: t.prepares.Load(),
-		Connects: t.connects.Load(), Commits: t.commits.Load(), Rollbacks: t.rollbacks.Load(),
+		Connects: t.connects.Load(), Commits: t.commits.Load(), Rollbacks: t.rollbacks.Load(), Begins: t.begins.Load(),
 	}
 }
 
@@ -146,6 +149,7 @@ func (t *tracer) summary(sql string) string {
 func (t *tracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
 	t.roundTrips.Add(1)
 	t.statements.Add(1)
+	t.countBegin(data.SQL)
 	t.record(func() string { return t.summary(data.SQL) })
 	return ctx
 }
@@ -175,6 +179,9 @@ type batchState struct{ ended bool }
 
 func (t *tracer) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
 	t.roundTrips.Add(1)
+	for _, q := range data.Batch.QueuedQueries {
+		t.countBegin(q.SQL)
+	}
 	t.record(func() string {
 		parts := make([]string, len(data.Batch.QueuedQueries))
 		for i, q := range data.Batch.QueuedQueries {
@@ -208,6 +215,19 @@ func (t *tracer) TraceBatchEnd(ctx context.Context, conn *pgx.Conn, data pgx.Tra
 	if st, ok := ctx.Value(batchEndKey{}).(*batchState); ok && !st.ended && conn.PgConn().TxStatus() == 'I' {
 		t.countEnd("", data.Err) // the batch ran as one transaction of its own
 	}
+}
+
+// countBegin counts a statement that opens a transaction block. It runs for
+// every statement, so it does not allocate.
+func (t *tracer) countBegin(sql string) {
+	s := strings.TrimLeft(sql, " \t\r\n")
+	if hasPrefixFold(s, "begin") || hasPrefixFold(s, "start transaction") {
+		t.begins.Add(1)
+	}
+}
+
+func hasPrefixFold(s, prefix string) bool {
+	return len(s) >= len(prefix) && strings.EqualFold(s[:len(prefix)], prefix)
 }
 
 func isSavepointRollback(sql string) bool {

@@ -3,14 +3,18 @@ package main
 import (
 	"context"
 	"fmt"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/exactlyonce/idempotency"
 	testingv1 "github.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1"
@@ -28,49 +32,86 @@ const (
 
 // variant is one kind of call, measured once per round.
 type variant struct {
-	Name    string       `json:"name"`
-	About   string       `json:"about"`
-	Slots   []slotResult `json:"rounds"`
-	Probe   []probeShape `json:"probe,omitempty"`
-	server  *server
-	method  string
-	keys    keyUse
-	cleaner bool // run the expiry cleaner during the variant's runs
-	probe   bool // list the round trips of single calls
+	Name     string       `json:"name"`
+	About    string       `json:"about"`
+	Slots    []slotResult `json:"rounds"`
+	Probe    []probeShape `json:"probe,omitempty"`
+	server   *server      // nil for the engine-only variants
+	method   string
+	handler  *handler // nil for the no-database method
+	keys     keyUse
+	retry    bool // mark each call as a retry attempt (x-retry-attempt: 1)
+	cleaner  bool // run the expiry cleaner during the variant's runs
+	probe    bool // list the round trips of single calls
+	outcomes *outcomeCounts
+	// direct, when set, runs the call in this process without gRPC.
+	direct func(ctx context.Context, key string, req *testingv1.Request) error
 }
 
 // variants returns the variants of the chosen scenarios, each once, in the
 // order a round runs them.
 func (b *bench) variants() []*variant {
-	fresh := &variant{Name: "fresh", server: b.idem, method: methodWrite, keys: freshKey, probe: true,
-		About: "interceptor, a new key per call; the handler inserts a row in the call's transaction"}
-	plain := &variant{Name: "plain", server: b.plain, method: methodWrite, probe: true,
-		About: "no interceptor; the handler inserts the row in its own BEGIN/INSERT/COMMIT"}
-	replay := &variant{Name: "replay", server: b.idem, method: methodWrite, keys: replayKey, probe: true,
-		About: "interceptor, every call repeats the client's finished key"}
+	byScenario := map[string][]*variant{}
+	// The fresh and engine scenarios run every chosen handler; the others
+	// use the trivial one, whose variants have the bare names.
+	var grpcOrder, engineOrder []*variant
+	var fresh, plain *variant
+	for _, h := range b.allHandlers {
+		grpcVs := []*variant{
+			{Name: "fresh" + h.name, server: b.idem, handler: h, keys: freshKey, probe: true,
+				About: "interceptor, a new key per call; the handler writes in the call's transaction"},
+			{Name: "floor" + h.name, server: b.floor, handler: h, keys: freshKey, probe: true,
+				About: "no interceptor; BEGIN, the handler's write, then [INSERT of the engine's key row; COMMIT] in one round trip"},
+			{Name: "plain" + h.name, server: b.plain, handler: h, probe: true,
+				About: "no interceptor; the handler writes in its own BEGIN/write/COMMIT"},
+		}
+		engineVs := []*variant{
+			{Name: "engine:execute" + h.name, handler: h, keys: freshKey, probe: true, outcomes: new(outcomeCounts),
+				About: "no gRPC: Store.Execute with a new key per call runs the handler"},
+			{Name: "engine:floor" + h.name, handler: h, keys: freshKey, probe: true,
+				About: "no gRPC: the floor (the handler plus the key row sent with the COMMIT)"},
+			{Name: "engine:plain" + h.name, handler: h, probe: true,
+				About: "no gRPC: the handler in pgx.BeginFunc"},
+		}
+		b.direct(engineVs[0], engineVs[1], engineVs[2])
+		if h.name == "" {
+			fresh, plain = grpcVs[0], grpcVs[2]
+		} else {
+			for _, v := range append(grpcVs, engineVs...) {
+				v.About += " (payments handler)"
+			}
+		}
+		if slices.Contains(b.handlers, h) {
+			byScenario["fresh"] = append(byScenario["fresh"], grpcVs...)
+			byScenario["engine"] = append(byScenario["engine"], engineVs...)
+		}
+		grpcOrder = append(grpcOrder, grpcVs...)
+		engineOrder = append(engineOrder, engineVs...)
+	}
+	replay := &variant{Name: "replay", server: b.idem, handler: fresh.handler, keys: replayKey, retry: true, probe: true,
+		About: "interceptor, every call repeats the client's finished key, marked as a retry (x-retry-attempt: 1)"}
+	unmarked := &variant{Name: "unmarked-replay", server: b.idem, handler: fresh.handler, keys: replayKey, probe: true,
+		About: "the same without the retry marker: the claim finds the result, in a transaction that rolls back"}
 	noDB := &variant{Name: "no-db", server: b.plain, method: methodEcho, probe: true,
 		About: "no interceptor; a handler that touches no database"}
-	contended := &variant{Name: "contended", server: b.idem, method: methodWrite, keys: sharedKey,
+	contended := &variant{Name: "contended", server: b.idem, handler: fresh.handler, keys: sharedKey,
 		About: fmt.Sprintf("interceptor; %d groups of clients send the same new key at once", min(b.cfg.ContendedKeys, b.cfg.Clients))}
 	noKeyV := &variant{Name: "no-key", server: b.idem, method: methodEcho, probe: true,
 		About: "interceptor, no key: the call passes through to the no-database handler"}
-	byScenario := map[string][]*variant{
-		"fresh":     {fresh, plain},
-		"replay":    {replay, plain, noDB, fresh},
-		"contended": {contended, plain, fresh},
-		"nokey":     {noKeyV, noDB},
-	}
+	byScenario["replay"] = []*variant{replay, unmarked, plain, noDB, fresh}
+	byScenario["contended"] = []*variant{contended, plain, fresh}
+	byScenario["nokey"] = []*variant{noKeyV, noDB}
 	// A round runs the variants in this order, so that each variant is
-	// measured right next to its main baseline.
-	order := []*variant{fresh, plain, replay, noDB, noKeyV, contended}
+	// measured right next to its main baselines.
+	order := append(append(grpcOrder, engineOrder...), replay, unmarked, noDB, noKeyV, contended)
 	if b.preloaded != nil {
 		n := humanCount(b.cfg.Preload)
-		pre := &variant{Name: "fresh-" + n, server: b.preloaded, method: methodWrite, keys: freshKey, probe: true,
+		pre := &variant{Name: "fresh-" + n, server: b.preloaded, handler: fresh.handler, keys: freshKey, probe: true,
 			About: fmt.Sprintf("fresh, on a key table holding %s keys (%.0f%% expired)", n, 100*b.cfg.PreloadExpired)}
 		byScenario["preload"] = []*variant{pre, fresh}
 		order = append(order, pre)
 		if b.cleanerStore != nil {
-			withCleaner := &variant{Name: pre.Name + "+cleaner", server: b.preloaded, method: methodWrite, keys: freshKey, cleaner: true,
+			withCleaner := &variant{Name: pre.Name + "+cleaner", server: b.preloaded, handler: fresh.handler, keys: freshKey, cleaner: true,
 				About: fmt.Sprintf("%s while RunCleaner deletes expired keys (every %v, batches of %d)", pre.Name, b.cfg.CleanerInterval, b.cfg.CleanerBatch)}
 			byScenario["preload"] = append(byScenario["preload"], withCleaner)
 			order = append(order, withCleaner)
@@ -85,10 +126,41 @@ func (b *bench) variants() []*variant {
 	var vs []*variant
 	for _, v := range order {
 		if chosen[v] {
+			if v.handler != nil {
+				v.method = v.handler.method
+			}
+			if v.server != nil {
+				v.outcomes = v.server.outcomes
+			}
 			vs = append(vs, v)
 		}
 	}
 	return vs
+}
+
+// direct makes the engine-only variants run their calls in this process,
+// on the server's pool, without gRPC.
+func (b *bench) direct(execute, floor, plain *variant) {
+	h := execute.handler
+	execute.direct = func(ctx context.Context, key string, req *testingv1.Request) error {
+		// What the interceptor does before Execute: fingerprint the request.
+		fp, err := idempotency.Fingerprint(h.method, req)
+		if err != nil {
+			return err
+		}
+		res, err := b.store.Execute(ctx, idempotency.Call{Key: key, Method: h.method, Fingerprint: fp, TTL: idempotency.DefaultTTL},
+			func(ctx context.Context, tx pgx.Tx) (proto.Message, error) { return h.write(ctx, tx, req) })
+		execute.outcomes.add(res.Outcome)
+		return err
+	}
+	floor.direct = func(ctx context.Context, key string, req *testingv1.Request) error {
+		_, err := b.floorTable.run(ctx, b.pool, h, key, req)
+		return err
+	}
+	plain.direct = func(ctx context.Context, _ string, req *testingv1.Request) error {
+		_, err := runPlain(ctx, b.pool, h, req)
+		return err
+	}
 }
 
 func humanCount(n int) string {
@@ -103,10 +175,11 @@ func humanCount(n int) string {
 
 // client is one caller with its own connection to each server.
 type client struct {
-	id    int
-	conns map[*server]*grpc.ClientConn
-	req   *testingv1.Request
-	resp  *testingv1.Response
+	id     int
+	conns  map[*server]*grpc.ClientConn
+	req    *testingv1.Request // the trivial handler's, the same for every call
+	charge *testingv1.Request // the payments handler's, its account changed per call
+	resp   *testingv1.Response
 
 	replay string // the finished key this client replays
 	prefix string // the shared keys of the current run
@@ -131,10 +204,22 @@ func (c *client) key(v *variant, kind string) string {
 }
 
 func (c *client) call(ctx context.Context, v *variant, kind string) error {
-	if key := c.key(v, kind); key != "" {
+	req := c.req
+	if v.handler != nil {
+		req = v.handler.request(c)
+	}
+	key := c.key(v, kind)
+	if v.direct != nil {
+		return v.direct(ctx, key, req)
+	}
+	if key != "" {
 		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
 	}
-	return c.conns[v.server].Invoke(ctx, v.method, c.req, c.resp)
+	if v.retry {
+		// As go-grpc-middleware's retry interceptor marks a second attempt.
+		ctx = metadata.AppendToOutgoingContext(ctx, retry.AttemptMetadataKey, "1")
+	}
+	return c.conns[v.server].Invoke(ctx, v.method, req, c.resp)
 }
 
 // prepare gives each client of a replay variant a finished key.
@@ -219,7 +304,7 @@ func (b *bench) runSlot(ctx context.Context, v *variant, d time.Duration, measur
 		if pg0, _, err = b.stats.read(ctx); err != nil {
 			return res, err
 		}
-		tr0, w0, out0, cpu0 = b.tracer.read(), b.wire.read(), v.server.outcomes.read(), ownCPU()
+		tr0, w0, out0, cpu0 = b.tracer.read(), b.wire.read(), v.outcomes.read(), ownCPU()
 	}
 
 	var cleanerErrs []string
@@ -252,17 +337,22 @@ func (b *bench) runSlot(ctx context.Context, v *variant, d time.Duration, measur
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for time.Now().Before(stop) && ctx.Err() == nil {
-				t := time.Now()
-				err := c.call(ctx, v, b.cfg.KeyKind)
-				c.lat = append(c.lat, time.Since(t))
-				if err != nil {
-					counts[i]++
-					if errs[i] == nil {
-						errs[i] = err
+			// The label lets -cpuprofile be read per variant (pprof
+			// -tagfocus variant=NAME): the whole call for the engine-only
+			// variants, the client's side for the others.
+			pprof.Do(ctx, pprof.Labels("variant", v.Name), func(ctx context.Context) {
+				for time.Now().Before(stop) && ctx.Err() == nil {
+					t := time.Now()
+					err := c.call(ctx, v, b.cfg.KeyKind)
+					c.lat = append(c.lat, time.Since(t))
+					if err != nil {
+						counts[i]++
+						if errs[i] == nil {
+							errs[i] = err
+						}
 					}
 				}
-			}
+			})
 		}()
 	}
 	wg.Wait()
@@ -293,7 +383,7 @@ func (b *bench) runSlot(ctx context.Context, v *variant, d time.Duration, measur
 		return res, nil
 	}
 
-	tr1, w1, out1, cpu1 := b.tracer.read(), b.wire.read(), v.server.outcomes.read(), ownCPU()
+	tr1, w1, out1, cpu1 := b.tracer.read(), b.wire.read(), v.outcomes.read(), ownCPU()
 	pg1, flushed, err := b.stats.read(ctx)
 	if err != nil {
 		return res, err
@@ -328,7 +418,7 @@ func (v *variant) check(s slotResult) []string {
 	if s.Errors > 0 {
 		p = append(p, fmt.Sprintf("%s: %d of %d calls failed, the first with: %s", v.Name, s.Errors, s.Calls, s.FirstError))
 	}
-	if v.server.outcomes == nil {
+	if v.outcomes == nil {
 		return p
 	}
 	o := s.DB.Outcomes
