@@ -135,7 +135,7 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 		}
 	}()
 
-	locked, rec, err := s.claim(ctx, conn, call)
+	locked, started, rec, err := s.claim(ctx, conn, call)
 	switch {
 	case err != nil:
 		return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "claim", err)
@@ -177,7 +177,7 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 			"idempotency: the handler returned success, but one of its statements failed and aborted the call's transaction; nothing was committed")
 	}
 
-	row := []any{call.Scope, call.Key, call.Method, call.Fingerprint, "succeeded", "", []byte(nil), []byte(nil), call.TTL.Microseconds(), []byte(nil)}
+	row := []any{call.Scope, call.Key, call.Method, call.Fingerprint, "succeeded", "", []byte(nil), []byte(nil), call.TTL.Microseconds(), []byte(nil), started}
 	var meta []byte
 	if call.metadata != nil {
 		if meta, err = call.metadata(); err != nil {
@@ -195,9 +195,6 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 			}
 			row[6] = b
 		}
-		// Fails if the savepoint is gone: fn committed and began another
-		// transaction, so its earlier writes did not wait for the key.
-		batch.Queue(s.sql.release)
 	} else {
 		st := grpcstatus.Convert(final.err)
 		b, err := marshalStatus(st)
@@ -232,6 +229,12 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 			// Someone wrote the key's row without its lock.
 			return Result{}, conflict, nil
 		}
+		if failed == insertAt && sqlState(err) == "22012" {
+			// The insert's guard: fn ended the call's transaction and
+			// began another (see insertRow).
+			res, err := s.handlerEndedTx(fctx, conn, call)
+			return res, done, err
+		}
 		if failed == insertAt+1 && strings.HasPrefix(sqlState(err), "23") {
 			res, err := s.violatedAtCommit(fctx, conn, call, err)
 			return res, done, err
@@ -249,8 +252,9 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 // claim opens the call's transaction, takes the key's lock without waiting
 // for it, looks the key up once the lock is held (a new statement, so it
 // sees whatever the previous holder committed), and takes the savepoint
-// that a final error rolls back to: one round trip.
-func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (locked bool, rec *record, err error) {
+// that a final error rolls back to: one round trip. started is the
+// transaction's start, which the key's INSERT checks.
+func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (locked bool, started time.Time, rec *record, err error) {
 	batch := &pgx.Batch{}
 	batch.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
 	batch.Queue(s.sql.lock, call.Scope, call.Key)
@@ -258,7 +262,7 @@ func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (locked bo
 	batch.Queue(s.sql.savepoint)
 	br := conn.SendBatch(ctx, batch)
 	if _, err = br.Exec(); err == nil {
-		if err = br.QueryRow().Scan(&locked); err == nil {
+		if err = br.QueryRow().Scan(&locked, &started); err == nil {
 			if rec, err = scanRecord(br.QueryRow(), nil); err == nil {
 				_, err = br.Exec()
 			}
@@ -267,7 +271,7 @@ func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (locked bo
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return locked, rec, err
+	return locked, started, rec, err
 }
 
 // probe looks for the key's row and whether its lock is free, outside any
@@ -329,7 +333,7 @@ func (s *Store) handlerEndedTx(ctx context.Context, conn *pgx.Conn, call Call) (
 func (s *Store) storeOutside(ctx context.Context, conn *pgx.Conn, call Call, st *grpcstatus.Status) (Result, error) {
 	b, err := marshalStatus(st)
 	if err == nil {
-		_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds(), []byte(nil))
+		_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds(), []byte(nil), nil)
 	}
 	if err != nil {
 		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the call's final error", err)

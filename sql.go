@@ -29,7 +29,7 @@ func renderStatements(ident string) statements {
 	return statements{
 		// Transaction-scoped: released by COMMIT or ROLLBACK, whatever
 		// happens to the process, and safe behind a transaction pooler.
-		lock:   r.Replace(`SELECT pg_try_advisory_xact_lock({{lock_key}})`),
+		lock:   r.Replace(`SELECT pg_try_advisory_xact_lock({{lock_key}}), now()`),
 		lookup: r.Replace(`SELECT ` + columns + ` FROM {{table}} WHERE scope = $1 AND key = $2`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
@@ -42,7 +42,6 @@ LEFT JOIN {{table}} k ON k.scope = $1 AND k.key = $2`),
 		// Taken after the lock: rolling back to a savepoint releases the
 		// locks taken after it, and a final error must keep the key's.
 		savepoint:           "SAVEPOINT idempotency_call",
-		release:             "RELEASE SAVEPOINT idempotency_call",
 		rollbackToSavepoint: "ROLLBACK TO SAVEPOINT idempotency_call",
 		// The one write of a call's key: its result, with the COMMIT. A
 		// plain INSERT, so that a row that exists after all (written by a
@@ -70,9 +69,18 @@ AND expires_at <= now()`),
 
 // insertRow writes a key's row; created_at is when it was written, and the
 // TTL counts from then.
+//
+// $11, when set, is the start of the call's transaction (its now(), read by
+// the claim): if the handler ended that transaction and began another, the
+// division by zero fails the statement, and the COMMIT after it turns into
+// a ROLLBACK, instead of the key committing apart from the handler's
+// earlier writes. It costs nothing, where a RELEASE of the call's savepoint
+// (which would fail the same way) costs a statement and a subtransaction
+// end.
 const insertRow = `INSERT INTO {{table}} (scope, key, method, fingerprint, state, response_type, response, status, metadata, created_at, expires_at)
 SELECT $1, $2, $3, $4, $5, NULLIF($6, ''), $7, $8, $10, c.t, c.t + $9 * interval '1 microsecond'
-FROM (SELECT clock_timestamp() AS t) c`
+FROM (SELECT clock_timestamp() AS t) c
+WHERE 1 / ($11::timestamptz IS NULL OR now() = $11)::int = 1`
 
 // quoteLiteral quotes s as an SQL string literal that means the same
 // whatever standard_conforming_strings says.
