@@ -55,6 +55,10 @@ type Call struct {
 	// replay in Result.metadata. An error fails the call, nothing stored.
 	metadata func() ([]byte, error)
 
+	// trace, when set, is the transport's trace of the call; Execute
+	// starts one of its own otherwise.
+	trace *callTrace
+
 	// finalCode decides whether a FailedPrecondition that the engine finds
 	// at COMMIT (a deferred constraint of fn's writes) is final; the gRPC
 	// interceptor sets its policy here. Nil: the key is released.

@@ -13,11 +13,15 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, fmt.Errorf("idempotency: DeleteExpired: limit must be positive, got %d", limit)
 	}
+	start := time.Now()
 	tag, err := s.db.Exec(ctx, s.sql.deleteExpired, limit)
 	if err != nil {
-		return 0, fmt.Errorf("idempotency: delete expired keys: %w", err)
+		err = fmt.Errorf("idempotency: delete expired keys: %w", err)
 	}
-	return tag.RowsAffected(), nil
+	if ct, ok := s.opts.tracer.(CleanerTracer); ok {
+		ct.TraceCleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: time.Since(start), Err: err})
+	}
+	return tag.RowsAffected(), err
 }
 
 // RunCleaner deletes expired keys every interval, in batches of batchSize,

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -52,10 +53,23 @@ const messageMethod = "idempotency/message"
 // arrives while the first delivery is still being processed waits for it
 // up to the store's in-progress wait, then gets [ErrInProgress].
 func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (Outcome, error) {
+	ctx, trace := s.startCall(ctx, TransportMessage, m.Scope, m.ID)
+	outcome, err := s.processMessage(ctx, trace, m, fn)
+	trace.end(ctx, outcome, err)
+	return outcome, err
+}
+
+func (s *Store) processMessage(ctx context.Context, trace *callTrace, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (outcome Outcome, err error) {
 	if err := ValidateKey(m.ID); err != nil {
 		return OutcomeRejected, keyError(err, "ID", "message ID")
 	}
-	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL, Retry: m.Redelivered}
+	defer func() {
+		if p := recover(); p != nil {
+			trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
+			panic(p)
+		}
+	}()
+	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL, Retry: m.Redelivered, trace: trace}
 	res, err := s.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		return nil, fn(ctx, tx)
 	})

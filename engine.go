@@ -44,7 +44,22 @@ import (
 // The result is committed with a context that ignores ctx's cancellation,
 // so a caller that goes away after fn succeeded still finds its result
 // stored when it retries.
-func (s *Store) Execute(ctx context.Context, call Call, fn Func) (Result, error) {
+func (s *Store) Execute(ctx context.Context, call Call, fn Func) (res Result, err error) {
+	if call.trace != nil || s.opts.tracer == nil {
+		return s.execute(ctx, call, fn)
+	}
+	ctx, call.trace = s.startCall(ctx, TransportDirect, call.Method, call.Key)
+	defer func() {
+		if p := recover(); p != nil {
+			call.trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
+			panic(p)
+		}
+		call.trace.end(ctx, res.Outcome, err)
+	}()
+	return s.execute(ctx, call, fn)
+}
+
+func (s *Store) execute(ctx context.Context, call Call, fn Func) (Result, error) {
 	if err := ValidateKey(call.Key); err != nil {
 		return Result{Outcome: OutcomeRejected}, err
 	}
@@ -64,11 +79,13 @@ func (s *Store) Execute(ctx context.Context, call Call, fn Func) (Result, error)
 		call.Fingerprint = []byte{}
 	}
 
-	w := waiter{deadline: time.Now().Add(s.opts.inProgressWait)}
+	w := waiter{deadline: time.Now().Add(s.opts.inProgressWait), trace: call.trace}
 	probe := call.Retry
 	for conflicts := 0; ; {
 		if probe {
+			start := time.Now()
 			rec, free, err := s.probe(ctx, call)
+			call.trace.since(phaseClaim, start)
 			switch {
 			case err != nil:
 				return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "look up key", err)
@@ -135,7 +152,9 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 		}
 	}()
 
+	claimStart := time.Now()
 	locked, started, rec, err := s.claim(ctx, conn, call)
+	call.trace.since(phaseClaim, claimStart)
 	switch {
 	case err != nil:
 		return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "claim", err)
@@ -149,7 +168,10 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 
 	htx := &callTx{conn: conn}
 	defer htx.close()
+	handlerStart := time.Now()
 	resp, fnErr := fn(withCall(ctx, htx, call.Key), htx)
+	call.trace.since(phaseHandler, handlerStart)
+	defer call.trace.since(phaseCommit, time.Now())
 
 	// From here the outcome is known; finish it even if the caller left.
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
@@ -356,6 +378,7 @@ func (s *Store) busy(ctx context.Context, err error) (Result, error) {
 type waiter struct {
 	deadline time.Time
 	pause    time.Duration
+	trace    *callTrace
 }
 
 var errWaitOver = errors.New("in-progress wait is over")
@@ -367,6 +390,7 @@ func (w *waiter) wait(ctx context.Context) error {
 		return errWaitOver
 	}
 	d := min(time.Duration(float64(w.pause)*(0.75+0.5*rand.Float64())), left)
+	defer w.trace.since(phaseWait, time.Now())
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

@@ -265,11 +265,6 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 	if route == "" {
 		route = r.Method + " " + r.URL.Path
 	}
-	report := func(outcome Outcome, status int, err error) {
-		if o.onOutcome != nil {
-			o.onOutcome(r, route, outcome, status, err)
-		}
-	}
 	key, err := keyFromHeader(r.Header)
 	if err == nil && key == "" {
 		if !o.keyRequired {
@@ -278,6 +273,24 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		}
 		err = ErrMissingKey.with("send it in the "+HeaderKey+" header", nil).about(HeaderKey)
 	}
+	ctx, trace := store.startCall(r.Context(), TransportHTTP, route, r.Header.Get(HeaderKey))
+	r = r.WithContext(ctx)
+	ended := false
+	report := func(outcome Outcome, status int, err error) {
+		ended = true
+		trace.end(ctx, outcome, err)
+		if o.onOutcome != nil {
+			o.onOutcome(r, route, outcome, status, err)
+		}
+	}
+	defer func() {
+		if p := recover(); p != nil {
+			if !ended {
+				trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
+			}
+			panic(p)
+		}
+	}()
 	if err != nil {
 		report(OutcomeRejected, writeProblem(w, err, store.opts.retryDelay), err)
 		return
@@ -312,7 +325,7 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		Fingerprint: tagged(kindDigest("http request"), []byte(r.Method), []byte(target), body),
 	}
 	rec := &responseRecorder{header: http.Header{}, max: o.maxResponse, deadlines: http.NewResponseController(w)}
-	call.metadata = rec.encode
+	call.metadata, call.trace = rec.encode, trace
 	res, err := store.Execute(r.Context(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		req := r.WithContext(ctx)
 		req.Body = io.NopCloser(bytes.NewReader(body))

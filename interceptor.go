@@ -51,7 +51,7 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 	if err := o.validate(); err != nil {
 		panic(err.Error())
 	}
-	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (_ any, err error) {
 		pol := policyFor(info.FullMethod)
 		if pol.mode == modePassThrough && pol.err == nil {
 			return handler(ctx, req)
@@ -63,22 +63,35 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 			}
 			err = missingKey(pol)
 		}
+		traceKey := key
+		if vals := metadata.ValueFromIncomingContext(ctx, MetadataKey); traceKey == "" && len(vals) > 0 {
+			traceKey = vals[0]
+		}
+		ctx, trace := store.startCall(ctx, TransportGRPC, info.FullMethod, traceKey)
+		outcome := OutcomeRejected
+		defer func() {
+			if p := recover(); p != nil {
+				trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
+				panic(p)
+			}
+			trace.end(ctx, outcome, err)
+			o.report(ctx, info.FullMethod, outcome, err)
+		}()
 		if err != nil {
-			o.report(ctx, info.FullMethod, OutcomeRejected, err)
 			return nil, err
 		}
 		ttl := o.ttl
 		if pol.ttl > 0 {
 			ttl = pol.ttl
 		}
-		res, err := o.serve(ctx, store, key, ttl, req, info, handler)
+		res, err := o.serve(ctx, trace, store, key, ttl, req, info, handler)
+		outcome = res.Outcome
 		if res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)) {
 			if merr := replayMetadata(ctx, res.metadata); merr != nil {
 				res.Response, err = nil, status.Errorf(codes.Internal, "%v", merr)
 			}
 		}
 		err = unwrapFinal(err) // the client gets the status the handler returned
-		o.report(ctx, info.FullMethod, res.Outcome, err)
 		if err != nil {
 			return nil, err
 		}
@@ -228,7 +241,7 @@ func (o *serverOptions) callKey(ctx context.Context, pol methodPolicy, req any) 
 	return key, nil
 }
 
-func (o *serverOptions) serve(ctx context.Context, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, error) {
+func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, error) {
 	msg, ok := req.(proto.Message)
 	if !ok {
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
@@ -246,7 +259,8 @@ func (o *serverOptions) serve(ctx context.Context, store *Store, key string, ttl
 	}
 	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx),
 		responseType: declaredResponseType(info.FullMethod, msg),
-		finalCode:    func(c codes.Code) bool { return o.final[c] }}
+		finalCode:    func(c codes.Code) bool { return o.final[c] },
+		trace:        trace}
 	ctx, rec := recordMetadata(ctx)
 	if rec != nil {
 		call.metadata = rec.encode

@@ -66,6 +66,8 @@ type storeOptions struct {
 	inProgressWait time.Duration
 	retryDelay     time.Duration
 	finishTimeout  time.Duration
+	tracer         Tracer
+	err            error // the first invalid option that cannot wait for validate
 }
 
 var defaultStoreOptions = storeOptions{
@@ -76,6 +78,9 @@ var defaultStoreOptions = storeOptions{
 }
 
 func (o storeOptions) validate() error {
+	if o.err != nil {
+		return o.err
+	}
 	for name, v := range map[string]string{"schema": o.schema, "table": o.table} {
 		if len(v) > 63 {
 			return fmt.Errorf("idempotency: WithTable: %s name %q is longer than PostgreSQL's 63-byte identifier limit", name, v)

@@ -1,0 +1,148 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Tracer observes the calls of a [Store], whatever their transport, for
+// metrics, traces and logs; set it with [WithTracer]. Like pgx's tracers,
+// TraceCallStart returns the context the call goes on with (holding a span,
+// say) and TraceCallEnd gets what happened, on that context. Both run on
+// the call's goroutine: keep them fast. The OpenTelemetry adapter in
+// github.com/exactlyonce/idempotency/idempotencyotel is one.
+//
+// Every call a transport handles is traced, rejected ones included; calls
+// that pass through (no key where none is needed) are not.
+type Tracer interface {
+	TraceCallStart(ctx context.Context, data TraceCallStartData) context.Context
+	TraceCallEnd(ctx context.Context, data TraceCallEndData)
+}
+
+// CleanerTracer is a [Tracer] that also observes the expiry cleaner.
+type CleanerTracer interface {
+	TraceCleanerBatch(ctx context.Context, data TraceCleanerBatchData)
+}
+
+// Transport names what a call came through.
+type Transport string
+
+// Transports of [TraceCallStartData].
+const (
+	TransportGRPC    Transport = "grpc"
+	TransportHTTP    Transport = "http"
+	TransportMessage Transport = "message"
+	// TransportDirect is a call of [Store.Execute] by the application.
+	TransportDirect Transport = "direct"
+)
+
+// TraceCallStartData is what is known of a call when it starts.
+type TraceCallStartData struct {
+	Transport Transport
+	// Method is the gRPC full method ("/pkg.Service/Method"), the HTTP
+	// route (the mux pattern that matched, else method and path), the
+	// message's scope, or Call.Method.
+	Method string
+	// Key is the call's idempotency key, or message ID, as the client sent
+	// it (maybe invalid, maybe empty).
+	Key string
+}
+
+// TraceCallEndData is what became of a call. The durations add up to less
+// than Duration: the rest is the transport's own work and the pool.
+type TraceCallEndData struct {
+	TraceCallStartData
+	Outcome Outcome
+	// Err is the error the caller got, or nil.
+	Err error
+	// Duration is the whole call as its transport saw it.
+	Duration time.Duration
+	// Claim is the time spent taking the key and looking it up, over all
+	// attempts (a duplicate's probes included).
+	Claim time.Duration
+	// Wait is the time spent waiting, outside the database, for another
+	// call that held the key.
+	Wait time.Duration
+	// Handler is the time the handler (Func) ran.
+	Handler time.Duration
+	// Commit is the time spent storing the result and committing.
+	Commit time.Duration
+}
+
+// TraceCleanerBatchData is one batch of the expiry cleaner.
+type TraceCleanerBatchData struct {
+	// Deleted is the number of expired keys the batch deleted.
+	Deleted int64
+	// Duration is how long the batch took.
+	Duration time.Duration
+	// Err is the batch's error, or nil.
+	Err error
+}
+
+// WithTracer sets the store's [Tracer]. It must not be nil. Defaults to
+// none.
+func WithTracer(t Tracer) StoreOption {
+	return func(o *storeOptions) {
+		if t == nil {
+			o.err = errors.New("idempotency: WithTracer: tracer is nil")
+			return
+		}
+		o.tracer = t
+	}
+}
+
+// callTrace follows one call from its transport's start to its end.
+type callTrace struct {
+	tracer Tracer
+	start  time.Time
+	data   TraceCallEndData
+}
+
+// startCall starts tracing a call; it returns ctx unchanged and a nil trace
+// when the store has no tracer. Methods of a nil *callTrace do nothing.
+func (s *Store) startCall(ctx context.Context, transport Transport, method, key string) (context.Context, *callTrace) {
+	if s.opts.tracer == nil {
+		return ctx, nil
+	}
+	start := TraceCallStartData{Transport: transport, Method: method, Key: key}
+	ctx = s.opts.tracer.TraceCallStart(ctx, start)
+	return ctx, &callTrace{tracer: s.opts.tracer, start: time.Now(), data: TraceCallEndData{TraceCallStartData: start}}
+}
+
+// end reports the call's outcome.
+func (t *callTrace) end(ctx context.Context, o Outcome, err error) {
+	if t == nil {
+		return
+	}
+	t.data.Outcome, t.data.Err, t.data.Duration = o, err, time.Since(t.start)
+	t.tracer.TraceCallEnd(ctx, t.data)
+}
+
+// phase is a part of a call whose time is traced.
+type phase int
+
+const (
+	phaseClaim phase = iota
+	phaseWait
+	phaseHandler
+	phaseCommit
+)
+
+// since adds the time since start to the phase's duration.
+func (t *callTrace) since(p phase, start time.Time) {
+	if t == nil {
+		return
+	}
+	d := time.Since(start)
+	switch p {
+	case phaseClaim:
+		t.data.Claim += d
+	case phaseWait:
+		t.data.Wait += d
+	case phaseHandler:
+		t.data.Handler += d
+	case phaseCommit:
+		t.data.Commit += d
+	}
+}

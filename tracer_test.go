@@ -1,0 +1,163 @@
+package idempotency_test
+
+import (
+	"context"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// recordingTracer keeps every call and cleaner batch it sees.
+type recordingTracer struct {
+	mu      sync.Mutex
+	started []idempotency.TraceCallStartData
+	ended   []idempotency.TraceCallEndData
+	batches []idempotency.TraceCleanerBatchData
+}
+
+type traceCtxKey struct{}
+
+func (r *recordingTracer) TraceCallStart(ctx context.Context, data idempotency.TraceCallStartData) context.Context {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.started = append(r.started, data)
+	return context.WithValue(ctx, traceCtxKey{}, data.Key)
+}
+
+func (r *recordingTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if ctx.Value(traceCtxKey{}) != data.Key {
+		panic("TraceCallEnd did not get the context TraceCallStart returned")
+	}
+	r.ended = append(r.ended, data)
+}
+
+func (r *recordingTracer) TraceCleanerBatch(_ context.Context, data idempotency.TraceCleanerBatchData) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.batches = append(r.batches, data)
+}
+
+func (r *recordingTracer) calls() []idempotency.TraceCallEndData {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]idempotency.TraceCallEndData(nil), r.ended...)
+}
+
+// One tracer on the store sees every call of every transport, with its
+// outcome and where its time went, and every cleaner batch.
+func TestTracerSeesEveryTransport(t *testing.T) {
+	t.Parallel()
+	tr := &recordingTracer{}
+	var e *env
+	e = newEnv(t, envConfig{
+		storeOpts: []idempotency.StoreOption{idempotency.WithTracer(tr), idempotency.WithInProgressWait(50 * time.Millisecond)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			if req.GetValue() == "slow" {
+				time.Sleep(300 * time.Millisecond)
+			}
+			return e.insertLedger(ctx, req)
+		},
+	})
+	ctx := context.Background()
+	require.NoError(t, e.call(ctx, methodCharge, "k", "x").err)
+	require.True(t, e.call(ctx, methodCharge, "k", "x").replayed)
+	require.Equal(t, codes.FailedPrecondition, status.Code(e.call(ctx, methodCharge, "k", "y").err))
+	require.Equal(t, codes.InvalidArgument, status.Code(e.call(ctx, methodCharge, "bad key", "x").err))
+	require.NoError(t, e.call(ctx, methodCharge, "", "x").err, "passes through, not traced")
+	slow := make(chan reply, 1)
+	go func() { slow <- e.call(ctx, methodCharge, "slow", "slow") }()
+	time.Sleep(100 * time.Millisecond)
+	require.Equal(t, codes.Aborted, status.Code(e.call(ctx, methodCharge, "slow", "slow").err))
+	require.NoError(t, (<-slow).err)
+
+	_, err := e.store.ProcessMessage(ctx, idempotency.Message{Scope: "orders", ID: "m-1"}, func(context.Context, pgx.Tx) error { return nil })
+	require.NoError(t, err)
+	_, err = e.store.Execute(ctx, idempotency.Call{Key: "d-1", Method: "direct", TTL: time.Millisecond}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err)
+
+	mw := idempotency.HTTPMiddleware(e.store)(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusCreated) }))
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/things", mw)
+	req, _ := http.NewRequest(http.MethodPost, "/v1/things", strings.NewReader("{}"))
+	req.Header.Set(idempotency.HeaderKey, "h-1")
+	w := &discardWriter{header: http.Header{}}
+	mux.ServeHTTP(w, req)
+	require.Equal(t, http.StatusCreated, w.status)
+
+	time.Sleep(5 * time.Millisecond) // d-1 expires
+	n, err := e.store.DeleteExpired(ctx, 10)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+
+	type seen struct {
+		transport idempotency.Transport
+		method    string
+		key       string
+		outcome   idempotency.Outcome
+	}
+	var got []seen
+	byKey := map[string]idempotency.TraceCallEndData{}
+	for _, c := range tr.calls() {
+		got = append(got, seen{c.Transport, c.Method, c.Key, c.Outcome})
+		if c.Outcome == idempotency.OutcomeExecuted {
+			byKey[c.Key] = c
+		}
+		require.Positive(t, c.Duration, "%v", c)
+		require.GreaterOrEqual(t, c.Duration, c.Claim+c.Wait+c.Handler+c.Commit, "%v", c)
+	}
+	require.ElementsMatch(t, []seen{
+		{idempotency.TransportGRPC, methodCharge, "k", idempotency.OutcomeExecuted},
+		{idempotency.TransportGRPC, methodCharge, "k", idempotency.OutcomeReplayed},
+		{idempotency.TransportGRPC, methodCharge, "k", idempotency.OutcomeKeyReused},
+		{idempotency.TransportGRPC, methodCharge, "bad key", idempotency.OutcomeRejected},
+		{idempotency.TransportGRPC, methodCharge, "slow", idempotency.OutcomeExecuted},
+		{idempotency.TransportGRPC, methodCharge, "slow", idempotency.OutcomeInProgress},
+		{idempotency.TransportMessage, "orders", "m-1", idempotency.OutcomeExecuted},
+		{idempotency.TransportDirect, "direct", "d-1", idempotency.OutcomeExecuted},
+		{idempotency.TransportHTTP, "POST /v1/things", "h-1", idempotency.OutcomeExecuted},
+	}, got)
+
+	k := byKey["slow"]
+	require.Greater(t, k.Handler, 250*time.Millisecond, "the handler's time")
+	require.Positive(t, k.Claim)
+	require.Positive(t, k.Commit)
+	for _, c := range tr.calls() {
+		if c.Outcome == idempotency.OutcomeInProgress {
+			require.Greater(t, c.Wait, 30*time.Millisecond, "the duplicate's wait outside the database")
+			require.ErrorIs(t, c.Err, idempotency.ErrInProgress)
+		}
+	}
+	require.Len(t, tr.batches, 1)
+	require.EqualValues(t, 1, tr.batches[0].Deleted)
+}
+
+// discardWriter is a minimal http.ResponseWriter for calling a handler
+// directly.
+type discardWriter struct {
+	header http.Header
+	status int
+}
+
+func (d *discardWriter) Header() http.Header { return d.header }
+func (d *discardWriter) WriteHeader(code int) {
+	if d.status == 0 {
+		d.status = code
+	}
+}
+func (d *discardWriter) Write(p []byte) (int, error) {
+	d.WriteHeader(http.StatusOK)
+	return len(p), nil
+}
