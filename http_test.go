@@ -197,7 +197,7 @@ func TestHTTPConcurrentDuplicates(t *testing.T) {
 			var e *httpEnv
 			e = newHTTPEnvWithStore(t, func(w http.ResponseWriter, r *http.Request) {
 				e.charge(w, r)
-				time.Sleep(500 * time.Millisecond)
+				time.Sleep(time.Second)
 			}, []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithRetryDelay(1500 * time.Millisecond)})
 			const n = 200
 			replies := make([]httpReply, n)

@@ -66,7 +66,7 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 		storeOpts: []idempotency.StoreOption{idempotency.WithTracer(tr), idempotency.WithInProgressWait(50 * time.Millisecond)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			if req.GetValue() == "slow" {
-				time.Sleep(300 * time.Millisecond)
+				time.Sleep(500 * time.Millisecond)
 			}
 			return e.insertLedger(ctx, req)
 		},
@@ -79,7 +79,7 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 	require.NoError(t, e.call(ctx, methodCharge, "", "x").err, "passes through, not traced")
 	slow := make(chan reply, 1)
 	go func() { slow <- e.call(ctx, methodCharge, "slow", "slow") }()
-	time.Sleep(100 * time.Millisecond)
+	require.Eventually(t, func() bool { return e.runs.Load() == 3 }, 5*time.Second, time.Millisecond, "the slow call's handler runs")
 	require.Equal(t, codes.Aborted, status.Code(e.call(ctx, methodCharge, "slow", "slow").err))
 	require.NoError(t, (<-slow).err)
 
@@ -131,7 +131,7 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 	}, got)
 
 	k := byKey["slow"]
-	require.Greater(t, k.Handler, 250*time.Millisecond, "the handler's time")
+	require.Greater(t, k.Handler, 450*time.Millisecond, "the handler's time")
 	require.Positive(t, k.Claim)
 	require.Positive(t, k.Commit)
 	for _, c := range tr.calls() {
