@@ -1,7 +1,8 @@
-// Command bench measures what the idempotency interceptor costs a real
-// gRPC service on a real PostgreSQL, and where that cost goes.
+// Command bench measures what the idempotency interceptor (and, beside it,
+// the HTTP middleware) costs a real service on a real PostgreSQL, and where
+// that cost goes.
 //
-//	go run ./internal/bench                        # fresh, engine, replay, contended, nokey: 6 rounds x 5 s per variant, about 9 minutes
+//	go run ./internal/bench                        # fresh, engine, replay, contended, nokey, http: 6 rounds x 5 s per variant, about 10 minutes
 //	go run ./internal/bench -short                 # a few seconds; checks only that it works
 //	go run ./internal/bench -scenarios fresh,engine,replay -duration 4s
 //	go run ./internal/bench -scenarios fresh -handlers payments -duration 2s -rounds 4
@@ -11,8 +12,12 @@
 // interceptor, one without (plain) and one that writes the floor's key row
 // without the interceptor, on a pgx pool to the database named by -url
 // (default: DATABASE_URL, else the local test database), in a schema of its
-// own that it drops at the end. Client goroutines, each with its own
-// connection to each server, call as fast as they can for -duration.
+// own that it drops at the end. It also starts a net/http server on a
+// loopback port that serves the trivial handler as JSON, on one route
+// through HTTPMiddleware and on another without it. Client goroutines,
+// each with its own connection to each server (an http.Client with a
+// transport of its own, kept alive, for HTTP), call as fast as they can
+// for -duration.
 //
 // Two handlers do the business write (-handlers): trivial inserts one
 // ledger row; payments, the shape of examples/payments, upserts the balance
@@ -33,6 +38,9 @@
 //	no-db       no interceptor; a handler that touches no database
 //	contended   -contended-keys groups of clients march through shared keys, so duplicates are in flight
 //	no-key      calls without a key through the interceptor, to the no-database handler
+//	http-fresh  POST through HTTPMiddleware, a new Idempotency-Key per call; the trivial handler
+//	            writes in the request's transaction and answers JSON of about -response-bytes
+//	http-plain  the same handler without the middleware, in its own pgx.BeginFunc
 //	fresh-N     fresh, on a key table preloaded with -preload keys
 //	fresh-N+cleaner  the same, with Store.RunCleaner deleting expired keys meanwhile
 //
@@ -57,7 +65,8 @@
 // statement.
 //
 // Exit status: 0 when every call succeeded and did what its variant says
-// (each fresh call executed, each replay replayed, ...), 1 otherwise, 2 for
+// (each fresh call executed, as the interceptor's or the middleware's
+// outcome hook reports it, each replay replayed, ...), 1 otherwise, 2 for
 // bad flags. Numbers are never checked against the targets; they are
 // reported. BENCHMARKS.md, at the root of the repository, describes the
 // method in full, what limits each figure, and the latest results.

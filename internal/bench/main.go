@@ -73,7 +73,7 @@ type config struct {
 	Short           bool          `json:"short"`
 }
 
-var allScenarios = []string{"fresh", "engine", "replay", "contended", "nokey", "preload"}
+var allScenarios = []string{"fresh", "engine", "replay", "contended", "nokey", "http", "preload"}
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var c config
@@ -84,10 +84,10 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.Duration, "duration", 5*time.Second, "length of each measured run of a variant")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "unmeasured run of each variant before the first round")
 	fs.IntVar(&c.Rounds, "rounds", 6, "rounds; each runs every variant once, in turn")
-	fs.IntVar(&c.Clients, "clients", 8, "concurrent clients, each with its own gRPC connection")
+	fs.IntVar(&c.Clients, "clients", 8, "concurrent clients, each with its own gRPC and HTTP connections")
 	fs.IntVar(&c.Pool, "pool", 0, "server pool size (0: clients+2)")
 	fs.IntVar(&c.ResponseBytes, "response-bytes", 256, "size of the response body")
-	fs.StringVar(&scenarios, "scenarios", "fresh,engine,replay,contended,nokey", "comma-separated: "+strings.Join(allScenarios, ", ")+" (preload is added when -preload > 0)")
+	fs.StringVar(&scenarios, "scenarios", "fresh,engine,replay,contended,nokey,http", "comma-separated: "+strings.Join(allScenarios, ", ")+" (preload is added when -preload > 0)")
 	fs.StringVar(&handlers, "handlers", strings.Join(handlerNames, ","), "comma-separated handlers of the fresh and engine scenarios: "+strings.Join(handlerNames, ", ")+" (the other scenarios use trivial)")
 	fs.IntVar(&c.Accounts, "accounts", 64, "accounts the payments handler spreads its charges over, at random")
 	fs.IntVar(&c.ContendedKeys, "contended-keys", 2, "keys in flight at once in the contended scenario; clients share them evenly")
@@ -274,6 +274,7 @@ type bench struct {
 
 	store, floorStore, preStore, cleanerStore *idempotency.Store
 	idem, plain, floor, preloaded             *server
+	web                                       *httpServer
 	floorTable                                *floorTable
 	allHandlers                               []*handler // trivial first
 	handlers                                  []*handler // those chosen by -handlers
@@ -382,6 +383,9 @@ func (b *bench) setup(ctx context.Context) error {
 	if b.floor, err = startServer("floor", &floorSvc, nil); err != nil {
 		return err
 	}
+	if b.web, err = startHTTPServer(b.pool, svc.trivial, b.store); err != nil {
+		return err
+	}
 
 	statsConn, err := connect(ctx, b.cfg.URL)
 	if err != nil {
@@ -402,6 +406,7 @@ func (b *bench) setup(ctx context.Context) error {
 		c := &client{
 			id:     i,
 			conns:  map[*server]*grpc.ClientConn{},
+			http:   newHTTPClient(),
 			req:    &testingv1.Request{Body: "the same request from every client", Amount: 100}, // duplicates must match
 			charge: &testingv1.Request{Amount: 100},
 			resp:   &testingv1.Response{},
@@ -511,11 +516,15 @@ func (b *bench) close() error {
 		for _, conn := range c.conns {
 			conn.Close()
 		}
+		c.http.CloseIdleConnections()
 	}
 	for _, s := range []*server{b.idem, b.plain, b.floor, b.preloaded} {
 		if s != nil {
 			s.grpc.Stop()
 		}
+	}
+	if b.web != nil {
+		b.web.srv.Close()
 	}
 	if b.stats != nil {
 		b.stats.conn.Close(context.Background())

@@ -57,7 +57,7 @@ type comparison struct {
 type target struct {
 	Goal     string `json:"goal"`
 	Measured string `json:"measured"`
-	Status   string `json:"status"` // met, MISSED, or unsure: over the goal by no more than others' work could explain
+	Status   string `json:"status"` // met, MISSED, unsure (over the goal by no more than others' work could explain), or reported: no goal
 }
 
 func median(xs []float64) float64 {
@@ -215,6 +215,8 @@ func (r *report) analyse(vs []*variant, cfg config) {
 	compare("contended", "contended", "plain")
 	compare("contended", "contended", "fresh")
 	compare("nokey", "no-key", "no-db")
+	compare("http", "http-fresh", "http-plain")
+	compare("http", "http-plain", "plain")
 	compare("preload", pre, "fresh")
 	compare("preload", pre+"+cleaner", pre)
 	r.targets(byName, sums, cfg)
@@ -404,6 +406,20 @@ func (r *report) targets(byName map[string]*variant, sums map[string]summary, cf
 			"%.2f transaction blocks, %.2f rollbacks, %.3f durable commits (%s); its one SELECT counts as %.2f "+
 				"single-statement read-only transaction in pg_stat_database%s", begins, rollbacks, c, src, perCall("replay", "commits"), other)
 	}
+	// No goal for HTTP: its fresh/plain ratio is shown beside gRPC's, to
+	// tell the middleware's cost from the interceptor's.
+	if byName["http-fresh"] != nil && byName["http-plain"] != nil {
+		var parts []string
+		for _, p := range []pair{{"http-fresh", "http-plain", "HTTP"}, {"fresh", "plain", "gRPC"}} {
+			if byName[p.a] == nil || byName[p.b] == nil {
+				continue
+			}
+			med, lo, hi := spread(roundRatios(byName[p.a], byName[p.b], slotResult.rate))
+			parts = append(parts, fmt.Sprintf("%s %s / %s %.2fx (rounds %.2f-%.2f; %.0f vs %.0f calls/s)",
+				p.via, p.a, p.b, med, lo, hi, sums[p.a].Rate, sums[p.b].Rate))
+		}
+		addStatus("fresh / plain throughput, HTTP beside gRPC, trivial handler", "reported", "%s", strings.Join(parts, "; "))
+	}
 }
 
 // durableCommits is the commits per call that wrote a WAL commit record,
@@ -580,7 +596,7 @@ func (r *report) header() []string {
 	c := r.Config
 	h := []string{r.Command}
 	h = append(h, r.Environment...)
-	h = append(h, fmt.Sprintf("%d clients (one gRPC connection each), server pool of %d, %d-byte responses, %s keys; "+
+	h = append(h, fmt.Sprintf("%d clients (each with one gRPC connection to each server and one keep-alive HTTP connection), server pool of %d, %d-byte responses, %s keys; "+
 		"%d rounds of %v per variant after a %v warm-up; a round runs every variant once, in the order below",
 		c.Clients, c.Pool, c.ResponseBytes, c.KeyKind, c.Rounds, c.Duration, c.Warmup))
 	return h

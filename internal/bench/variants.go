@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"runtime/pprof"
 	"slices"
 	"strings"
@@ -36,7 +37,8 @@ type variant struct {
 	About    string       `json:"about"`
 	Slots    []slotResult `json:"rounds"`
 	Probe    []probeShape `json:"probe,omitempty"`
-	server   *server      // nil for the engine-only variants
+	server   *server      // nil for the engine-only and HTTP variants
+	url      string       // the HTTP variants' route
 	method   string
 	handler  *handler // nil for the no-database method
 	keys     keyUse
@@ -74,8 +76,18 @@ func (b *bench) variants() []*variant {
 				About: "no gRPC: the handler in pgx.BeginFunc"},
 		}
 		b.direct(engineVs[0], engineVs[1], engineVs[2])
+		var httpVs []*variant
 		if h.name == "" {
 			fresh, plain = grpcVs[0], grpcVs[2]
+			// They run right after gRPC's trivial variants, so fresh and
+			// plain over both transports are measured side by side.
+			httpFresh := &variant{Name: "http-fresh", url: "http://" + b.web.addr + routeIdempotent, handler: h, keys: freshKey,
+				probe: true, outcomes: b.web.outcomes,
+				About: "HTTP middleware, a new key per call; the handler writes in the request's transaction, answers JSON"}
+			httpPlain := &variant{Name: "http-plain", url: "http://" + b.web.addr + routePlain, handler: h, probe: true,
+				About: "HTTP without the middleware; the same handler in its own BEGIN/write/COMMIT"}
+			byScenario["http"] = []*variant{httpFresh, httpPlain, fresh, plain}
+			httpVs = []*variant{httpFresh, httpPlain}
 		} else {
 			for _, v := range append(grpcVs, engineVs...) {
 				v.About += " (payments handler)"
@@ -85,7 +97,7 @@ func (b *bench) variants() []*variant {
 			byScenario["fresh"] = append(byScenario["fresh"], grpcVs...)
 			byScenario["engine"] = append(byScenario["engine"], engineVs...)
 		}
-		grpcOrder = append(grpcOrder, grpcVs...)
+		grpcOrder = append(append(grpcOrder, grpcVs...), httpVs...)
 		engineOrder = append(engineOrder, engineVs...)
 	}
 	replay := &variant{Name: "replay", server: b.idem, handler: fresh.handler, keys: replayKey, retry: true, probe: true,
@@ -177,6 +189,7 @@ func humanCount(n int) string {
 type client struct {
 	id     int
 	conns  map[*server]*grpc.ClientConn
+	http   *http.Client       // keeps one connection alive to the HTTP server
 	req    *testingv1.Request // the trivial handler's, the same for every call
 	charge *testingv1.Request // the payments handler's, its account changed per call
 	resp   *testingv1.Response
@@ -211,6 +224,9 @@ func (c *client) call(ctx context.Context, v *variant, kind string) error {
 	key := c.key(v, kind)
 	if v.direct != nil {
 		return v.direct(ctx, key, req)
+	}
+	if v.url != "" {
+		return c.postHTTP(ctx, v.url, key, req)
 	}
 	if key != "" {
 		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
