@@ -7,11 +7,12 @@ import (
 // statements are the SQL texts of a store, rendered once for its table.
 type statements struct {
 	lock, lookup, probe      string
-	savepoint, release       string
+	savepoint                string
 	rollbackToSavepoint      string
 	insert, insertIfAbsent   string
 	deleteExpiredKey, extend string
 	deleteExpired            string
+	inspect, forget          string
 }
 
 // renderStatements renders the statements for the table named by ident, a
@@ -58,6 +59,9 @@ ON CONFLICT (scope, key) DO NOTHING`),
 		// from the commit, so a retry right after the call still replays.
 		extend: r.Replace(`UPDATE {{table}} SET expires_at = clock_timestamp() + $3 * interval '1 microsecond'
 WHERE scope = $1 AND key = $2 AND expires_at < clock_timestamp() + $3 * interval '1 microsecond'`),
+		inspect: r.Replace(`SELECT method, state, created_at, expires_at, expires_at <= now(), response_type, response, status, fingerprint
+FROM {{table}} WHERE scope = $1 AND key = $2`),
+		forget: r.Replace(`DELETE FROM {{table}} WHERE scope = $1 AND key = $2`),
 		// No FOR UPDATE: locking each row first would write a lock record
 		// per key to the WAL on top of its delete. Two cleaners racing for
 		// the same rows only means one of them deletes fewer.

@@ -18,12 +18,14 @@ const DefaultTTL = 24 * time.Hour
 const DefaultTable = "idempotency_keys"
 
 // DB is what a [Store] needs from PostgreSQL: a connection per call, and
-// plain statements for cleanup. A *pgxpool.Pool satisfies it and is what a
+// plain statements and transactions for cleanup and inspection. A *pgxpool.Pool satisfies it and is what a
 // server should pass; every call that runs holds one connection for the
 // length of its transaction, and a duplicate waiting for it holds none.
 type DB interface {
 	Acquire(ctx context.Context) (*pgxpool.Conn, error)
+	Begin(ctx context.Context) (pgx.Tx, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
 // Store keeps idempotency keys and their results in a PostgreSQL table and

@@ -1,6 +1,6 @@
 // Package schema holds the SQL migrations of the idempotency key table.
 //
-// The migrations are plain SQL files with two placeholders, {{table}} (the
+// The migrations are plain SQL files, up and down, with two placeholders, {{table}} (the
 // quoted, possibly schema-qualified table name) and {{expires_index}} (the
 // quoted name of the expiry index), so that teams running their own migration
 // tool can render and copy them.
@@ -28,14 +28,18 @@ const ExpiresIndexSuffix = "_expires_at_idx"
 type Migration struct {
 	// Version orders migrations; it is the number the file name starts with.
 	Version int
-	// Name is the file name without its extension, e.g. "001_create_keys".
+	// Name is the file name without its direction and extension, e.g.
+	// "001_create_keys".
 	Name string
-	// SQL is the statement text with the table names filled in.
+	// SQL applies the change, with the table names filled in.
 	SQL string
+	// Down reverts it.
+	Down string
 }
 
 // Render returns every migration, in version order, for the table named by
-// ident (schema-qualified when it has two parts).
+// ident (schema-qualified when it has two parts). The files are named as
+// golang-migrate names them: NNN_name.up.sql and NNN_name.down.sql.
 func Render(ident pgx.Identifier) ([]Migration, error) {
 	entries, err := fs.ReadDir(files, "migrations")
 	if err != nil {
@@ -45,9 +49,12 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 		"{{table}}", ident.Sanitize(),
 		"{{expires_index}}", pgx.Identifier{ident[len(ident)-1] + ExpiresIndexSuffix}.Sanitize(),
 	)
-	var out []Migration
+	byName := map[string]*Migration{}
 	for _, e := range entries {
-		name := strings.TrimSuffix(e.Name(), ".sql")
+		name, dir, ok := strings.Cut(strings.TrimSuffix(e.Name(), ".sql"), ".")
+		if !ok || (dir != "up" && dir != "down") {
+			return nil, fmt.Errorf("schema: migration %q is not named NNN_name.up.sql or NNN_name.down.sql", e.Name())
+		}
 		prefix, _, _ := strings.Cut(name, "_")
 		v, err := strconv.Atoi(prefix)
 		if err != nil {
@@ -57,7 +64,23 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, Migration{Version: v, Name: name, SQL: r.Replace(string(b))})
+		m := byName[name]
+		if m == nil {
+			m = &Migration{Version: v, Name: name}
+			byName[name] = m
+		}
+		if dir == "up" {
+			m.SQL = r.Replace(string(b))
+		} else {
+			m.Down = r.Replace(string(b))
+		}
+	}
+	var out []Migration
+	for _, m := range byName {
+		if m.SQL == "" || m.Down == "" {
+			return nil, fmt.Errorf("schema: migration %s needs both an up and a down file", m.Name)
+		}
+		out = append(out, *m)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
 	return out, nil

@@ -1,7 +1,8 @@
 -- One row per idempotency key. A row only ever becomes visible to other
 -- transactions together with the business writes of the call that claimed it,
--- so a committed row is always finished ('succeeded' or 'failed'); 'running'
--- is seen only inside the claiming transaction.
+-- so a committed row is always finished ('succeeded' or 'failed'). ('running'
+-- was written by the first engine, and seen only inside the claiming
+-- transaction.)
 CREATE TABLE IF NOT EXISTS {{table}} (
     scope         text        NOT NULL,
     key           text        NOT NULL,

@@ -1,0 +1,302 @@
+// Command idempotency manages the key table of an idempotency store: it
+// applies or prints the migrations, and looks at, forgets and cleans up
+// keys.
+//
+//	idempotency [flags] migrate              apply the migrations (Store.Migrate)
+//	idempotency [flags] sql [-down] [-format plain|golang-migrate|goose] [-dir DIR]
+//	                                         print the migrations, or write them as files
+//	idempotency [flags] inspect SCOPE KEY    print one key's record as JSON
+//	idempotency [flags] forget SCOPE KEY     delete one key's record (refused while in progress)
+//	idempotency [flags] cleanup              delete every expired key now
+//
+// Flags: -database-url (default $DATABASE_URL), -schema and -table (the
+// store's WithTable; default the connection's search_path and
+// "idempotency_keys"). The password of the database URL is never printed.
+//
+// Run it with go run github.com/exactlyonce/idempotency/cmd/idempotency, or
+// go run ./cmd/idempotency in this repository.
+package main
+
+import (
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
+	_ "google.golang.org/protobuf/types/known/wrapperspb" // HTTP responses are stored as BytesValue
+
+	"github.com/exactlyonce/idempotency"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+const usage = `usage: idempotency [flags] <command> [arguments]
+
+commands:
+  migrate              apply the migrations of the key table
+  sql                  print the up migrations (-down: the down ones), or write
+                       them as files for a migration tool (-format, -dir)
+  inspect SCOPE KEY    print the record of one key as JSON
+  forget SCOPE KEY     delete the record of one key, so that it runs again
+  cleanup              delete every expired key now
+
+flags:
+`
+
+// run is the command, with its exit status: 0, 1 on failure, 2 on misuse.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idempotency", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	dbURL := fs.String("database-url", "", "PostgreSQL URL (default: $DATABASE_URL)")
+	schema := fs.String("schema", "", "schema of the key table (default: the connection's search_path)")
+	table := fs.String("table", idempotency.DefaultTable, "name of the key table")
+	fs.Usage = func() {
+		fmt.Fprint(stderr, usage)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() == 0 {
+		fs.Usage()
+		return 2
+	}
+	cmd, rest := fs.Arg(0), fs.Args()[1:]
+	if *dbURL == "" {
+		*dbURL = os.Getenv("DATABASE_URL")
+	}
+	fail := func(err error) int {
+		fmt.Fprintf(stderr, "idempotency %s: %s\n", cmd, redact(err.Error(), *dbURL))
+		return 1
+	}
+	misuse := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "idempotency %s: %s\n", cmd, fmt.Sprintf(format, a...))
+		return 2
+	}
+
+	if cmd == "sql" { // needs no database
+		return sqlCommand(rest, *schema, *table, stdout, stderr)
+	}
+	switch cmd {
+	case "migrate", "cleanup":
+		if len(rest) != 0 {
+			return misuse("takes no arguments")
+		}
+	case "inspect", "forget":
+		if len(rest) != 2 {
+			return misuse("needs SCOPE and KEY (an empty scope is \"\")")
+		}
+	default:
+		return misuse("unknown command; run idempotency -h")
+	}
+	if *dbURL == "" {
+		return misuse("no database: set -database-url or DATABASE_URL")
+	}
+	pool, err := pgxpool.New(ctx, *dbURL)
+	if err != nil {
+		return fail(err)
+	}
+	defer pool.Close()
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(*schema, *table))
+	if err != nil {
+		return fail(err)
+	}
+
+	switch cmd {
+	case "migrate":
+		if err := store.Migrate(ctx); err != nil {
+			return fail(err)
+		}
+		fmt.Fprintln(stdout, "migrations applied")
+	case "cleanup":
+		var total int64
+		for {
+			n, err := store.DeleteExpired(ctx, 10000)
+			total += n
+			if err != nil {
+				return fail(err)
+			}
+			if n < 10000 {
+				break
+			}
+		}
+		fmt.Fprintf(stdout, "deleted %d expired keys\n", total)
+	case "inspect":
+		rec, err := store.Inspect(ctx, rest[0], rest[1])
+		if err != nil {
+			return fail(err)
+		}
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(recordJSON(rec)); err != nil {
+			return fail(err)
+		}
+	case "forget":
+		if err := store.Forget(ctx, rest[0], rest[1]); err != nil {
+			return fail(err)
+		}
+		fmt.Fprintf(stdout, "forgot key %q of scope %q\n", rest[1], rest[0])
+	}
+	return 0
+}
+
+// inspected is the JSON form of a record.
+type inspected struct {
+	Scope        string          `json:"scope"`
+	Key          string          `json:"key"`
+	Method       string          `json:"method"`
+	State        string          `json:"state"`
+	CreatedAt    time.Time       `json:"created_at"`
+	ExpiresAt    time.Time       `json:"expires_at"`
+	Expired      bool            `json:"expired"`
+	ResponseType string          `json:"response_type,omitempty"`
+	Response     json.RawMessage `json:"response,omitempty"`
+	ResponseHex  string          `json:"response_hex,omitempty"`
+	Status       json.RawMessage `json:"status,omitempty"`
+	Fingerprint  string          `json:"fingerprint"`
+}
+
+// recordJSON renders a record: the response as JSON when its type is
+// linked into this command, else as hex.
+func recordJSON(rec idempotency.Record) inspected {
+	out := inspected{
+		Scope: rec.Scope, Key: rec.Key, Method: rec.Method, State: rec.State,
+		CreatedAt: rec.CreatedAt, ExpiresAt: rec.ExpiresAt, Expired: rec.Expired,
+		ResponseType: rec.ResponseType, Fingerprint: hex.EncodeToString(rec.Fingerprint),
+	}
+	if rec.ResponseType != "" {
+		out.ResponseHex = hex.EncodeToString(rec.Response)
+		if mt, err := protoregistry.GlobalTypes.FindMessageByName(protoreflect.FullName(rec.ResponseType)); err == nil {
+			m := mt.New().Interface()
+			if err := proto.Unmarshal(rec.Response, m); err == nil {
+				if b, err := protojson.Marshal(m); err == nil {
+					out.Response, out.ResponseHex = b, ""
+				}
+			}
+		}
+	}
+	if rec.Status != nil {
+		if b, err := protojson.Marshal(rec.Status.Proto()); err == nil {
+			out.Status = b
+		}
+	}
+	return out
+}
+
+// sqlCommand prints the migrations, or writes them as files in the layout
+// a migration tool reads.
+func sqlCommand(args []string, schema, table string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("idempotency sql", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	down := fs.Bool("down", false, "print the down migrations, newest first, instead of the up ones")
+	format := fs.String("format", "plain", "plain (print), golang-migrate (NNN_name.up.sql and .down.sql; also Atlas's golang-migrate format) or goose (NNN_name.sql with +goose annotations)")
+	dir := fs.String("dir", "", "write the files into this directory instead of printing (golang-migrate and goose formats)")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	store, err := idempotency.NewStore(noDB{}, idempotency.WithTable(schema, table))
+	if err != nil {
+		fmt.Fprintln(stderr, "idempotency sql:", err)
+		return 2
+	}
+	ms, err := store.Migrations()
+	if err != nil {
+		fmt.Fprintln(stderr, "idempotency sql:", err)
+		return 1
+	}
+	files := map[string]string{}
+	var order []string
+	add := func(name, text string) {
+		files[name] = text
+		order = append(order, name)
+	}
+	switch *format {
+	case "plain":
+		if *dir != "" {
+			fmt.Fprintln(stderr, "idempotency sql: -dir needs -format golang-migrate or goose")
+			return 2
+		}
+		if *down {
+			for i := len(ms) - 1; i >= 0; i-- {
+				fmt.Fprintf(stdout, "-- %s (down)\n%s\n\n", ms[i].Name, strings.TrimSpace(ms[i].Down))
+			}
+		} else {
+			for _, m := range ms {
+				fmt.Fprintf(stdout, "-- %s\n%s\n\n", m.Name, strings.TrimSpace(m.SQL))
+			}
+		}
+		return 0
+	case "golang-migrate":
+		for _, m := range ms {
+			add(m.Name+".up.sql", m.SQL)
+			add(m.Name+".down.sql", m.Down)
+		}
+	case "goose":
+		for _, m := range ms {
+			add(m.Name+".sql", "-- +goose Up\n-- +goose StatementBegin\n"+strings.TrimSpace(m.SQL)+"\n-- +goose StatementEnd\n\n-- +goose Down\n-- +goose StatementBegin\n"+strings.TrimSpace(m.Down)+"\n-- +goose StatementEnd\n")
+		}
+	default:
+		fmt.Fprintf(stderr, "idempotency sql: unknown -format %q\n", *format)
+		return 2
+	}
+	for _, name := range order {
+		if *dir == "" {
+			fmt.Fprintf(stdout, "-- file %s\n%s\n", name, files[name])
+			continue
+		}
+		if err := os.WriteFile(filepath.Join(*dir, name), []byte(files[name]), 0o644); err != nil {
+			fmt.Fprintln(stderr, "idempotency sql:", err)
+			return 1
+		}
+		fmt.Fprintln(stdout, filepath.Join(*dir, name))
+	}
+	return 0
+}
+
+// redact masks the password of url wherever it appears in s.
+func redact(s, rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil || u.User == nil {
+		return s
+	}
+	if p, ok := u.User.Password(); ok && p != "" {
+		s = strings.ReplaceAll(s, p, "xxxxx")
+	}
+	return s
+}
+
+// noDB stands in for a database where none is needed: rendering the
+// migrations only needs the table's name.
+type noDB struct{}
+
+func (noDB) Acquire(context.Context) (*pgxpool.Conn, error) { return nil, errNoDB }
+func (noDB) Begin(context.Context) (pgx.Tx, error)          { return nil, errNoDB }
+func (noDB) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return pgconn.CommandTag{}, errNoDB
+}
+func (noDB) QueryRow(context.Context, string, ...any) pgx.Row { return nil }
+
+var errNoDB = errors.New("no database")

@@ -1,0 +1,233 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// TestMain checks for leaked goroutines, like every test binary here.
+func TestMain(m *testing.M) { os.Exit(testdb.RunWithLeakCheck(m)) }
+
+// binary builds the command once per test binary.
+func binary(t *testing.T) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "idempotency-cmd")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		builtPath = filepath.Join(dir, "idempotency")
+		if out, err := exec.Command("go", "build", "-o", builtPath, ".").CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	require.NoError(t, buildErr, "build the command")
+	return builtPath
+}
+
+var (
+	buildOnce sync.Once
+	builtPath string
+	buildErr  error
+)
+
+// schemaURL is the test database's URL with search_path set to schema.
+func schemaURL(schema string) string {
+	sep := "?"
+	if strings.Contains(testdb.URL(), "?") {
+		sep = "&"
+	}
+	return testdb.URL() + sep + "search_path=" + schema
+}
+
+// command runs the built command as a process.
+func command(t *testing.T, env []string, stdin string, args ...string) (stdout, stderr string, code int) {
+	t.Helper()
+	cmd := exec.Command(binary(t), args...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdin = strings.NewReader(stdin)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err := cmd.Run()
+	code = 0
+	if exit, ok := err.(*exec.ExitError); ok {
+		code = exit.ExitCode()
+	} else {
+		require.NoError(t, err)
+	}
+	return out.String(), errOut.String(), code
+}
+
+func TestMigrateInspectForgetCleanup(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	url := schemaURL(db.Schema)
+	out, errOut, code := command(t, nil, "", "-database-url", url, "migrate")
+	require.Zero(t, code, errOut)
+	require.Equal(t, "migrations applied\n", out)
+
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	_, err = store.Execute(ctx, idempotency.Call{Scope: "tenant-1", Key: "k-1", Method: "/pay.v1.Pay/Charge"},
+		func(context.Context, pgx.Tx) (proto.Message, error) { return wrapperspb.String("ch_1"), nil })
+	require.NoError(t, err)
+	_, err = store.Execute(ctx, idempotency.Call{Scope: "tenant-1", Key: "k-2", Method: "/pay.v1.Pay/Charge", TTL: time.Millisecond},
+		func(context.Context, pgx.Tx) (proto.Message, error) {
+			return nil, idempotency.Final(status.Error(codes.FailedPrecondition, "card declined"))
+		})
+	require.True(t, idempotency.IsFinal(err))
+
+	// DATABASE_URL is read when -database-url is not given.
+	out, errOut, code = command(t, []string{"DATABASE_URL=" + url}, "", "inspect", "tenant-1", "k-1")
+	require.Zero(t, code, errOut)
+	for _, want := range []string{`"scope": "tenant-1"`, `"key": "k-1"`, `"method": "/pay.v1.Pay/Charge"`, `"state": "succeeded"`,
+		`"response_type": "google.protobuf.StringValue"`, `"response": "ch_1"`, `"expired": false`} {
+		require.Contains(t, out, want)
+	}
+	out, _, code = command(t, []string{"DATABASE_URL=" + url}, "", "inspect", "tenant-1", "k-2")
+	require.Zero(t, code)
+	require.Contains(t, out, `"state": "failed"`)
+	require.Contains(t, out, `"message": "card declined"`)
+
+	out, errOut, code = command(t, nil, "", "-database-url", url, "forget", "tenant-1", "k-1")
+	require.Zero(t, code, errOut)
+	require.Contains(t, out, `forgot key "k-1"`)
+	_, errOut, code = command(t, nil, "", "-database-url", url, "inspect", "tenant-1", "k-1")
+	require.Equal(t, 1, code)
+	require.Contains(t, errOut, "no record of this key")
+	_, errOut, code = command(t, nil, "", "-database-url", url, "forget", "tenant-1", "k-1")
+	require.Equal(t, 1, code, errOut)
+
+	time.Sleep(10 * time.Millisecond) // k-2 expires
+	out, errOut, code = command(t, nil, "", "-database-url", url, "cleanup")
+	require.Zero(t, code, errOut)
+	require.Equal(t, "deleted 1 expired keys\n", out)
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+// Forget is refused while a call holds the key.
+func TestForgetRefusesAKeyInProgress(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+	holding, release := make(chan struct{}), make(chan struct{})
+	var releaseOnce sync.Once
+	t.Cleanup(func() { releaseOnce.Do(func() { close(release) }) })
+	done := make(chan error, 1)
+	go func() {
+		_, err := store.Execute(ctx, idempotency.Call{Key: "busy", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			close(holding)
+			<-release
+			return nil, nil
+		})
+		done <- err
+	}()
+	<-holding
+	_, errOut, code := command(t, nil, "", "-database-url", schemaURL(db.Schema), "forget", "", "busy")
+	require.Equal(t, 1, code)
+	require.Contains(t, errOut, "still in progress")
+	releaseOnce.Do(func() { close(release) })
+	require.NoError(t, <-done)
+	require.NoError(t, store.Forget(ctx, "", "busy"), "once the call is over")
+}
+
+// The printed SQL, applied with psql, makes a table a Store works with; the
+// down SQL removes it again.
+func TestPrintedSQLAppliedWithPsql(t *testing.T) {
+	t.Parallel()
+	if _, err := exec.LookPath("psql"); err != nil {
+		t.Fatal("psql is needed to apply the printed SQL: apt-get install postgresql-client")
+	}
+	db := testdb.New(t, 2)
+	psql := func(sql string) {
+		t.Helper()
+		cmd := exec.Command("psql", "-v", "ON_ERROR_STOP=1", "-q", testdb.URL())
+		cmd.Env = append(os.Environ(), "PGOPTIONS=-c search_path="+db.Schema)
+		cmd.Stdin = strings.NewReader(sql)
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, string(out))
+	}
+	up, errOut, code := command(t, nil, "", "sql")
+	require.Zero(t, code, errOut)
+	psql(up)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+		return wrapperspb.String("ok"), nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+	res, err = store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", Retry: true}, nil)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "the table psql made is the table Migrate makes")
+
+	down, _, code := command(t, nil, "", "sql", "-down")
+	require.Zero(t, code)
+	psql(down)
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1`, db.Schema), "down reverses up")
+	psql(up) // and up again, on a clean schema
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1`, db.Schema))
+}
+
+// The files for golang-migrate (and Atlas's golang-migrate format) and for
+// goose, with the configured table.
+func TestSQLFilesForMigrationTools(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	_, errOut, code := command(t, nil, "", "-schema", "app", "-table", "keys", "sql", "-format", "golang-migrate", "-dir", dir)
+	require.Zero(t, code, errOut)
+	names, err := filepath.Glob(filepath.Join(dir, "*"))
+	require.NoError(t, err)
+	var base []string
+	for _, n := range names {
+		base = append(base, filepath.Base(n))
+	}
+	require.Equal(t, []string{"001_create_keys.down.sql", "001_create_keys.up.sql", "002_add_metadata.down.sql", "002_add_metadata.up.sql"}, base)
+	up, err := os.ReadFile(filepath.Join(dir, "001_create_keys.up.sql"))
+	require.NoError(t, err)
+	require.Contains(t, string(up), `CREATE TABLE IF NOT EXISTS "app"."keys"`)
+
+	out, _, code := command(t, nil, "", "sql", "-format", "goose")
+	require.Zero(t, code)
+	require.Contains(t, out, "-- file 001_create_keys.sql\n-- +goose Up\n")
+	require.Contains(t, out, "-- +goose Down\n-- +goose StatementBegin\n")
+	require.Contains(t, out, "DROP TABLE IF EXISTS \"idempotency_keys\";\n-- +goose StatementEnd\n")
+}
+
+// No output ever shows the database password.
+func TestPasswordIsNeverPrinted(t *testing.T) {
+	t.Parallel()
+	url := "postgres://app:pw-s3cret@127.0.0.1:1/payments?connect_timeout=1"
+	for _, args := range [][]string{{"-database-url", url, "migrate"}, {"-database-url", url, "inspect", "s", "k"}, {"-h"}} {
+		out, errOut, _ := command(t, []string{"DATABASE_URL=" + url}, "", args...)
+		require.NotContains(t, out+errOut, "pw-s3cret", args)
+	}
+	_, _, code := command(t, nil, "", "nonsense")
+	require.Equal(t, 2, code)
+	_, _, code = command(t, nil, "", "inspect", "only-one")
+	require.Equal(t, 2, code)
+}
