@@ -43,6 +43,14 @@ type Call struct {
 	// result too, at the cost of a transaction; so Retry only makes replays
 	// cheaper, never changes an outcome.
 	Retry bool
+	// NewKey says the key was made for this call and never sent before: the
+	// client interceptor's generated keys, on their first attempt. The claim
+	// then skips looking for a stored result, which no such key can have. A
+	// key that was in fact used before is still caught, by the key's
+	// primary key, at the cost of running Func and rolling it back; so
+	// NewKey too only changes the cost, never an outcome. Retry wins over
+	// it.
+	NewKey bool
 
 	// responseType is the type the call's method declares for its
 	// response, set by a transport that knows it: a replay decodes the

@@ -8,6 +8,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -35,6 +36,20 @@ func TestUnitClientKeyChoice(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, inMD)
 	require.EqualValues(t, 7, uuid.MustParse(k).Version(), "a generated key is a UUIDv7")
+
+	// The interceptor sends a generated key marked as new; a chosen one not.
+	sent := func(ctx context.Context) metadata.MD {
+		var md metadata.MD
+		err := o.interceptor(false)(ctx, method, nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
+			md, _ = metadata.FromOutgoingContext(ctx)
+			return nil
+		})
+		require.NoError(t, err)
+		return md
+	}
+	require.Equal(t, []string{"true"}, sent(ctx).Get(NewKeyMetadata))
+	require.Empty(t, sent(WithOutgoingKey(ctx, "order-42")).Get(NewKeyMetadata))
+	require.Empty(t, sent(metadata.AppendToOutgoingContext(ctx, MetadataKey, "md")).Get(NewKeyMetadata))
 
 	k, inMD, err = o.keyFor(WithOutgoingKey(ctx, "order-42"), method)
 	require.NoError(t, err)

@@ -99,6 +99,7 @@ func (s *Store) execute(ctx context.Context, call Call, fn Func) (Result, error)
 			}
 		}
 		res, next, err := s.attempt(ctx, call, fn)
+		call.NewKey = false // whatever happened, the key has been sent now
 		switch next {
 		case done:
 			return res, err
@@ -273,19 +274,25 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 
 // claim opens the call's transaction, takes the key's lock without waiting
 // for it, looks the key up once the lock is held (a new statement, so it
-// sees whatever the previous holder committed), and takes the savepoint
-// that a final error rolls back to: one round trip. started is the
+// sees whatever the previous holder committed; not for a new key), and
+// takes the savepoint that a final error rolls back to: one round trip. started is the
 // transaction's start, which the key's INSERT checks.
 func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (locked bool, started time.Time, rec *record, err error) {
+	lookup := !call.NewKey || call.Retry
 	batch := &pgx.Batch{}
 	batch.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
 	batch.Queue(s.sql.lock, call.Scope, call.Key)
-	batch.Queue(s.sql.lookup, call.Scope, call.Key)
+	if lookup {
+		batch.Queue(s.sql.lookup, call.Scope, call.Key)
+	}
 	batch.Queue(s.sql.savepoint)
 	br := conn.SendBatch(ctx, batch)
 	if _, err = br.Exec(); err == nil {
 		if err = br.QueryRow().Scan(&locked, &started); err == nil {
-			if rec, err = scanRecord(br.QueryRow(), nil); err == nil {
+			if lookup {
+				rec, err = scanRecord(br.QueryRow(), nil)
+			}
+			if err == nil {
 				_, err = br.Exec()
 			}
 		}

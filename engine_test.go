@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -157,4 +158,34 @@ VALUES ('s', 'k', 'm', '\x01', 'succeeded', 'google.protobuf.StringValue', $1, n
 	require.EqualValues(t, 1, runs.Load())
 	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM ledger`), "the call's own write rolled back")
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+// A key claimed as new that was in fact used before (a client that lies,
+// or a bug) is still caught: by the primary key, after its Func ran and
+// rolled back. NewKey only saves the lookup of honest new keys.
+func TestNewKeyThatWasUsedIsStillCaught(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store := migratedStore(t, db)
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	require.NoError(t, err)
+	var runs atomic.Int64
+	run := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
+		return wrapperspb.String(fmt.Sprint("run ", runs.Load())), err
+	}
+	first, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", NewKey: true}, run)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, first.Outcome)
+	again, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", NewKey: true}, run)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeReplayed, again.Outcome)
+	require.True(t, proto.Equal(first.Response, again.Response), "the first run's response")
+	require.EqualValues(t, 2, runs.Load(), "the second run happened, and rolled back")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+	_, err = store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", Fingerprint: []byte("other"), NewKey: true}, run)
+	require.ErrorIs(t, err, idempotency.ErrKeyReused)
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
 }

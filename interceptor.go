@@ -20,6 +20,12 @@ const (
 	// ReplayedTrailer is the response trailer set to "true" when the
 	// response was replayed from the store instead of executed.
 	ReplayedTrailer = "idempotency-replayed"
+	// NewKeyMetadata is sent as "true" by the client interceptor with a key
+	// it generated for the call: such a key cannot have a stored result, so
+	// the server skips looking for one on the call's first attempt (its
+	// retries carry retry markers and are looked up first). A client that
+	// sends it with a used key only costs the server a rolled-back run.
+	NewKeyMetadata = "idempotency-key-new"
 )
 
 // UnaryServerInterceptor returns a server interceptor that runs each call
@@ -257,7 +263,7 @@ func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Stor
 	if err != nil {
 		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
 	}
-	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx),
+	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx), NewKey: isNewKey(ctx),
 		responseType: declaredResponseType(info.FullMethod, msg),
 		finalCode:    func(c codes.Code) bool { return o.final[c] },
 		trace:        trace}
@@ -293,6 +299,13 @@ const (
 	grpcPreviousAttempts = "grpc-previous-rpc-attempts"
 	retryAttempt         = retry.AttemptMetadataKey
 )
+
+// isNewKey reports whether the client interceptor generated the call's key
+// for it (see [NewKeyMetadata]).
+func isNewKey(ctx context.Context) bool {
+	v := metadata.ValueFromIncomingContext(ctx, NewKeyMetadata)
+	return len(v) == 1 && v[0] == "true"
+}
 
 // isRetryAttempt reports whether the client marked the call as a retry, so
 // the engine looks for a stored result before anything else.

@@ -1,0 +1,141 @@
+package idempotencyotel
+
+import (
+	"context"
+	"errors"
+	"strings"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// scopeName names this instrumentation to OpenTelemetry.
+const scopeName = "github.com/exactlyonce/idempotency/idempotencyotel"
+
+// Attribute keys of this package.
+const (
+	OutcomeKey   = attribute.Key("idempotency.outcome")
+	TransportKey = attribute.Key("idempotency.transport")
+)
+
+// Tracer is an [idempotency.Tracer] and [idempotency.CleanerTracer] that
+// reports to OpenTelemetry. Make it with [NewTracer] and give it to the
+// store with idempotency.WithTracer.
+type Tracer struct {
+	tracer   trace.Tracer
+	calls    metric.Int64Counter
+	duration metric.Float64Histogram
+	wait     metric.Float64Histogram
+	deleted  metric.Int64Counter
+}
+
+var (
+	_ idempotency.Tracer        = (*Tracer)(nil)
+	_ idempotency.CleanerTracer = (*Tracer)(nil)
+)
+
+// Option configures [NewTracer].
+type Option func(*options)
+
+type options struct {
+	meters  metric.MeterProvider
+	tracers trace.TracerProvider
+}
+
+// WithMeterProvider sets where metrics go. Defaults to otel's global
+// provider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(o *options) { o.meters = mp }
+}
+
+// WithTracerProvider sets where spans go. Defaults to otel's global
+// provider.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(o *options) { o.tracers = tp }
+}
+
+// NewTracer makes the instruments. It fails only if the meter provider
+// refuses one of them.
+func NewTracer(opts ...Option) (*Tracer, error) {
+	o := options{}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if o.meters == nil {
+		o.meters = otel.GetMeterProvider()
+	}
+	if o.tracers == nil {
+		o.tracers = otel.GetTracerProvider()
+	}
+	meter := o.meters.Meter(scopeName)
+	t := &Tracer{tracer: o.tracers.Tracer(scopeName)}
+	var errs [4]error
+	t.calls, errs[0] = meter.Int64Counter("idempotency.calls",
+		metric.WithDescription("Calls handled by the idempotency layer, by outcome."), metric.WithUnit("{call}"))
+	t.duration, errs[1] = meter.Float64Histogram("idempotency.duration",
+		metric.WithDescription("Duration of a call, as its transport saw it."), metric.WithUnit("s"))
+	t.wait, errs[2] = meter.Float64Histogram("idempotency.wait.duration",
+		metric.WithDescription("Time a call waited for another call that held its key."), metric.WithUnit("s"))
+	t.deleted, errs[3] = meter.Int64Counter("idempotency.cleaner.deleted",
+		metric.WithDescription("Expired keys deleted by the cleaner."), metric.WithUnit("{key}"))
+	if err := errors.Join(errs[:]...); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// TraceCallStart starts the call's span, a child of ctx's.
+func (t *Tracer) TraceCallStart(ctx context.Context, data idempotency.TraceCallStartData) context.Context {
+	ctx, _ = t.tracer.Start(ctx, "idempotency "+data.Method, trace.WithSpanKind(trace.SpanKindInternal),
+		trace.WithAttributes(callAttributes(data)...))
+	return ctx
+}
+
+// TraceCallEnd records the call's metrics and ends its span.
+func (t *Tracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) {
+	attrs := append(callAttributes(data.TraceCallStartData), OutcomeKey.String(data.Outcome.String()))
+	set := metric.WithAttributeSet(attribute.NewSet(attrs...))
+	t.calls.Add(ctx, 1, set)
+	t.duration.Record(ctx, data.Duration.Seconds(), set)
+	if data.Wait > 0 {
+		t.wait.Record(ctx, data.Wait.Seconds(), set)
+	}
+	span := trace.SpanFromContext(ctx)
+	span.SetAttributes(OutcomeKey.String(data.Outcome.String()),
+		attribute.Float64("idempotency.claim.duration", data.Claim.Seconds()),
+		attribute.Float64("idempotency.wait.duration", data.Wait.Seconds()),
+		attribute.Float64("idempotency.handler.duration", data.Handler.Seconds()),
+		attribute.Float64("idempotency.commit.duration", data.Commit.Seconds()))
+	if data.Err != nil && data.Outcome != idempotency.OutcomeReplayed && data.Outcome != idempotency.OutcomeExecuted {
+		span.SetStatus(codes.Error, data.Err.Error())
+	}
+	span.End()
+}
+
+// TraceCleanerBatch counts the keys a cleaner batch deleted.
+func (t *Tracer) TraceCleanerBatch(ctx context.Context, data idempotency.TraceCleanerBatchData) {
+	if data.Deleted > 0 {
+		t.deleted.Add(ctx, data.Deleted)
+	}
+}
+
+// callAttributes names the call's transport and method in the semantic
+// conventions' terms: rpc.* for gRPC, http.route for HTTP.
+func callAttributes(data idempotency.TraceCallStartData) []attribute.KeyValue {
+	attrs := []attribute.KeyValue{TransportKey.String(string(data.Transport))}
+	switch data.Transport {
+	case idempotency.TransportGRPC:
+		service, method, _ := strings.Cut(strings.TrimPrefix(data.Method, "/"), "/")
+		attrs = append(attrs, attribute.String("rpc.system", "grpc"), attribute.String("rpc.service", service), attribute.String("rpc.method", method))
+	case idempotency.TransportHTTP:
+		attrs = append(attrs, attribute.String("http.route", data.Method))
+	default:
+		attrs = append(attrs, attribute.String("idempotency.method", data.Method))
+	}
+	return attrs
+}
