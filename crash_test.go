@@ -243,7 +243,12 @@ func runCrashChild() int {
 		return 2
 	}
 	defer pool.Close()
-	store, err := idempotency.NewStore(pool, idempotency.WithInProgressWait(crashInProgressWait))
+	store, err := idempotency.NewStore(pool, idempotency.WithInProgressWait(crashInProgressWait),
+		idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+			if data.Outcome == idempotency.OutcomeExecuted {
+				k.hit("after-commit")
+			}
+		})))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -258,11 +263,7 @@ func runCrashChild() int {
 			k.hit("before-claim")
 			return h(ctx, req)
 		},
-		idempotency.UnaryServerInterceptor(store, idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, _ error) {
-			if o == idempotency.OutcomeExecuted {
-				k.hit("after-commit")
-			}
-		})),
+		idempotency.UnaryServerInterceptor(store),
 	))
 	srv.RegisterService(ledgerDesc(), &ledger{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		resp, err := keyedLedger(ctx, req)

@@ -88,13 +88,23 @@ type envConfig struct {
 	opts         []idempotency.ServerOption
 	storeOpts    []idempotency.StoreOption
 	interceptors []grpc.UnaryServerInterceptor // outside ours
+	tracer       idempotency.Tracer            // the store's, beside the harness's own
 }
 
 func newEnv(t *testing.T, cfg envConfig) *env {
 	t.Helper()
 	e := &env{t: t, db: testdb.New(t, 40)}
 	ctx := context.Background()
-	e.store = migratedStore(t, e.db, cfg.storeOpts...)
+	counting := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		if data.Outcome == idempotency.OutcomeExecuted {
+			e.execs.Add(1)
+		}
+	})
+	tracer := idempotency.Tracer(counting)
+	if cfg.tracer != nil {
+		tracer = idempotency.JoinTracers(counting, cfg.tracer)
+	}
+	e.store = migratedStore(t, e.db, append(slices.Clone(cfg.storeOpts), idempotency.WithTracer(tracer))...)
 	_, err := e.db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
 	require.NoError(t, err)
 
@@ -106,13 +116,7 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		e.runs.Add(1)
 		return h(ctx, req)
 	}
-	chain := append(append([]grpc.UnaryServerInterceptor{}, cfg.interceptors...), idempotency.UnaryServerInterceptor(e.store, append([]idempotency.ServerOption{
-		idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, _ error) {
-			if o == idempotency.OutcomeExecuted {
-				e.execs.Add(1)
-			}
-		}),
-	}, cfg.opts...)...))
+	chain := append(slices.Clone(cfg.interceptors), idempotency.UnaryServerInterceptor(e.store, cfg.opts...))
 	e.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
 	e.srv.RegisterService(ledgerDesc(), &ledger{handler: counted})
 	e.addr = serve(t, e.srv)
@@ -298,29 +302,30 @@ type replicaConfig struct {
 	handler      handlerFunc // defaults to keyedLedger
 	interceptors []grpc.UnaryServerInterceptor
 	storeOpts    []idempotency.StoreOption
-	onOutcome    func(ctx context.Context, method string, o idempotency.Outcome, err error)
+	tracer       idempotency.Tracer // the store's, beside the replica's own
 }
 
 // startReplica serves the test ledger on a loopback port with a store on
 // pool. The server stops when the test ends; a test may stop it earlier.
 func startReplica(t *testing.T, pool *pgxpool.Pool, cfg replicaConfig) *replica {
 	t.Helper()
-	store, err := idempotency.NewStore(pool, cfg.storeOpts...)
-	require.NoError(t, err)
 	r := &replica{}
+	counting := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		if data.Outcome == idempotency.OutcomeExecuted {
+			r.execs.Add(1)
+		}
+	})
+	tracer := idempotency.Tracer(counting)
+	if cfg.tracer != nil {
+		tracer = idempotency.JoinTracers(counting, cfg.tracer)
+	}
+	store, err := idempotency.NewStore(pool, append(slices.Clone(cfg.storeOpts), idempotency.WithTracer(tracer))...)
+	require.NoError(t, err)
 	h := cfg.handler
 	if h == nil {
 		h = keyedLedger
 	}
-	hook := idempotency.WithOutcomeHook(func(ctx context.Context, method string, o idempotency.Outcome, err error) {
-		if o == idempotency.OutcomeExecuted {
-			r.execs.Add(1)
-		}
-		if cfg.onOutcome != nil {
-			cfg.onOutcome(ctx, method, o, err)
-		}
-	})
-	r.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(append(slices.Clone(cfg.interceptors), idempotency.UnaryServerInterceptor(store, hook))...))
+	r.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(append(slices.Clone(cfg.interceptors), idempotency.UnaryServerInterceptor(store))...))
 	r.srv.RegisterService(ledgerDesc(), &ledger{handler: h})
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)

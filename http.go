@@ -101,7 +101,6 @@ type httpOptions struct {
 	replayed    []string // canonical header names
 	maxRequest  int64
 	maxResponse int
-	onOutcome   func(r *http.Request, route string, o Outcome, status int, err error)
 	err         error
 }
 
@@ -241,21 +240,6 @@ func WithHTTPMaxResponseBytes(n int) HTTPOption {
 	return func(o *httpOptions) { o.maxResponse = n }
 }
 
-// WithHTTPOutcomeHook calls f once per protected request, after its
-// outcome is known: route is the mux pattern that matched (r.Pattern, Go
-// 1.22 and later) or else the method and path, status the status sent, and
-// err why the outcome is not Executed or Replayed. f must not be nil.
-// Defaults to none.
-func WithHTTPOutcomeHook(f func(r *http.Request, route string, o Outcome, status int, err error)) HTTPOption {
-	return func(o *httpOptions) {
-		if f == nil {
-			o.err = errors.New("idempotency: WithHTTPOutcomeHook: function is nil")
-			return
-		}
-		o.onOutcome = f
-	}
-}
-
 // errHTTPReleased marks a handler response that is not stored: the writes
 // roll back and the key is released, but the response is still sent.
 var errHTTPReleased = errors.New("idempotency: response not stored")
@@ -278,10 +262,7 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 	ended := false
 	report := func(outcome Outcome, status int, err error) {
 		ended = true
-		trace.end(ctx, outcome, err)
-		if o.onOutcome != nil {
-			o.onOutcome(r, route, outcome, status, err)
-		}
+		trace.endHTTP(ctx, outcome, status, err)
 	}
 	defer func() {
 		if p := recover(); p != nil {

@@ -503,14 +503,14 @@ func TestHTTPServerKilledBeforeCommitLeavesNoKey(t *testing.T) {
 func TestHTTPMiddlewareComposes(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
-	store := migratedStore(t, db)
 	var routes []string
 	var mu sync.Mutex
-	idem := idempotency.HTTPMiddleware(store, idempotency.WithHTTPOutcomeHook(func(_ *http.Request, route string, o idempotency.Outcome, status int, _ error) {
+	store := migratedStore(t, db, idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
 		mu.Lock()
 		defer mu.Unlock()
-		routes = append(routes, fmt.Sprintf("%s %v %d", route, o, status))
-	}))
+		routes = append(routes, fmt.Sprintf("%s %v %d", data.Method, data.Outcome, data.HTTPStatus))
+	})))
+	idem := idempotency.HTTPMiddleware(store)
 	auth := func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if r.Header.Get("Authorization") == "" {

@@ -81,7 +81,6 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 				panic(p)
 			}
 			trace.end(ctx, outcome, err)
-			o.report(ctx, info.FullMethod, outcome, err)
 		}()
 		if err != nil {
 			return nil, err
@@ -114,7 +113,6 @@ type serverOptions struct {
 	requireKey bool
 	ttl        time.Duration
 	final      map[codes.Code]bool
-	onOutcome  func(ctx context.Context, method string, o Outcome, err error)
 	err        error // the first invalid option
 }
 
@@ -208,21 +206,6 @@ func WithFinalCodes(cs ...codes.Code) ServerOption {
 	}
 }
 
-// WithOutcomeHook calls f once per call the interceptor handled: every call
-// that carried a key, and every call refused for a missing key; calls that
-// passed through are not reported. err is the error returned to the client,
-// if any. f runs on the request's goroutine; keep it fast. f must not be
-// nil. Defaults to none.
-func WithOutcomeHook(f func(ctx context.Context, fullMethod string, o Outcome, err error)) ServerOption {
-	return func(o *serverOptions) {
-		if f == nil {
-			o.err = fmt.Errorf("idempotency: WithOutcomeHook: function is nil")
-			return
-		}
-		o.onOutcome = f
-	}
-}
-
 // callKey returns the key of a call: from the metadata, else from the
 // method's key field; "" when it has none.
 func (o *serverOptions) callKey(ctx context.Context, pol methodPolicy, req any) (string, error) {
@@ -285,12 +268,6 @@ func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Stor
 		}
 		return m, nil
 	})
-}
-
-func (o *serverOptions) report(ctx context.Context, method string, outcome Outcome, err error) {
-	if o.onOutcome != nil {
-		o.onOutcome(ctx, method, outcome, err)
-	}
 }
 
 // Metadata that marks an attempt as a retry: gRPC's own retry policy sends

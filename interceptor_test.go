@@ -400,11 +400,11 @@ func TestDisconnectAfterSuccessStillStores(t *testing.T) {
 			<-ctx.Done() // the client hung up; the work is already done
 		}
 		return resp, err
-	}, opts: []idempotency.ServerOption{idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, err error) {
-		if o == idempotency.OutcomeExecuted {
-			finished <- err
+	}, tracer: idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		if data.Outcome == idempotency.OutcomeExecuted {
+			finished <- data.Err
 		}
-	})}})
+	})})
 
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() { <-started; cancel() }()
@@ -716,15 +716,15 @@ func TestScopesIsolateCallers(t *testing.T) {
 	require.Equal(t, codes.Unauthenticated, status.Code(r.err), "a scope error keeps its status")
 }
 
-func TestOutcomeHookSeesEveryKeyedCall(t *testing.T) {
+func TestTracerSeesEveryKeyedCall(t *testing.T) {
 	t.Parallel()
 	var mu sync.Mutex
 	var seen []idempotency.Outcome
-	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithOutcomeHook(func(_ context.Context, m string, o idempotency.Outcome, _ error) {
+	e := newEnv(t, envConfig{tracer: idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
 		mu.Lock()
 		defer mu.Unlock()
-		seen = append(seen, o)
-	})}})
+		seen = append(seen, data.Outcome)
+	})})
 	ctx := context.Background()
 	e.call(ctx, methodCharge, "k", "x")
 	e.call(ctx, methodCharge, "k", "x")

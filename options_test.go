@@ -40,7 +40,6 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 		"WithTTL":         WithTTL(0),
 		"WithFinalCodes":  WithFinalCodes(codes.NotFound, codes.OK),
 		"WithFinalCodes ": WithFinalCodes(codes.Code(17)),
-		"WithOutcomeHook": WithOutcomeHook(nil),
 	} {
 		require.PanicsWithValue(t, panicMessage(t, func() { UnaryServerInterceptor(store, opt) }), func() { UnaryServerInterceptor(store, opt) })
 		require.Contains(t, panicMessage(t, func() { UnaryServerInterceptor(store, opt) }), strings.TrimSpace(name))

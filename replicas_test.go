@@ -49,9 +49,9 @@ func (l *replicaLog) interceptor(name string) grpc.UnaryServerInterceptor {
 	}
 }
 
-func (l *replicaLog) outcomes(name string) func(context.Context, string, idempotency.Outcome, error) {
-	return func(ctx context.Context, _ string, o idempotency.Outcome, _ error) {
-		key := metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey)[0]
+func (l *replicaLog) outcomes(name string) idempotency.Tracer {
+	return idempotency.TraceCallEndFunc(func(ctx context.Context, data idempotency.TraceCallEndData) {
+		o, key := data.Outcome, data.Key
 		l.mu.Lock()
 		defer l.mu.Unlock()
 		switch o {
@@ -63,7 +63,7 @@ func (l *replicaLog) outcomes(name string) func(context.Context, string, idempot
 			}
 			l.replayBy[key][name] = true
 		}
-	}
+	})
 }
 
 // Three replicas share one database behind a round-robin client, each
@@ -82,7 +82,7 @@ func TestReplicasShareKeysAndSurviveARestart(t *testing.T) {
 	start := func(name string, seed int64) (*replica, string) {
 		r := startReplica(t, schemaPool(t, db.Schema, 6, nil), replicaConfig{
 			interceptors: []grpc.UnaryServerInterceptor{log.interceptor(name)},
-			onOutcome:    log.outcomes(name),
+			tracer:       log.outcomes(name),
 		})
 		p, err := faultproxy.New(r.addr, faultproxy.WithSeed(seed), faultproxy.WithDropResponseRate(replicaDrop))
 		require.NoError(t, err)

@@ -129,7 +129,9 @@ func TestRoundTripsPerCall(t *testing.T) {
 		}))
 	})
 	fresh := measure(func() { execute(idempotency.Call{Key: "k", Method: "m"}, idempotency.OutcomeExecuted) })
-	freshNewKey := measure(func() { execute(idempotency.Call{Key: "k-new", Method: "m", NewKey: true}, idempotency.OutcomeExecuted) })
+	freshNewKey := measure(func() {
+		execute(idempotency.Call{Key: "k-new", Method: "m", NewKey: true}, idempotency.OutcomeExecuted)
+	})
 	replay := measure(func() { execute(idempotency.Call{Key: "k", Method: "m", Retry: true}, idempotency.OutcomeReplayed) })
 	unmarked := measure(func() { execute(idempotency.Call{Key: "k", Method: "m"}, idempotency.OutcomeReplayed) })
 	retryThatRuns := measure(func() { execute(idempotency.Call{Key: "k2", Method: "m", Retry: true}, idempotency.OutcomeExecuted) })

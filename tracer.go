@@ -68,6 +68,9 @@ type TraceCallEndData struct {
 	Handler time.Duration
 	// Commit is the time spent storing the result and committing.
 	Commit time.Duration
+	// HTTPStatus is the status an HTTP call answered with (0 for other
+	// transports, and when the client had gone).
+	HTTPStatus int
 }
 
 // TraceCleanerBatchData is one batch of the expiry cleaner.
@@ -92,6 +95,46 @@ func WithTracer(t Tracer) StoreOption {
 	}
 }
 
+// TraceCallEndFunc is a [Tracer] that only looks at the end of each call,
+// for code that counts or logs outcomes.
+type TraceCallEndFunc func(ctx context.Context, data TraceCallEndData)
+
+// TraceCallStart returns ctx.
+func (f TraceCallEndFunc) TraceCallStart(ctx context.Context, _ TraceCallStartData) context.Context {
+	return ctx
+}
+
+// TraceCallEnd calls f.
+func (f TraceCallEndFunc) TraceCallEnd(ctx context.Context, data TraceCallEndData) { f(ctx, data) }
+
+// JoinTracers returns a [Tracer] that calls each of ts: TraceCallStart in
+// order, each on the context the one before returned, TraceCallEnd in the
+// reverse order, and TraceCleanerBatch of those that are [CleanerTracer]s.
+func JoinTracers(ts ...Tracer) Tracer { return tracers(ts) }
+
+type tracers []Tracer
+
+func (ts tracers) TraceCallStart(ctx context.Context, data TraceCallStartData) context.Context {
+	for _, t := range ts {
+		ctx = t.TraceCallStart(ctx, data)
+	}
+	return ctx
+}
+
+func (ts tracers) TraceCallEnd(ctx context.Context, data TraceCallEndData) {
+	for i := len(ts) - 1; i >= 0; i-- {
+		ts[i].TraceCallEnd(ctx, data)
+	}
+}
+
+func (ts tracers) TraceCleanerBatch(ctx context.Context, data TraceCleanerBatchData) {
+	for _, t := range ts {
+		if ct, ok := t.(CleanerTracer); ok {
+			ct.TraceCleanerBatch(ctx, data)
+		}
+	}
+}
+
 // callTrace follows one call from its transport's start to its end.
 type callTrace struct {
 	tracer Tracer
@@ -108,6 +151,14 @@ func (s *Store) startCall(ctx context.Context, transport Transport, method, key 
 	start := TraceCallStartData{Transport: transport, Method: method, Key: key}
 	ctx = s.opts.tracer.TraceCallStart(ctx, start)
 	return ctx, &callTrace{tracer: s.opts.tracer, start: time.Now(), data: TraceCallEndData{TraceCallStartData: start}}
+}
+
+// endHTTP reports an HTTP call's outcome and status.
+func (t *callTrace) endHTTP(ctx context.Context, o Outcome, status int, err error) {
+	if t != nil {
+		t.data.HTTPStatus = status
+		t.end(ctx, o, err)
+	}
 }
 
 // end reports the call's outcome.

@@ -63,7 +63,8 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 	tr := &recordingTracer{}
 	var e *env
 	e = newEnv(t, envConfig{
-		storeOpts: []idempotency.StoreOption{idempotency.WithTracer(tr), idempotency.WithInProgressWait(50 * time.Millisecond)},
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(50 * time.Millisecond)},
+		tracer:    tr,
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			if req.GetValue() == "slow" {
 				time.Sleep(500 * time.Millisecond)

@@ -140,9 +140,9 @@ func TestHandlerPastItsDeadline(t *testing.T) {
 			_, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `SELECT pg_sleep(2)`)
 			return wrapperspb.String("late"), err
 		},
-		opts: []idempotency.ServerOption{idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, err error) {
-			outcome.Store([2]any{o, status.Code(err)})
-		})},
+		tracer: idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+			outcome.Store([2]any{data.Outcome, status.Code(data.Err)})
+		}),
 		// A server-side timeout, as a handler-timeout middleware sets one.
 		interceptors: []grpc.UnaryServerInterceptor{func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 			ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)

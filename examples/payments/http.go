@@ -1,10 +1,8 @@
 package payments
 
 import (
-	"context"
 	"encoding/json"
 	"io"
-	"log/slog"
 	"net/http"
 
 	"google.golang.org/grpc/codes"
@@ -24,13 +22,8 @@ import (
 //
 // Bodies are the protobuf JSON forms with the proto field names
 // ({"account_id": "acct-1", "amount_cents": 100}). POST /v1/charges needs an
-// Idempotency-Key header; GET needs none. logger, when not nil, gets one
-// line per charge.
-func NewHTTPHandler(svc *Server, store *idempotency.Store, logger *slog.Logger) http.Handler {
-	var opts []idempotency.HTTPOption
-	if logger != nil {
-		opts = append(opts, idempotency.WithHTTPOutcomeHook(LogHTTPOutcome(logger)))
-	}
+// Idempotency-Key header; GET needs none.
+func NewHTTPHandler(svc *Server, store *idempotency.Store, opts ...idempotency.HTTPOption) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("POST /v1/charges", idempotency.HTTPMiddleware(store, opts...)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		req := &paymentsv1.ChargeRequest{}
@@ -92,26 +85,4 @@ func httpStatus(c codes.Code) int {
 		return http.StatusServiceUnavailable
 	}
 	return http.StatusInternalServerError
-}
-
-// LogHTTPOutcome returns an outcome hook that logs one structured line per
-// charge over HTTP, as LogOutcome does for gRPC.
-func LogHTTPOutcome(logger *slog.Logger) func(*http.Request, string, idempotency.Outcome, int, error) {
-	return func(r *http.Request, route string, o idempotency.Outcome, code int, err error) {
-		attrs := []slog.Attr{
-			slog.String("route", route),
-			slog.String("outcome", o.String()),
-			slog.String("key", truncateKey(r.Header.Get(idempotency.HeaderKey))),
-			slog.Int("status", code),
-		}
-		level := slog.LevelInfo
-		switch {
-		case o == idempotency.OutcomeUnavailable:
-			level = slog.LevelError
-		case err != nil:
-			level = slog.LevelWarn
-			attrs = append(attrs, slog.String("cause", err.Error()))
-		}
-		logger.LogAttrs(context.Background(), level, "http call", attrs...)
-	}
 }

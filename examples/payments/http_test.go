@@ -26,7 +26,7 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 	store, err := idempotency.NewStore(db.Pool)
 	require.NoError(t, err)
 	require.NoError(t, payments.Migrate(ctx, db.Pool, store))
-	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store, nil))
+	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store))
 	t.Cleanup(srv.Close)
 	do := func(method, path, key, body string) (int, http.Header, string) {
 		req, err := http.NewRequest(method, srv.URL+path, strings.NewReader(body))

@@ -12,14 +12,12 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"strings"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/exactlyonce/idempotency"
@@ -102,42 +100,45 @@ func (s *Server) GetBalance(ctx context.Context, req *paymentsv1.GetBalanceReque
 }
 
 // NewGRPCServer returns a gRPC server with the idempotency interceptor and
-// the PaymentService registered. logger, when not nil, gets one line per
-// keyed call (see LogOutcome).
-func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, logger *slog.Logger, opts ...idempotency.ServerOption) *grpc.Server {
-	if logger != nil {
-		opts = append([]idempotency.ServerOption{idempotency.WithOutcomeHook(LogOutcome(logger))}, opts...)
-	}
+// the PaymentService registered.
+func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, opts ...idempotency.ServerOption) *grpc.Server {
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store, opts...)))
 	paymentsv1.RegisterPaymentServiceServer(srv, NewServer(pool))
 	return srv
 }
 
-// LogOutcome returns an outcome hook that logs one structured line per
-// keyed call: the method, the outcome, the key (at most 64 bytes of it),
-// the status code, and on failures the cause, which stays in the server's
-// log and is never sent to the client. Executions and replays are Info,
-// calls the client must act on Warn, a database that failed Error.
-func LogOutcome(logger *slog.Logger) func(context.Context, string, idempotency.Outcome, error) {
-	return func(ctx context.Context, method string, o idempotency.Outcome, err error) {
+// LogTracer returns a tracer, for the store, that logs one structured line
+// per keyed call, gRPC or HTTP: the method or route, the outcome, the key
+// (at most 64 bytes of it), the status, where the time went, and on
+// failures the cause, which stays in the server's log and is never sent to
+// the client. Executions and replays are Info, calls the client must act on
+// Warn, a database that failed Error.
+func LogTracer(logger *slog.Logger) idempotency.Tracer {
+	return idempotency.TraceCallEndFunc(func(ctx context.Context, data idempotency.TraceCallEndData) {
 		attrs := []slog.Attr{
-			slog.String("method", method[strings.LastIndexByte(method, '/')+1:]),
-			slog.String("outcome", o.String()),
-			slog.String("key", truncateKey(strings.Join(metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey), ","))),
-			slog.String("code", status.Code(err).String()),
+			slog.String("transport", string(data.Transport)),
+			slog.String("method", data.Method),
+			slog.String("outcome", data.Outcome.String()),
+			slog.String("key", truncateKey(data.Key)),
 		}
+		if data.Transport == idempotency.TransportHTTP {
+			attrs = append(attrs, slog.Int("status", data.HTTPStatus))
+		} else {
+			attrs = append(attrs, slog.String("code", status.Code(data.Err).String()))
+		}
+		attrs = append(attrs, slog.Duration("took", data.Duration), slog.Duration("handler", data.Handler))
 		level := slog.LevelInfo
 		switch {
-		case o == idempotency.OutcomeUnavailable:
+		case data.Outcome == idempotency.OutcomeUnavailable:
 			level = slog.LevelError
-		case err != nil && o != idempotency.OutcomeReplayed && o != idempotency.OutcomeExecuted:
+		case data.Err != nil && data.Outcome != idempotency.OutcomeReplayed && data.Outcome != idempotency.OutcomeExecuted:
 			level = slog.LevelWarn
 		}
-		if err != nil {
-			attrs = append(attrs, slog.String("cause", err.Error()))
+		if data.Err != nil {
+			attrs = append(attrs, slog.String("cause", data.Err.Error()))
 		}
 		logger.LogAttrs(ctx, level, "call", attrs...)
-	}
+	})
 }
 
 // truncateKey keeps log lines short whatever key a client sends.

@@ -46,8 +46,8 @@ type httpServer struct {
 // startHTTPServer serves the trivial handler as JSON, its write in the
 // request's transaction under the middleware, else in a transaction of its
 // own: the same as service.serve does for gRPC.
-func startHTTPServer(pool *pgxpool.Pool, h *handler, store *idempotency.Store) (*httpServer, error) {
-	s := &httpServer{outcomes: new(outcomeCounts)}
+func startHTTPServer(pool *pgxpool.Pool, h *handler, store *idempotency.Store, outcomes *outcomeCounts) (*httpServer, error) {
+	s := &httpServer{outcomes: outcomes}
 	ledger := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var in ledgerRequest
 		if err := json.NewDecoder(r.Body).Decode(&in); err != nil {
@@ -74,8 +74,7 @@ func startHTTPServer(pool *pgxpool.Pool, h *handler, store *idempotency.Store) (
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write(out)
 	})
-	mw := idempotency.HTTPMiddleware(store, idempotency.WithHTTPOutcomeHook(
-		func(_ *http.Request, _ string, o idempotency.Outcome, _ int, _ error) { s.outcomes.add(o) }))
+	mw := idempotency.HTTPMiddleware(store) // its outcomes are counted by store's tracer
 	mux := http.NewServeMux()
 	mux.Handle("POST "+routeIdempotent, mw(ledger))
 	mux.Handle("POST "+routePlain, ledger)

@@ -305,7 +305,11 @@ func (b *bench) setup(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	b.store, err = idempotency.NewStore(b.pool, idempotency.WithTable(b.schema, "idempotency_keys"))
+	// The store's calls are counted per transport: the gRPC interceptor's
+	// and the HTTP middleware's; engine:execute counts its own results.
+	grpcOutcomes, httpOutcomes := new(outcomeCounts), new(outcomeCounts)
+	b.store, err = idempotency.NewStore(b.pool, idempotency.WithTable(b.schema, "idempotency_keys"),
+		idempotency.WithTracer(outcomesByTransport(grpcOutcomes, httpOutcomes)))
 	if err != nil {
 		return err
 	}
@@ -343,7 +347,9 @@ func (b *bench) setup(ctx context.Context) error {
 	}
 
 	if b.cfg.Preload > 0 {
-		b.preStore, err = idempotency.NewStore(b.pool, idempotency.WithTable(b.schema, preloadedTable))
+		preOutcomes := new(outcomeCounts)
+		b.preStore, err = idempotency.NewStore(b.pool, idempotency.WithTable(b.schema, preloadedTable),
+			idempotency.WithTracer(outcomesByTransport(preOutcomes, nil)))
 		if err != nil {
 			return err
 		}
@@ -358,7 +364,7 @@ func (b *bench) setup(ctx context.Context) error {
 			b.cfg.PreloadExpired, methodWrite, resp, b.logf); err != nil {
 			return err
 		}
-		if b.preloaded, err = startServer("preloaded", svc, b.preStore); err != nil {
+		if b.preloaded, err = startServer("preloaded", svc, b.preStore, preOutcomes); err != nil {
 			return err
 		}
 	}
@@ -372,18 +378,18 @@ func (b *bench) setup(ctx context.Context) error {
 			return err
 		}
 	}
-	if b.idem, err = startServer("interceptor", svc, b.store); err != nil {
+	if b.idem, err = startServer("interceptor", svc, b.store, grpcOutcomes); err != nil {
 		return err
 	}
-	if b.plain, err = startServer("plain", svc, nil); err != nil {
+	if b.plain, err = startServer("plain", svc, nil, nil); err != nil {
 		return err
 	}
 	floorSvc := *svc
 	floorSvc.floor = b.floorTable
-	if b.floor, err = startServer("floor", &floorSvc, nil); err != nil {
+	if b.floor, err = startServer("floor", &floorSvc, nil, nil); err != nil {
 		return err
 	}
-	if b.web, err = startHTTPServer(b.pool, svc.trivial, b.store); err != nil {
+	if b.web, err = startHTTPServer(b.pool, svc.trivial, b.store, httpOutcomes); err != nil {
 		return err
 	}
 

@@ -264,15 +264,27 @@ func (o *outcomeCounts) read() (c [8]int64) {
 	return c
 }
 
-func startServer(name string, svc *service, store *idempotency.Store) (*server, error) {
+// outcomesByTransport is a store's tracer that counts the outcomes of its
+// gRPC calls in grpc and of its HTTP calls in http (either may be nil).
+func outcomesByTransport(grpc, http *outcomeCounts) idempotency.Tracer {
+	return idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		switch {
+		case data.Transport == idempotency.TransportGRPC && grpc != nil:
+			grpc.add(data.Outcome)
+		case data.Transport == idempotency.TransportHTTP && http != nil:
+			http.add(data.Outcome)
+		}
+	})
+}
+
+// startServer serves svc, through the interceptor on store when store is
+// not nil; outcomes is where that store's tracer counts gRPC outcomes.
+func startServer(name string, svc *service, store *idempotency.Store, outcomes *outcomeCounts) (*server, error) {
 	s := &server{name: name}
 	var opts []grpc.ServerOption
 	if store != nil {
-		s.outcomes = new(outcomeCounts)
-		opts = append(opts, grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store,
-			idempotency.WithOutcomeHook(func(_ context.Context, _ string, o idempotency.Outcome, _ error) {
-				s.outcomes.add(o)
-			}))))
+		s.outcomes = outcomes
+		opts = append(opts, grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
 	}
 	s.grpc = grpc.NewServer(opts...)
 	testingv1.RegisterPolicyServiceServer(s.grpc, svc)

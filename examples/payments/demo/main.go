@@ -60,16 +60,19 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.databaseURL, "database-url", testdb.URL(), "PostgreSQL URL (default: $DATABASE_URL, else the local test database)")
+	flag.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else the local test database; its password is never shown)")
 	flag.IntVar(&c.charges, "charges", 300, "logical charges to make")
 	flag.IntVar(&c.clients, "clients", 8, "concurrent clients")
 	flag.IntVar(&c.accounts, "accounts", 5, "accounts to spread the charges over")
 	flag.Float64Var(&c.dropRate, "drop", 0.25, "share of responses the network loses after the server committed")
 	flag.IntVar(&c.dupEvery, "dup-every", 10, "send every n-th charge twice at once with the same key (0: never)")
-	flag.Int64Var(&c.seed, "seed", 1, "seed of the network faults")
+	flag.Int64Var(&c.seed, "seed", 1, "seed of the network faults: which charges are sent twice, and the drop draws (which attempts they hit depends on timing)")
 	flag.BoolVar(&c.keep, "keep", false, "keep the demo's database schema for inspection")
 	flag.DurationVar(&c.progress, "progress", 500*time.Millisecond, "interval of progress lines (0: none)")
 	flag.Parse()
+	if c.databaseURL == "" {
+		c.databaseURL = testdb.URL()
+	}
 
 	rep, err := run(context.Background(), c, os.Stdout)
 	if err != nil {
@@ -146,21 +149,10 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 		return nil, err
 	}
 	defer cleanup()
-	store, err := idempotency.NewStore(pool,
-		// Short, so that duplicates sent at once show up as in-progress
-		// conflicts that the client retries, rather than only as waits.
-		idempotency.WithInProgressWait(10*time.Millisecond), idempotency.WithRetryDelay(25*time.Millisecond))
-	if err != nil {
-		return nil, err
-	}
-	if err := payments.Migrate(ctx, pool, store); err != nil {
-		return nil, err
-	}
-
 	rep := &report{charges: c.charges}
 	var attempts, executed, replayed, inProgress, mismatch atomic.Int64
-	count := func(_ context.Context, _ string, o idempotency.Outcome, _ error) {
-		switch o {
+	count := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		switch data.Outcome {
 		case idempotency.OutcomeExecuted:
 			executed.Add(1)
 		case idempotency.OutcomeReplayed:
@@ -170,6 +162,16 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 		case idempotency.OutcomeKeyReused:
 			mismatch.Add(1)
 		}
+	})
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(count),
+		// Short, so that duplicates sent at once show up as in-progress
+		// conflicts that the client retries, rather than only as waits.
+		idempotency.WithInProgressWait(10*time.Millisecond), idempotency.WithRetryDelay(25*time.Millisecond))
+	if err != nil {
+		return nil, err
+	}
+	if err := payments.Migrate(ctx, pool, store); err != nil {
+		return nil, err
 	}
 	arrivals := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 		attempts.Add(1)
@@ -196,7 +198,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 		r := &replica{addr: lis.Addr().String()}
 		r.start = func() (*grpc.Server, error) {
 			srv := grpc.NewServer(grpc.ChainUnaryInterceptor(arrivals,
-				idempotency.UnaryServerInterceptor(store, idempotency.WithOutcomeHook(count))))
+				idempotency.UnaryServerInterceptor(store)))
 			paymentsv1.RegisterPaymentServiceServer(srv, payments.NewServer(pool))
 			l := lis
 			if l == nil {

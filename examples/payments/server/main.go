@@ -1,12 +1,13 @@
 // Command server runs the example PaymentService with the idempotency
 // interceptor on PostgreSQL, over gRPC and, on the same store and business
-// code, as JSON over HTTP.
+// code, as JSON over HTTP, with its metrics for Prometheus.
 //
-//	go run ./examples/payments/server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -database-url "$DATABASE_URL"
+//	go run ./server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -metrics-addr 127.0.0.1:9464 -database-url "$DATABASE_URL"
 //
 // It migrates its tables on start, registers gRPC server reflection (so
-// grpcurl can list and call it), logs one line per keyed call, and shuts
-// down gracefully on SIGINT or SIGTERM.
+// grpcurl can list and call it), logs one structured line per keyed call,
+// serves the store's OpenTelemetry metrics at GET /metrics in Prometheus's
+// text format, and shuts down gracefully on SIGINT or SIGTERM.
 package main
 
 import (
@@ -24,11 +25,16 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	otelprometheus "go.opentelemetry.io/otel/exporters/prometheus"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/reflection"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
+	"github.com/exactlyonce/idempotency/idempotencyotel"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
@@ -40,26 +46,27 @@ func main() {
 	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	lis, err := net.Listen("tcp", cfg.addr)
-	if err != nil {
-		logger.Error("listen", "addr", cfg.addr, "err", err)
-		os.Exit(1)
-	}
-	var httpLis net.Listener
-	if cfg.httpAddr != "" {
-		if httpLis, err = net.Listen("tcp", cfg.httpAddr); err != nil {
-			logger.Error("listen", "addr", cfg.httpAddr, "err", err)
+	var lis listeners
+	for _, l := range []struct {
+		addr string
+		dst  *net.Listener
+	}{{cfg.addr, &lis.grpc}, {cfg.httpAddr, &lis.http}, {cfg.metricsAddr, &lis.metrics}} {
+		if l.addr == "" {
+			continue
+		}
+		if *l.dst, err = net.Listen("tcp", l.addr); err != nil {
+			logger.Error("listen", "addr", l.addr, "err", err)
 			os.Exit(1)
 		}
 	}
-	if err := run(ctx, lis, httpLis, cfg.databaseURL, logger); err != nil {
+	if err := run(ctx, lis, cfg.databaseURL, logger); err != nil {
 		logger.Error("server stopped", "err", err)
 		os.Exit(1)
 	}
 }
 
 type config struct {
-	addr, httpAddr, databaseURL string
+	addr, httpAddr, metricsAddr, databaseURL string
 }
 
 // parseFlags reads the command line. The database URL's default comes
@@ -68,9 +75,14 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	var c config
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "address to serve gRPC on")
 	fs.StringVar(&c.httpAddr, "http-addr", "127.0.0.1:8080", "address to serve the same service as JSON over HTTP on (POST /v1/charges, GET /v1/accounts/{account_id}/balance); empty disables it")
+	fs.StringVar(&c.metricsAddr, "metrics-addr", "127.0.0.1:9464", "address to serve Prometheus metrics on, at GET /metrics; empty disables it")
 	fs.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else the local test database: "+redactURL(testdb.URL())+")")
 	if err := fs.Parse(args); err != nil {
 		return c, err
+	}
+	if c.addr == "" {
+		fmt.Fprintln(fs.Output(), "-addr must not be empty")
+		return c, errors.New("empty -addr")
 	}
 	if c.databaseURL == "" {
 		c.databaseURL = testdb.URL()
@@ -87,16 +99,40 @@ func redactURL(raw string) string {
 	return u.Redacted()
 }
 
-// run serves gRPC on lis and, when httpLis is not nil, HTTP on httpLis,
-// until ctx is done, then stops both gracefully.
-func run(ctx context.Context, lis, httpLis net.Listener, dbURL string, logger *slog.Logger) error {
-	defer lis.Close()
+// listeners are where the server serves; http and metrics may be nil.
+type listeners struct {
+	grpc, http, metrics net.Listener
+}
+
+// run serves until ctx is done, then stops gracefully.
+func run(ctx context.Context, lis listeners, dbURL string, logger *slog.Logger) error {
+	defer lis.grpc.Close()
+	tracer := payments.LogTracer(logger)
+	var metricsHandler http.Handler
+	if lis.metrics != nil {
+		// The store's OpenTelemetry metrics, read by Prometheus's exporter
+		// on every scrape of its own registry.
+		registry := prometheus.NewRegistry()
+		exporter, err := otelprometheus.New(otelprometheus.WithRegisterer(registry))
+		if err != nil {
+			return fmt.Errorf("metrics: %w", err)
+		}
+		meters := sdkmetric.NewMeterProvider(sdkmetric.WithReader(exporter))
+		defer func() { _ = meters.Shutdown(context.Background()) }()
+		otelTracer, err := idempotencyotel.NewTracer(idempotencyotel.WithMeterProvider(meters))
+		if err != nil {
+			return fmt.Errorf("metrics: %w", err)
+		}
+		tracer = idempotency.JoinTracers(tracer, otelTracer)
+		metricsHandler = promhttp.HandlerFor(registry, promhttp.HandlerOpts{})
+	}
+
 	pool, err := pgxpool.New(ctx, dbURL)
 	if err != nil {
 		return fmt.Errorf("database: %w", err)
 	}
 	defer pool.Close()
-	store, err := idempotency.NewStore(pool)
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(tracer))
 	if err != nil {
 		return err
 	}
@@ -110,25 +146,34 @@ func run(ctx context.Context, lis, httpLis net.Listener, dbURL string, logger *s
 	}()
 	defer func() { <-cleaned }()
 
-	srv := payments.NewGRPCServer(pool, store, logger)
+	srv := payments.NewGRPCServer(pool, store)
 	reflection.Register(srv)
-	logger.Info("PaymentService listening", "grpc", lis.Addr().String())
-	served := make(chan error, 2)
-	servers := 1
-	go func() { served <- srv.Serve(lis) }()
-
-	var httpSrv *http.Server
-	if httpLis != nil {
-		httpSrv = &http.Server{Handler: payments.NewHTTPHandler(payments.NewServer(pool), store, logger), ReadHeaderTimeout: 10 * time.Second}
-		logger.Info("PaymentService listening", "http", httpLis.Addr().String())
-		servers++
-		go func() { served <- httpSrv.Serve(httpLis) }()
+	served := make(chan error, 3)
+	go func() { served <- srv.Serve(lis.grpc) }()
+	logger.Info("PaymentService listening", "grpc", lis.grpc.Addr().String())
+	var httpServers []*http.Server
+	for _, s := range []struct {
+		lis     net.Listener
+		handler http.Handler
+		what    string
+	}{
+		{lis.http, payments.NewHTTPHandler(payments.NewServer(pool), store), "http"},
+		{lis.metrics, metricsMux(metricsHandler), "metrics"},
+	} {
+		if s.lis == nil {
+			continue
+		}
+		hs := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
+		httpServers = append(httpServers, hs)
+		go func() { served <- hs.Serve(s.lis) }()
+		logger.Info("PaymentService listening", s.what, s.lis.Addr().String())
 	}
+
 	select {
 	case err := <-served:
 		srv.Stop()
-		if httpSrv != nil {
-			_ = httpSrv.Close()
+		for _, hs := range httpServers {
+			_ = hs.Close()
 		}
 		return err
 	case <-ctx.Done():
@@ -138,18 +183,28 @@ func run(ctx context.Context, lis, httpLis net.Listener, dbURL string, logger *s
 	defer cancel()
 	done := make(chan struct{})
 	go func() { srv.GracefulStop(); close(done) }()
-	if httpSrv != nil {
-		_ = httpSrv.Shutdown(sctx)
+	for _, hs := range httpServers {
+		_ = hs.Shutdown(sctx)
 	}
 	select {
 	case <-done:
 	case <-sctx.Done():
 		srv.Stop()
 	}
-	for range servers {
+	for range 1 + len(httpServers) {
 		if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) && !errors.Is(err, http.ErrServerClosed) {
 			return err
 		}
 	}
 	return nil
+}
+
+// metricsMux serves h at GET /metrics.
+func metricsMux(h http.Handler) http.Handler {
+	if h == nil {
+		return nil
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", h)
+	return mux
 }

@@ -17,7 +17,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/metadata"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 
 	"github.com/exactlyonce/idempotency"
@@ -56,10 +55,14 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	require.NoError(t, err)
 	httpLis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
+	metricsLis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
 	var logs syncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
-	go func() { stopped <- run(ctx, lis, httpLis, url, slog.New(slog.NewTextHandler(&logs, nil))) }()
+	go func() {
+		stopped <- run(ctx, listeners{grpc: lis, http: httpLis, metrics: metricsLis}, url, slog.New(slog.NewTextHandler(&logs, nil)))
+	}()
 
 	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -101,6 +104,21 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	require.Equal(t, http.StatusOK, httpResp.StatusCode, string(httpBody))
 	require.Contains(t, string(httpBody), `"balance_cents":"50"`, "42 over gRPC, then 8 over HTTP, on one account")
 
+	// Prometheus scrapes the store's metrics (-metrics-addr).
+	metricsResp, err := http.Get("http://" + metricsLis.Addr().String() + "/metrics")
+	require.NoError(t, err)
+	scraped, _ := io.ReadAll(metricsResp.Body)
+	metricsResp.Body.Close()
+	require.Equal(t, http.StatusOK, metricsResp.StatusCode)
+	for _, want := range []string{
+		`idempotency_calls_total{idempotency_outcome="replayed",idempotency_transport="grpc",otel_scope_name=`,
+		`idempotency_calls_total{http_route="POST /v1/charges",idempotency_outcome="executed",idempotency_transport="http"`,
+		`rpc_method="Charge",rpc_service="payments.v1.PaymentService",rpc_system="grpc"} 1`,
+		`# TYPE idempotency_duration_seconds histogram`,
+	} {
+		require.Contains(t, string(scraped), want)
+	}
+
 	cancel()
 	select {
 	case err := <-stopped:
@@ -109,7 +127,13 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 		t.Fatal("server did not stop")
 	}
 	out := logs.String()
-	for _, want := range []string{"msg=\"http call\" route=\"POST /v1/charges\" outcome=executed", "outcome=executed", "outcome=replayed", "level=WARN msg=call method=Charge outcome=key_reused key=server-test-1 code=FailedPrecondition cause=", "shutting down"} {
+	for _, want := range []string{
+		`level=INFO msg=call transport=http method="POST /v1/charges" outcome=executed key=server-test-http status=200`,
+		"level=INFO msg=call transport=grpc method=/payments.v1.PaymentService/Charge outcome=executed key=server-test-1 code=OK",
+		"outcome=replayed",
+		"level=WARN msg=call transport=grpc method=/payments.v1.PaymentService/Charge outcome=key_reused key=server-test-1 code=FailedPrecondition",
+		"shutting down",
+	} {
 		require.Contains(t, out, want)
 	}
 }
@@ -133,9 +157,11 @@ func TestHelpHidesThePassword(t *testing.T) {
 // Log lines keep their length whatever key a client sends.
 func TestLongKeysAreTruncatedInLogs(t *testing.T) {
 	var logs syncBuffer
-	hook := payments.LogOutcome(slog.New(slog.NewTextHandler(&logs, nil)))
-	ctx := metadata.NewIncomingContext(context.Background(), metadata.Pairs(idempotency.MetadataKey, strings.Repeat("k", 255)))
-	hook(ctx, "/payments.v1.PaymentService/Charge", idempotency.OutcomeReleased, errors.New("charge acct: connection reset"))
+	tracer := payments.LogTracer(slog.New(slog.NewTextHandler(&logs, nil)))
+	tracer.TraceCallEnd(context.Background(), idempotency.TraceCallEndData{
+		TraceCallStartData: idempotency.TraceCallStartData{Transport: idempotency.TransportGRPC, Method: "/payments.v1.PaymentService/Charge", Key: strings.Repeat("k", 255)},
+		Outcome:            idempotency.OutcomeReleased, Err: errors.New("charge acct: connection reset"),
+	})
 	out := logs.String()
 	require.Contains(t, out, `key="`+strings.Repeat("k", 64)+`...(255 bytes)"`)
 	require.NotContains(t, out, strings.Repeat("k", 65))
