@@ -1,5 +1,5 @@
 // Package idempotency makes non-idempotent calls safe to retry: gRPC calls,
-// and messages of at-least-once streams.
+// HTTP requests, and messages of at-least-once streams.
 //
 // # The guarantee
 //
@@ -88,6 +88,14 @@
 // carries a google.rpc.ErrorInfo detail whose domain is [ErrorDomain];
 // clients read it with [IsInProgress], [IsKeyReused] and [RetryDelay].
 //
+// # HTTP
+//
+// [HTTPMiddleware] is the same engine for net/http, keyed by the
+// Idempotency-Key header of the IETF draft: a replay returns the first
+// response's status, body and body headers; 409 while the key's request
+// runs, 422 when the key was used for another request. Handlers reach the
+// transaction with TxFromContext(r.Context()).
+//
 // # Message consumers
 //
 // [Store.ProcessMessage] is the same engine for at-least-once streams (NATS
@@ -96,10 +104,21 @@
 // (executed, or replayed for a duplicate). [Store.Execute] is the engine
 // itself, for any other transport.
 //
+// # Operations
+//
+// A [Tracer] set with [WithTracer] sees every call of every transport and
+// every cleaner batch, for metrics, traces and logs; the module
+// github.com/exactlyonce/idempotency/idempotencyotel reports them to
+// OpenTelemetry. [Store.Inspect] and [Store.Forget] look at and remove one
+// key, and cmd/idempotency does both from a shell, applies the migrations
+// or prints them for golang-migrate, goose or Atlas. Behind PgBouncer in
+// transaction pooling, give pgx a query mode that prepares no named
+// statements (default_query_exec_mode=cache_describe).
+//
 // # Options
 //
 // Each constructor takes its own option type: [StoreOption] for [NewStore],
 // [ServerOption] for [UnaryServerInterceptor], [ClientOption] for the client
-// interceptors. An invalid option makes NewStore return an error and the
+// interceptors, [HTTPOption] for [HTTPMiddleware]. An invalid option makes NewStore return an error and the
 // interceptor constructors panic, each message naming the option.
 package idempotency
