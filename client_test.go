@@ -430,8 +430,7 @@ func TestRetriesWithoutKeyOnlyWhenSafe(t *testing.T) {
 
 	db := testdb.New(t, 4)
 	migratedStore(t, db)
-	_, err = db.Pool.Exec(context.Background(), `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
-	require.NoError(t, err)
+	createLedger(t, db)
 	srv := grpc.NewServer()
 	testingv1.RegisterPolicyServiceServer(srv, &policyServer{db: db})
 	p, err := faultproxy.New(serve(t, srv))

@@ -27,11 +27,10 @@ func TestCallTransactionIsDeadAfterTheCall(t *testing.T) {
 	db := testdb.New(t, 1) // one connection: the next call gets the same one
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
-	require.NoError(t, err)
+	createLedger(t, db)
 
 	var kept pgx.Tx
-	_, err = store.Execute(ctx, idempotency.Call{Key: "first", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+	_, err := store.Execute(ctx, idempotency.Call{Key: "first", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		kept = tx
 		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('first')`)
 		return nil, err
@@ -136,8 +135,7 @@ func TestRowWrittenWithoutTheLockWins(t *testing.T) {
 	db := testdb.New(t, 4)
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
-	require.NoError(t, err)
+	createLedger(t, db)
 	other, err := proto.Marshal(wrapperspb.String("the other writer's response"))
 	require.NoError(t, err)
 	call := idempotency.Call{Scope: "s", Key: "k", Method: "m", Fingerprint: []byte{1}}
@@ -168,8 +166,7 @@ func TestNewKeyThatWasUsedIsStillCaught(t *testing.T) {
 	db := testdb.New(t, 4)
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
-	require.NoError(t, err)
+	createLedger(t, db)
 	var runs atomic.Int64
 	run := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		runs.Add(1)

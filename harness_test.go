@@ -94,19 +94,8 @@ type envConfig struct {
 func newEnv(t *testing.T, cfg envConfig) *env {
 	t.Helper()
 	e := &env{t: t, db: testdb.New(t, 40)}
-	ctx := context.Background()
-	counting := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
-		if data.Outcome == idempotency.OutcomeExecuted {
-			e.execs.Add(1)
-		}
-	})
-	tracer := idempotency.Tracer(counting)
-	if cfg.tracer != nil {
-		tracer = idempotency.JoinTracers(counting, cfg.tracer)
-	}
-	e.store = migratedStore(t, e.db, append(slices.Clone(cfg.storeOpts), idempotency.WithTracer(tracer))...)
-	_, err := e.db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
-	require.NoError(t, err)
+	e.store = migratedStore(t, e.db, append(slices.Clone(cfg.storeOpts), idempotency.WithTracer(countExecutions(&e.execs, cfg.tracer)))...)
+	createLedger(t, e.db)
 
 	h := cfg.handler
 	if h == nil {
@@ -310,16 +299,7 @@ type replicaConfig struct {
 func startReplica(t *testing.T, pool *pgxpool.Pool, cfg replicaConfig) *replica {
 	t.Helper()
 	r := &replica{}
-	counting := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
-		if data.Outcome == idempotency.OutcomeExecuted {
-			r.execs.Add(1)
-		}
-	})
-	tracer := idempotency.Tracer(counting)
-	if cfg.tracer != nil {
-		tracer = idempotency.JoinTracers(counting, cfg.tracer)
-	}
-	store, err := idempotency.NewStore(pool, append(slices.Clone(cfg.storeOpts), idempotency.WithTracer(tracer))...)
+	store, err := idempotency.NewStore(pool, append(slices.Clone(cfg.storeOpts), idempotency.WithTracer(countExecutions(&r.execs, cfg.tracer)))...)
 	require.NoError(t, err)
 	h := cfg.handler
 	if h == nil {
@@ -482,4 +462,25 @@ func await[T any](t testing.TB, ch <-chan T, what string) T {
 		t.Fatalf("gave up after 10 s waiting for %s", what)
 		panic("unreachable")
 	}
+}
+
+// countExecutions is a store's tracer that counts the calls that executed
+// in n, and passes every call on to also, when it is not nil.
+func countExecutions(n *atomic.Int64, also idempotency.Tracer) idempotency.Tracer {
+	counting := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		if data.Outcome == idempotency.OutcomeExecuted {
+			n.Add(1)
+		}
+	})
+	if also == nil {
+		return counting
+	}
+	return idempotency.JoinTracers(counting, also)
+}
+
+// createLedger creates the ledger table the simple handlers write to.
+func createLedger(t testing.TB, db *testdb.DB) {
+	t.Helper()
+	_, err := db.Pool.Exec(context.Background(), `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
+	require.NoError(t, err)
 }

@@ -79,10 +79,8 @@ type policyEnv struct {
 func newPolicyEnv(t *testing.T, opts ...idempotency.ServerOption) *policyEnv {
 	t.Helper()
 	db := testdb.New(t, 8)
-	ctx := context.Background()
 	store := migratedStore(t, db)
-	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
-	require.NoError(t, err)
+	createLedger(t, db)
 	srv := grpc.NewServer(grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(store, opts...)))
 	testingv1.RegisterPolicyServiceServer(srv, &policyServer{db: db})
 	return &policyEnv{db: db, client: testingv1.NewPolicyServiceClient(dial(t, serve(t, srv)))}

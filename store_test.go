@@ -101,8 +101,7 @@ func TestRoundTripsPerCall(t *testing.T) {
 	})
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
-	require.NoError(t, err)
+	createLedger(t, db)
 	write := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
 		return wrapperspb.String("done"), err
