@@ -32,6 +32,11 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 		return ErrStoreUnavailable.with(op, err)
 	}
 	switch code := pgErr.Code; {
+	case pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC":
+		// The server ended the session (idle_in_transaction_session_timeout,
+		// an administrator, a crash): the connection is gone, not the
+		// configuration.
+		return ErrStoreUnavailable.with(op, err)
 	case transientCode(code):
 		return ErrStoreUnavailable.with(op, err)
 	case code == "40001" || code == "40P01":
@@ -63,6 +68,8 @@ func transientCode(code string) bool {
 	}
 	switch code {
 	case "57014", // query_canceled: statement_timeout on an overloaded server
+		"25P03", // idle_in_transaction_session_timeout
+		"25P04", // transaction_timeout
 		"55P03", // lock_not_available: lock_timeout
 		"25006": // read_only_sql_transaction: a standby, during failover
 		return true

@@ -42,6 +42,8 @@ func TestUnitDatabaseErrorClassification(t *testing.T) {
 		{&pgconn.PgError{Code: "28P01"}, codes.Internal, "PostgreSQL refused the login"},
 		{&pgconn.PgError{Code: "22021"}, codes.Internal, "unexpected database error"},
 		{&pgconn.PgError{Code: "P0001"}, codes.Internal, "unexpected database error"},
+		{&pgconn.PgError{Code: "25P03", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
+		{&pgconn.PgError{Code: "XX000", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
 	} {
 		name := fmt.Sprintf("%T %v", tc.err, tc.err)
 		err := s.dbError(context.Background(), "claim", tc.err)

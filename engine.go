@@ -168,32 +168,49 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 	replaceExpired := rec != nil
 
 	htx := &callTx{conn: conn}
-	defer htx.close()
 	handlerStart := time.Now()
-	resp, fnErr := fn(withCall(ctx, htx, call.Key), htx)
+	resp, fnErr := func() (proto.Message, error) {
+		// Dead as soon as fn returns (or panics): a goroutine fn left
+		// behind must not write into what follows.
+		defer htx.close()
+		return fn(withCall(ctx, htx, call.Key), htx)
+	}()
 	call.trace.since(phaseHandler, handlerStart)
 	defer call.trace.since(phaseCommit, time.Now())
 
 	// From here the outcome is known; finish it even if the caller left.
+	// Errors of the finish are never the caller's deadline: their context
+	// is the finish's own (see finishError).
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
 	defer cancel()
 	var final *finalError
 	txStatus := conn.PgConn().TxStatus()
 	switch {
-	case fnErr != nil && ctx.Err() != nil:
-		// The caller's deadline (or cancellation) cut fn short; nothing
-		// commits, so a retry is safe. pgx may have closed the connection
-		// to stop fn's statement: that is not an outage.
-		return Result{Outcome: OutcomeReleased}, done, contextError{ctx.Err()}
 	case conn.IsClosed():
+		if fnErr != nil && ctx.Err() != nil {
+			// The caller's deadline (or cancellation) cut fn short, and pgx
+			// closed the connection to stop fn's statement: nothing
+			// committed, a retry is safe. That is not an outage.
+			return Result{Outcome: OutcomeReleased}, done, contextError{ctx.Err()}
+		}
 		// The database connection died under fn: report an outage, not
 		// fn's raw driver error, so clients retry.
 		return Result{Outcome: OutcomeUnavailable}, done, ErrStoreUnavailable.with("connection lost during the call", fnErr)
 	case txStatus == 'I':
+		// fn ended the transaction (whatever else it returned): its writes
+		// may have committed without the key.
 		finished = true // nothing left to roll back
 		res, err := s.handlerEndedTx(fctx, conn, call)
 		return res, done, err
 	case fnErr != nil && !errors.As(fnErr, &final):
+		if txStatus == 'T' && s.newTransaction(fctx, conn, started) {
+			// fn committed and began another transaction, then failed.
+			res, err := s.handlerEndedTx(fctx, conn, call)
+			return res, done, err
+		}
+		if ctx.Err() != nil {
+			return Result{Outcome: OutcomeReleased}, done, contextError{ctx.Err()}
+		}
 		return Result{Outcome: OutcomeReleased}, done, fnErr
 	case fnErr == nil && txStatus == 'E':
 		return Result{Outcome: OutcomeReleased}, done, grpcstatus.Error(codes.Internal,
@@ -219,6 +236,16 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 			row[6] = b
 		}
 	} else {
+		if resp != nil {
+			// A transport whose final outcomes are responses of their own
+			// (an HTTP 404, say) stores that response with the error.
+			row[5] = string(resp.ProtoReflect().Descriptor().FullName())
+			b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
+			if err != nil {
+				return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal response: %w", err)
+			}
+			row[6] = b
+		}
 		st := grpcstatus.Convert(final.err)
 		b, err := marshalStatus(st)
 		if err != nil {
@@ -270,6 +297,17 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 		_, _ = conn.Exec(fctx, s.sql.extend, call.Scope, call.Key, call.TTL.Microseconds())
 	}
 	return Result{Response: resp, Outcome: OutcomeExecuted, metadata: meta}, done, fnErr
+}
+
+// newTransaction reports whether the connection's transaction is no longer
+// the one the call began at started: fn committed it and began another. A
+// check that fails counts as no: the caller then rolls back as it would.
+func (s *Store) newTransaction(ctx context.Context, conn *pgx.Conn, started time.Time) bool {
+	var same bool
+	if err := conn.QueryRow(ctx, "SELECT now() = $1", started).Scan(&same); err != nil {
+		return false
+	}
+	return !same
 }
 
 // claim opens the call's transaction, takes the key's lock without waiting
@@ -325,7 +363,14 @@ func (s *Store) finishFailed(ctx context.Context, conn *pgx.Conn, call Call, err
 	// The outcome may be unknown (the connection died during COMMIT); a
 	// retry with the same key replays it if the commit happened, or runs
 	// again.
-	return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "store result", err)
+	return Result{Outcome: OutcomeUnavailable}, done, s.finishError("store result", err)
+}
+
+// finishError is dbError for the statements that store a call's result:
+// they run on a context of their own, so a deadline there is the finish
+// timeout, an outage whose outcome may be unknown, not the caller's.
+func (s *Store) finishError(op string, err error) error {
+	return s.dbError(context.Background(), op, err)
 }
 
 // violatedAtCommit handles a COMMIT that failed on a deferred constraint of
@@ -350,7 +395,7 @@ func (s *Store) violatedAtCommit(ctx context.Context, conn *pgx.Conn, call Call,
 // error, outside any transaction, and every retry gets that error.
 func (s *Store) handlerEndedTx(ctx context.Context, conn *pgx.Conn, call Call) (Result, error) {
 	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil { // end a transaction fn may have begun
-		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the error of a handler that ended the transaction", err)
+		return Result{Outcome: OutcomeUnavailable}, s.finishError("store the error of a handler that ended the transaction", err)
 	}
 	return s.storeOutside(ctx, conn, call, grpcstatus.New(codes.Internal, "idempotency: the handler ended the call's transaction itself (a COMMIT or ROLLBACK statement, "+
 		"or a transaction begun on tx.Conn()), so its writes may have been committed without the key; "+
@@ -365,7 +410,7 @@ func (s *Store) storeOutside(ctx context.Context, conn *pgx.Conn, call Call, st 
 		_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds(), []byte(nil), nil)
 	}
 	if err != nil {
-		return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "store the call's final error", err)
+		return Result{Outcome: OutcomeUnavailable}, s.finishError("store the call's final error", err)
 	}
 	return Result{Outcome: OutcomeExecuted}, Final(st.Err())
 }
@@ -492,6 +537,13 @@ func (s *Store) replay(call Call, rec record) (Result, error) {
 		st := &status.Status{}
 		if err := proto.Unmarshal(rec.status, st); err != nil {
 			return res, grpcstatus.Errorf(codes.Internal, "idempotency: stored status of key %q: %v", call.Key, err)
+		}
+		if rec.responseType != nil && *rec.responseType != "" {
+			m, err := decodeResponse(call, *rec.responseType, rec.response)
+			if err != nil {
+				return res, err
+			}
+			res.Response = m
 		}
 		return res, Final(grpcstatus.FromProto(st).Err())
 	default:

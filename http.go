@@ -132,12 +132,13 @@ func (o *httpOptions) validate() error {
 }
 
 // DefaultStoredStatus reports whether a handler's response with this
-// status is stored and replayed by default, matching the gRPC side:
-// 1xx-3xx are; 5xx are not (the key is released and a retry runs again);
-// of 4xx, those that say the request was decided are (403, 404, 409, 410,
-// 412 and the other 4xx), those that say it was never processed are not:
-// 400, 401, 408, 413, 414, 415, 422, 429 and 431, so the corrected request
-// can reuse its key.
+// status is stored and replayed by default, matching the gRPC side: 2xx and
+// 3xx are, with the handler's writes; 5xx are not (the key is released and
+// a retry runs again); of 4xx, those that say the request was decided are
+// stored, their writes rolled back as a final error's are (403, 404, 409,
+// 410, 412 and the other 4xx), those that say it was never processed are
+// not: 400, 401, 408, 413, 414, 415, 422, 429 and 431, so the corrected
+// request can reuse its key.
 func DefaultStoredStatus(status int) bool {
 	switch {
 	case status >= 500:
@@ -305,17 +306,27 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		Method:      r.Method + " " + r.URL.EscapedPath(),
 		Fingerprint: tagged(kindDigest("http request"), []byte(r.Method), []byte(target), body),
 	}
-	rec := &responseRecorder{header: http.Header{}, max: o.maxResponse, deadlines: http.NewResponseController(w)}
+	rec := &responseRecorder{}
 	call.metadata, call.trace = rec.encode, trace
+	// A FailedPrecondition the engine finds at COMMIT (a deferred
+	// constraint) is stored when a 409 would be.
+	call.finalCode = func(c codes.Code) bool { return c == codes.FailedPrecondition && o.stored(http.StatusConflict) }
 	res, err := store.Execute(r.Context(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		// A fresh recorder for each run: an earlier one rolled back.
+		*rec = responseRecorder{header: http.Header{}, max: o.maxResponse, deadlines: http.NewResponseController(w)}
 		req := r.WithContext(ctx)
 		req.Body = io.NopCloser(bytes.NewReader(body))
 		next.ServeHTTP(rec, req)
+		code := rec.statusCode()
 		switch {
 		case rec.tooLarge:
 			return nil, status.Errorf(codes.Internal, "idempotency: the handler wrote over %d bytes of response body, the most that can be stored; nothing was committed", o.maxResponse)
-		case !o.stored(rec.statusCode()):
+		case !o.stored(code):
 			return nil, errHTTPReleased
+		case code >= 400:
+			// A decided failure, stored like a gRPC handler's final
+			// error: its writes roll back, the response is kept.
+			return wrapperspb.Bytes(rec.body.Bytes()), Final(status.Errorf(codes.FailedPrecondition, "the handler answered %d", code))
 		}
 		return wrapperspb.Bytes(rec.body.Bytes()), nil
 	})
@@ -324,10 +335,10 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		// The handler's own answer; its writes rolled back.
 		rec.writeTo(w, nil, false)
 		report(OutcomeReleased, rec.statusCode(), nil)
-	case err == nil && res.Outcome == OutcomeExecuted:
+	case res.Outcome == OutcomeExecuted && res.Response != nil && (err == nil || IsFinal(err)):
 		rec.writeTo(w, nil, false)
 		report(res.Outcome, rec.statusCode(), nil)
-	case err == nil && res.Outcome == OutcomeReplayed:
+	case res.Outcome == OutcomeReplayed && res.Response != nil && (err == nil || IsFinal(err)):
 		stored, err := decodeHTTPResponse(res)
 		if err != nil {
 			report(res.Outcome, writeProblem(w, err, 0), err)
@@ -409,7 +420,14 @@ var errNoStreaming = errors.New("idempotency: a response that is stored cannot b
 func (rr *responseRecorder) Header() http.Header { return rr.header }
 
 func (rr *responseRecorder) WriteHeader(code int) {
-	if rr.status == 0 { // later calls are ignored, as net/http ignores them
+	// As net/http: an invalid code is the handler's bug; 1xx responses are
+	// informational (they would go before the final one, which is all
+	// that is stored); after the first final status, later ones are
+	// ignored.
+	if code < 100 || code > 999 {
+		panic(fmt.Sprintf("idempotency: invalid WriteHeader code %v", code))
+	}
+	if code >= 200 && rr.status == 0 {
 		rr.status = code
 	}
 }

@@ -238,39 +238,66 @@ func TestHTTPConcurrentDuplicates(t *testing.T) {
 }
 
 // Which handler responses are stored: 2xx always, 5xx never, 4xx as on the
-// gRPC side; writes roll back with a response that is not stored.
+// gRPC side. The writes of a success commit; those of a stored 4xx roll
+// back, as a gRPC handler's final error's do; those of a response that is
+// not stored roll back with the released key.
 func TestHTTPStoredStatuses(t *testing.T) {
 	t.Parallel()
 	var e *httpEnv
 	e = newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
-		_, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ($1, 'k')`, string(body))
+		tx := idempotency.MustTxFromContext(r.Context())
+		_, err := tx.Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ($1, 'k')`, string(body))
 		require.NoError(t, err)
+		if string(body) == "conflict after a failed statement" {
+			_, err := tx.Exec(r.Context(), `INSERT INTO ledger (id, note, key) VALUES (1, 'a', 'k'), (1, 'b', 'k')`)
+			require.Error(t, err, "the transaction is aborted now")
+			w.WriteHeader(http.StatusConflict)
+			return
+		}
 		code, _ := strconv.Atoi(string(body))
+		w.WriteHeader(http.StatusEarlyHints) // informational: not the answer
 		w.WriteHeader(code)
 		_, _ = fmt.Fprintf(w, "status %d run %d", code, e.runs.Load())
 	})
 	for _, tc := range []struct {
-		status int
-		stored bool
+		body    string
+		status  int
+		stored  bool
+		commits bool
 	}{
-		{200, true}, {201, true}, {303, true}, {404, true}, {409, true}, {412, true},
-		{400, false}, {401, false}, {422, false}, {429, false}, {500, false}, {503, false},
+		{"200", 200, true, true}, {"201", 201, true, true}, {"303", 303, true, true},
+		{"404", 404, true, false}, {"409", 409, true, false}, {"412", 412, true, false},
+		{"400", 400, false, false}, {"401", 401, false, false}, {"422", 422, false, false},
+		{"429", 429, false, false}, {"500", 500, false, false}, {"503", 503, false, false},
+		{"conflict after a failed statement", 409, true, false},
 	} {
-		key := fmt.Sprint("s-", tc.status)
-		first := e.post(key, fmt.Sprint(tc.status))
-		again := e.post(key, fmt.Sprint(tc.status))
-		require.Equal(t, tc.status, first.status)
-		require.Equal(t, tc.status, again.status)
-		require.Equal(t, tc.stored, again.header.Get(idempotency.HeaderReplayed) == "true", "%d stored", tc.status)
-		require.Equal(t, tc.stored, first.body == again.body, "%d", tc.status)
-		rows := e.db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, fmt.Sprint(tc.status))
-		if tc.stored {
-			require.Equal(t, 1, rows, "%d: the write of a stored response commits", tc.status)
+		key := "s-" + strings.ReplaceAll(tc.body, " ", "-")
+		first := e.post(key, tc.body)
+		again := e.post(key, tc.body)
+		require.Equal(t, tc.status, first.status, tc.body)
+		require.Equal(t, tc.status, again.status, tc.body)
+		require.Equal(t, tc.stored, again.header.Get(idempotency.HeaderReplayed) == "true", "%s stored", tc.body)
+		require.Equal(t, tc.stored, first.body == again.body, tc.body)
+		rows := e.db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, tc.body)
+		if tc.commits {
+			require.Equal(t, 1, rows, "%s: the write of a success commits", tc.body)
 		} else {
-			require.Equal(t, 0, rows, "%d: the write of a released response rolls back", tc.status)
+			require.Equal(t, 0, rows, "%s: the write rolls back", tc.body)
 		}
 	}
+}
+
+// A status net/http would refuse is the handler's bug: it panics, as
+// net/http's own writer does, and the key is released.
+func TestHTTPInvalidStatusPanics(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(1000) })
+	req, _ := http.NewRequest(http.MethodPost, e.srv.URL+"/v1/charges", strings.NewReader("x"))
+	req.Header.Set(idempotency.HeaderKey, "k")
+	_, err := e.srv.Client().Do(req)
+	require.Error(t, err, "the server aborted the response")
+	require.Zero(t, e.db.Count(t, `SELECT count(*) FROM idempotency_keys`))
 }
 
 // The response writer's edges: what the client sees first is what a replay

@@ -2,11 +2,13 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -89,12 +91,15 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		if pol.ttl > 0 {
 			ttl = pol.ttl
 		}
-		res, err := o.serve(ctx, trace, store, key, ttl, req, info, handler)
+		res, rec, err := o.serve(ctx, trace, store, key, ttl, req, info, handler)
 		outcome = res.Outcome
-		if res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)) {
+		switch {
+		case res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)):
 			if merr := replayMetadata(ctx, res.metadata); merr != nil {
 				res.Response, err = nil, status.Errorf(codes.Internal, "%v", merr)
 			}
+		case rec != nil:
+			rec.flush()
 		}
 		err = unwrapFinal(err) // the client gets the status the handler returned
 		if err != nil {
@@ -230,21 +235,21 @@ func (o *serverOptions) callKey(ctx context.Context, pol methodPolicy, req any) 
 	return key, nil
 }
 
-func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, error) {
+func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, *recordingStream, error) {
 	msg, ok := req.(proto.Message)
 	if !ok {
-		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
+		return Result{Outcome: OutcomeRejected}, nil, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
 	}
 	scope, err := o.scope(ctx)
 	if err != nil {
 		if _, ok := status.FromError(err); !ok {
 			err = status.Errorf(codes.Internal, "idempotency: scope: %v", err)
 		}
-		return Result{Outcome: OutcomeRejected}, err
+		return Result{Outcome: OutcomeRejected}, nil, err
 	}
 	fp, err := Fingerprint(info.FullMethod, msg)
 	if err != nil {
-		return Result{Outcome: OutcomeRejected}, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
+		return Result{Outcome: OutcomeRejected}, nil, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
 	}
 	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx), NewKey: isNewKey(ctx),
 		responseType: declaredResponseType(info.FullMethod, msg),
@@ -254,9 +259,13 @@ func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Stor
 	if rec != nil {
 		call.metadata = rec.encode
 	}
-	return store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+	res, err := store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		if rec != nil {
+			rec.reset()
+		}
 		resp, err := handler(ctx, req)
 		if err != nil {
+			err = handlerError(err)
 			if o.final[status.Code(err)] {
 				return nil, Final(err)
 			}
@@ -268,6 +277,28 @@ func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Stor
 		}
 		return m, nil
 	})
+	return res, rec, err
+}
+
+// handlerError gives a handler's raw database error the status that tells
+// its client the truth: a serialization failure or deadlock is Aborted
+// (retry with the same key), a lost or overloaded server Unavailable.
+// Errors that carry a status, and any other, are left as they are.
+func handlerError(err error) error {
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return err
+	}
+	switch {
+	case pgErr.Code == "40001" || pgErr.Code == "40P01":
+		return &dbFailure{code: codes.Aborted, msg: "the database aborted the handler's transaction (a serialization failure or deadlock); retry with the same key", op: "handler", cause: pgErr}
+	case transientCode(pgErr.Code):
+		return ErrStoreUnavailable.with("handler", err)
+	}
+	return err
 }
 
 // Metadata that marks an attempt as a retry: gRPC's own retry policy sends

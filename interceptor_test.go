@@ -255,6 +255,22 @@ func TestHandlerEndingTheTransactionNeverRunsTwice(t *testing.T) {
 			}
 			return err
 		},
+		"COMMIT, a transaction of its own, then an error": func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT; BEGIN"); err != nil {
+				return err
+			}
+			return status.Error(codes.Unavailable, "downstream flaked") // would release the key
+		},
+		"BeginFunc on tx.Conn(), then an error": func(ctx context.Context, tx pgx.Tx) error {
+			err := pgx.BeginFunc(ctx, tx.Conn(), func(inner pgx.Tx) error {
+				_, err := inner.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x')")
+				return err
+			})
+			if err != nil {
+				return err
+			}
+			return status.Error(codes.Unavailable, "downstream flaked")
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()

@@ -21,11 +21,16 @@ import (
 const MaxStoredMetadata = 16 << 10
 
 // recordingStream records the headers and trailers a handler sets, so they
-// can be stored with the call's result, and passes them on as usual.
+// can be stored with the call's result. It holds them back from the real
+// stream until the call's outcome is known (flush): a run of the handler
+// whose transaction rolls back, and whose key then turns out to hold
+// another call's result, must not have sent its own. Headers the handler
+// sends explicitly (SendHeader) go at once.
 type recordingStream struct {
 	grpc.ServerTransportStream
 	mu              sync.Mutex
 	header, trailer metadata.MD
+	headerSent      bool
 }
 
 // recordMetadata returns ctx with its transport stream wrapped by a
@@ -40,34 +45,55 @@ func recordMetadata(ctx context.Context) (context.Context, *recordingStream) {
 	return grpc.NewContextWithServerTransportStream(ctx, r), r
 }
 
-func (r *recordingStream) SetHeader(md metadata.MD) error {
-	err := r.ServerTransportStream.SetHeader(md)
-	if err == nil {
-		r.mu.Lock()
-		r.header = metadata.Join(r.header, md)
-		r.mu.Unlock()
+// reset forgets what an earlier run of the handler set.
+func (r *recordingStream) reset() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.headerSent {
+		r.header = nil
 	}
-	return err
+	r.trailer = nil
+}
+
+func (r *recordingStream) SetHeader(md metadata.MD) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.headerSent {
+		return r.ServerTransportStream.SetHeader(md) // reports the error the stream gives
+	}
+	r.header = metadata.Join(r.header, md)
+	return nil
 }
 
 func (r *recordingStream) SendHeader(md metadata.MD) error {
-	err := r.ServerTransportStream.SendHeader(md)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	err := r.ServerTransportStream.SendHeader(metadata.Join(r.header, md))
 	if err == nil {
-		r.mu.Lock()
 		r.header = metadata.Join(r.header, md)
-		r.mu.Unlock()
+		r.headerSent = true
 	}
 	return err
 }
 
 func (r *recordingStream) SetTrailer(md metadata.MD) error {
-	err := r.ServerTransportStream.SetTrailer(md)
-	if err == nil {
-		r.mu.Lock()
-		r.trailer = metadata.Join(r.trailer, md)
-		r.mu.Unlock()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.trailer = metadata.Join(r.trailer, md)
+	return nil
+}
+
+// flush passes what the handler set on to the real stream: the call ran,
+// or failed, and its own headers and trailers go with its answer.
+func (r *recordingStream) flush() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.header) > 0 && !r.headerSent {
+		_ = r.ServerTransportStream.SetHeader(r.header)
 	}
-	return err
+	if len(r.trailer) > 0 {
+		_ = r.ServerTransportStream.SetTrailer(r.trailer)
+	}
 }
 
 // encode returns the recorded headers and trailers for storage, nil when

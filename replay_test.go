@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -18,6 +19,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // A replay gives the client what the first call gave it: the response or
@@ -157,4 +159,41 @@ func TestResponseTypeChangedBetweenDeploys(t *testing.T) {
 	require.Equal(t, codes.Internal, status.Code(err))
 	require.Contains(t, status.Convert(err).Message(), "is a dyn.v1.Receipt, but /dyn.v1.Payments/Charge now returns dyn.v1.ReceiptV2")
 	require.EqualValues(t, 1, e.runs.Load())
+}
+
+// A run whose key turns out to hold another writer's result (the primary key
+// refused its row) sends nothing of its own: the client gets the stored
+// result and only its headers.
+func TestRolledBackRunSendsNoHeaders(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if err := grpc.SetHeader(ctx, metadata.Pairs("x-run", "rolled back")); err != nil {
+			return nil, err
+		}
+		if err := grpc.SetTrailer(ctx, metadata.Pairs("x-run-trailer", "rolled back")); err != nil {
+			return nil, err
+		}
+		// Another writer stores the key's result meanwhile, without the lock.
+		fp, err := idempotency.Fingerprint(methodCharge, req)
+		if err != nil {
+			return nil, err
+		}
+		other, _ := proto.Marshal(wrapperspb.String("the other writer's"))
+		_, err = testdb.Admin(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{e.db.Schema, idempotency.DefaultTable}.Sanitize()+`
+(scope, key, method, fingerprint, state, response_type, response, expires_at)
+VALUES ('', 'k', $1, $2, 'succeeded', 'google.protobuf.StringValue', $3, now() + interval '1 hour')`, methodCharge, fp, other)
+		if err != nil {
+			return nil, err
+		}
+		return wrapperspb.String("mine"), nil
+	}})
+	var header, trailer metadata.MD
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	resp := &wrapperspb.StringValue{}
+	require.NoError(t, e.conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), resp, grpc.Header(&header), grpc.Trailer(&trailer)))
+	require.Equal(t, "the other writer's", resp.GetValue())
+	require.Empty(t, header.Get("x-run"), "the rolled-back run's header was not sent")
+	require.Empty(t, trailer.Get("x-run-trailer"))
+	require.Equal(t, []string{"true"}, trailer.Get(idempotency.ReplayedTrailer))
 }

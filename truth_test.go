@@ -228,3 +228,31 @@ func TestFinalErrorWithInvalidUTF8IsStored(t *testing.T) {
 	require.Equal(t, status.Convert(first.err).Message(), status.Convert(again.err).Message(), "the first call and its replay agree")
 	require.EqualValues(t, 1, e.runs.Load())
 }
+
+// A handler that returns the driver's error for a serialization failure or
+// a deadlock: Aborted, which clients retry with the same key, not Unknown.
+func TestHandlersDeadlockIsAborted(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		var err error
+		_, err = idempotency.MustTxFromContext(ctx).Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = 'deadlock_detected'; END $$`)
+		return nil, err
+	}})
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.Equal(t, codes.Aborted, status.Code(r.err), "%v", r.err)
+	require.Contains(t, idempotency.RetryCodes(), status.Code(r.err))
+	require.Equal(t, 0, e.keyRows(), "released: the retry runs again")
+}
+
+// A COMMIT that outlasts the finish timeout: its outcome is unknown, which
+// is Unavailable (retry with the same key), never the caller's deadline.
+func TestFinishTimeoutIsUnavailable(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{storeOpts: []idempotency.StoreOption{idempotency.WithFinishTimeout(100 * time.Millisecond)}})
+	_, err := e.db.Pool.Exec(context.Background(), `CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(1); RETURN NULL; END $$;
+CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON ledger DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()`)
+	require.NoError(t, err)
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.Equal(t, codes.Unavailable, status.Code(r.err), "%v", r.err)
+	require.Contains(t, status.Convert(r.err).Message(), "key store unavailable")
+}

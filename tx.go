@@ -4,7 +4,6 @@ import (
 	"context"
 	"strconv"
 	"sync"
-	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -21,8 +20,12 @@ import (
 // cannot write into an idle pooled connection (autocommit) or into another
 // call's transaction.
 type callTx struct {
-	conn       *pgx.Conn
-	closed     atomic.Bool
+	conn *pgx.Conn
+	// mu is held, shared, by each statement the handler sends, and taken
+	// whole by close: once close returns, no statement of the handler's is
+	// in flight on the connection, and none can start.
+	mu         sync.RWMutex
+	closed     bool
 	savepoints int // nested transactions started, for unique savepoint names
 
 	loOnce sync.Once
@@ -31,41 +34,66 @@ type callTx struct {
 
 var _ pgx.Tx = (*callTx)(nil)
 
-// close ends the handler's use of the transaction, when the call is over.
-func (t *callTx) close() { t.closed.Store(true) }
+// close ends the handler's use of the transaction, when its Func returns.
+func (t *callTx) close() {
+	t.mu.Lock()
+	t.closed = true
+	t.mu.Unlock()
+}
+
+// use holds the transaction open for one statement; done must be called
+// after it. ok is false once the call is over.
+func (t *callTx) use() (done func(), ok bool) {
+	t.mu.RLock()
+	if t.closed {
+		t.mu.RUnlock()
+		return nil, false
+	}
+	return t.mu.RUnlock, true
+}
 
 func (t *callTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return nil, pgx.ErrTxClosed
 	}
+	defer done()
 	return beginSavepoint(ctx, t, t)
 }
 
 func (t *callTx) Commit(context.Context) error {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return pgx.ErrTxClosed
 	}
+	defer done()
 	return ErrTxOwned
 }
 
 func (t *callTx) Rollback(context.Context) error {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return pgx.ErrTxClosed
 	}
+	defer done()
 	return ErrTxOwned
 }
 
 func (t *callTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return 0, pgx.ErrTxClosed
 	}
+	defer done()
 	return t.conn.CopyFrom(ctx, table, cols, src)
 }
 
 func (t *callTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return closedBatch{}
 	}
+	defer done()
 	return t.conn.SendBatch(ctx, b)
 }
 
@@ -83,30 +111,38 @@ func (t *callTx) LargeObjects() pgx.LargeObjects {
 }
 
 func (t *callTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return nil, pgx.ErrTxClosed
 	}
+	defer done()
 	return t.conn.Prepare(ctx, name, sql)
 }
 
 func (t *callTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
+	defer done()
 	return t.conn.Exec(ctx, sql, args...)
 }
 
 func (t *callTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return nil, pgx.ErrTxClosed
 	}
+	defer done()
 	return t.conn.Query(ctx, sql, args...)
 }
 
 func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if t.closed.Load() {
+	done, ok := t.use()
+	if !ok {
 		return closedRow{}
 	}
+	defer done()
 	return t.conn.QueryRow(ctx, sql, args...)
 }
 
@@ -137,6 +173,7 @@ type savepointTx struct {
 	closed bool
 }
 
+// beginSavepoint starts a nested transaction; its caller holds call.use.
 func beginSavepoint(ctx context.Context, call *callTx, parent pgx.Tx) (pgx.Tx, error) {
 	call.savepoints++
 	name := "idempotency_sp_" + strconv.Itoa(call.savepoints)
@@ -147,25 +184,40 @@ func beginSavepoint(ctx context.Context, call *callTx, parent pgx.Tx) (pgx.Tx, e
 }
 
 func (s *savepointTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if s.closed {
+	done, ok := s.call.use()
+	if s.closed || !ok {
+		if ok {
+			done()
+		}
 		return nil, pgx.ErrTxClosed
 	}
+	defer done()
 	return beginSavepoint(ctx, s.call, s)
 }
 
 func (s *savepointTx) Commit(ctx context.Context) error {
-	if s.closed || s.call.closed.Load() {
+	done, ok := s.call.use()
+	if s.closed || !ok {
+		if ok {
+			done()
+		}
 		return pgx.ErrTxClosed
 	}
+	defer done()
 	_, err := s.call.conn.Exec(ctx, "RELEASE SAVEPOINT "+s.name)
 	s.closed = true
 	return err
 }
 
 func (s *savepointTx) Rollback(ctx context.Context) error {
-	if s.closed || s.call.closed.Load() {
+	done, ok := s.call.use()
+	if s.closed || !ok {
+		if ok {
+			done()
+		}
 		return pgx.ErrTxClosed
 	}
+	defer done()
 	_, err := s.call.conn.Exec(ctx, "ROLLBACK TO SAVEPOINT "+s.name)
 	s.closed = true
 	return err
