@@ -110,6 +110,18 @@ pidfile = $dir/pgbouncer.pid
 EOF
 	printf '"%s" "%s"\n' "$user" "$(url_part password)" >"$dir/userlist.txt"
 	chmod -R a+rwX "$dir"
+	# A pid file left by an instance of ours that died (or hangs, since it
+	# does not answer) would stop the new one from starting.
+	if [ -f "$dir/pgbouncer.pid" ]; then
+		local old
+		old=$(cat "$dir/pgbouncer.pid" 2>/dev/null || true)
+		if [ -n "$old" ] && kill -0 "$old" 2>/dev/null && grep -q pgbouncer "/proc/$old/cmdline" 2>/dev/null; then
+			log "stopping the unresponsive pgbouncer $old"
+			kill "$old" 2>/dev/null || true
+			wait_for 10 bash -c "! kill -0 $old" || kill -9 "$old" 2>/dev/null || true
+		fi
+		rm -f "$dir/pgbouncer.pid"
+	fi
 	log "starting pgbouncer (transaction pooling) on 127.0.0.1:$pgbouncer_port"
 	# PgBouncer refuses to run as root.
 	if [ "$(id -u)" = 0 ]; then as_postgres "$bin" -d "$dir/pgbouncer.ini"; else "$bin" -d "$dir/pgbouncer.ini"; fi
