@@ -225,27 +225,18 @@ func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, 
 		}
 		row[9] = meta
 	}
+	if resp != nil {
+		// The response, or, with a final error, the response of a transport
+		// whose final outcomes are responses of their own (an HTTP 404).
+		row[5] = string(resp.ProtoReflect().Descriptor().FullName())
+		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
+		if err != nil {
+			return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal response: %w", err)
+		}
+		row[6] = b
+	}
 	batch := &pgx.Batch{}
-	if final == nil {
-		if resp != nil {
-			row[5] = string(resp.ProtoReflect().Descriptor().FullName())
-			b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
-			if err != nil {
-				return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal response: %w", err)
-			}
-			row[6] = b
-		}
-	} else {
-		if resp != nil {
-			// A transport whose final outcomes are responses of their own
-			// (an HTTP 404, say) stores that response with the error.
-			row[5] = string(resp.ProtoReflect().Descriptor().FullName())
-			b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
-			if err != nil {
-				return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal response: %w", err)
-			}
-			row[6] = b
-		}
+	if final != nil {
 		st := grpcstatus.Convert(final.err)
 		b, err := marshalStatus(st)
 		if err != nil {

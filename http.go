@@ -492,11 +492,7 @@ func (rr *responseRecorder) writeTo(w http.ResponseWriter, allowed []string, rep
 func (rr *responseRecorder) encode() ([]byte, error) {
 	b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), uint64(rr.statusCode()))
 	for name, values := range rr.header {
-		entry := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), name)
-		for _, v := range values {
-			entry = protowire.AppendString(protowire.AppendTag(entry, 2, protowire.BytesType), v)
-		}
-		b = protowire.AppendBytes(protowire.AppendTag(b, 2, protowire.BytesType), entry)
+		b = appendEntry(b, 2, name, values)
 	}
 	return b, nil
 }

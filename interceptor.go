@@ -318,8 +318,8 @@ func isNewKey(ctx context.Context) bool {
 // isRetryAttempt reports whether the client marked the call as a retry, so
 // the engine looks for a stored result before anything else.
 func isRetryAttempt(ctx context.Context) bool {
-	md, _ := metadata.FromIncomingContext(ctx)
-	return len(md.Get(grpcPreviousAttempts)) > 0 || len(md.Get(retryAttempt)) > 0
+	return len(metadata.ValueFromIncomingContext(ctx, grpcPreviousAttempts)) > 0 ||
+		len(metadata.ValueFromIncomingContext(ctx, retryAttempt)) > 0
 }
 
 // missingKey is ErrMissingKey naming where the key is expected.

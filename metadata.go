@@ -124,14 +124,22 @@ func encodeMD(b []byte, field protowire.Number, md metadata.MD, size int) ([]byt
 		if !storable(key) {
 			continue
 		}
-		entry := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), key)
 		for _, v := range values {
-			entry = protowire.AppendString(protowire.AppendTag(entry, 2, protowire.BytesType), v)
 			size += len(key) + len(v)
 		}
-		b = protowire.AppendBytes(protowire.AppendTag(b, field, protowire.BytesType), entry)
+		b = appendEntry(b, field, key, values)
 	}
 	return b, size
+}
+
+// appendEntry appends, as field, an entry of a key (field 1) and its values
+// (field 2, repeated): the stored form of a header, for gRPC and HTTP.
+func appendEntry(b []byte, field protowire.Number, key string, values []string) []byte {
+	entry := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), key)
+	for _, v := range values {
+		entry = protowire.AppendString(protowire.AppendTag(entry, 2, protowire.BytesType), v)
+	}
+	return protowire.AppendBytes(protowire.AppendTag(b, field, protowire.BytesType), entry)
 }
 
 // decodeMD reads the stored form back.
