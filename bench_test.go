@@ -125,10 +125,10 @@ func BenchmarkResponse(b *testing.B) {
 			fp := []byte(strings.Repeat("f", 32))
 			call := Call{Key: benchKey, Method: testingv1.PolicyService_Required_FullMethodName, Fingerprint: fp}
 			rec := record{method: call.Method, fingerprint: fp, state: "succeeded", responseType: &typ, response: stored}
-			s := &Store{}
+			c := &callRun{s: &Store{}, call: call, tp: &transport{}}
 			b.ReportAllocs()
 			for b.Loop() {
-				if res, err := s.replay(call, rec); err != nil || res.Outcome != OutcomeReplayed {
+				if res, err := c.replay(rec); err != nil || res.Outcome != OutcomeReplayed {
 					b.Fatal(res.Outcome, err)
 				}
 			}

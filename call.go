@@ -5,9 +5,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
 // Call names one execution that must happen at most once.
@@ -38,39 +36,17 @@ type Call struct {
 	// Retry says the call may have run before: the transport marks it as a
 	// retry attempt (gRPC's grpc-previous-rpc-attempts, go-grpc-middleware's
 	// x-retry-attempt, a redelivered message). The stored result is then
-	// looked for first, in one read outside any transaction. A first attempt
-	// skips that read and goes straight to the claim, which finds a stored
-	// result too, at the cost of a transaction; so Retry only makes replays
-	// cheaper, never changes an outcome.
+	// looked for first, in one read outside any transaction. It only makes
+	// replays cheaper: a first attempt looks the key up too, under the
+	// key's lock and before Func runs, so whatever a client marks, a key
+	// with a stored result never runs Func again.
 	Retry bool
-	// NewKey says the key was made for this call and never sent before: the
-	// client interceptor's generated keys, on their first attempt. The claim
-	// then skips looking for a stored result, which no such key can have. A
-	// key that was in fact used before is still caught, by the key's
-	// primary key, at the cost of running Func and rolling it back; so
-	// NewKey too only changes the cost, never an outcome. Retry wins over
-	// it.
-	NewKey bool
-
-	// responseType is the type the call's method declares for its
-	// response, set by a transport that knows it: a replay decodes the
-	// stored response with it. Nil: the type of the stored name in the
-	// global registry.
-	responseType protoreflect.MessageType
-	// metadata, when set, is called once fn has succeeded or failed with a
-	// final error: what it returns (the handler's headers and trailers, in
-	// the transport's encoding) is stored with the result and handed back on
-	// replay in Result.metadata. An error fails the call, nothing stored.
-	metadata func() ([]byte, error)
-
-	// trace, when set, is the transport's trace of the call; Execute
-	// starts one of its own otherwise.
-	trace *callTrace
-
-	// finalCode decides whether a FailedPrecondition that the engine finds
-	// at COMMIT (a deferred constraint of fn's writes) is final; the gRPC
-	// interceptor sets its policy here. Nil: the key is released.
-	finalCode func(codes.Code) bool
+	// Isolation is the isolation level of the call's transaction, for Func's
+	// own statements. Empty means the store's ([WithIsolation]), whose
+	// default is the database's (default_transaction_isolation). Every
+	// guarantee holds at each level; see the package documentation for what
+	// REPEATABLE READ and SERIALIZABLE cost.
+	Isolation pgx.TxIsoLevel
 }
 
 // Func is the work done at most once per key. tx is the call's transaction:
@@ -104,9 +80,17 @@ const (
 	OutcomeRejected
 	// OutcomeUnavailable: the database failed ([ErrStoreUnavailable]).
 	OutcomeUnavailable
+	// OutcomeCanceled: the caller's context was cancelled or its deadline
+	// passed before Func ran (while the key was claimed or waited for).
+	// Nothing ran; a retry with the same key is safe.
+	OutcomeCanceled
+	// OutcomeMisconfigured: the store cannot work as configured: the key
+	// table is missing or outdated, the role lacks privileges, the login is
+	// refused. An operator must act; retrying does not help.
+	OutcomeMisconfigured
 )
 
-var outcomeNames = [...]string{"unknown", "executed", "replayed", "released", "in_progress", "key_reused", "rejected", "unavailable"}
+var outcomeNames = [...]string{"unknown", "executed", "replayed", "released", "in_progress", "key_reused", "rejected", "unavailable", "canceled", "misconfigured"}
 
 // String returns the outcome's name in snake_case, such as "replayed" or
 // "key_reused", for logs and metric labels.
@@ -121,9 +105,14 @@ func (o Outcome) String() string {
 type Result struct {
 	// Response is the message Func returned, or its stored copy on replay.
 	// It is nil when the call ended in an error or Func returned nil.
+	//
+	// A replay decodes the stored bytes with the type linked into the
+	// binary under the stored type's name. When none is (a dynamic message,
+	// or a process that does not link the method's generated code), it is
+	// a message of that name whose fields are all unknown: proto.Marshal of
+	// it gives back the stored bytes exactly, so it can be sent on, or
+	// decoded into a type of the caller's choosing.
 	Response proto.Message
 	// Outcome says whether Func ran, was replayed, or why neither.
 	Outcome Outcome
-
-	metadata []byte // the transport's stored metadata (Call.metadata)
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // DeleteExpired deletes up to limit expired keys and reports how many it
@@ -14,7 +16,11 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 		return 0, fmt.Errorf("idempotency: DeleteExpired: limit must be positive, got %d", limit)
 	}
 	start := time.Now()
-	tag, err := s.db.Exec(ctx, s.sql.deleteExpired, limit)
+	var tag pgconn.CommandTag
+	st, err := s.statements(ctx)
+	if err == nil {
+		tag, err = s.db.Exec(ctx, st.deleteExpired, limit)
+	}
 	if err != nil {
 		err = fmt.Errorf("idempotency: delete expired keys: %w", err)
 	}

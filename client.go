@@ -171,7 +171,6 @@ func WithPerAttemptTimeout(d time.Duration) ClientOption {
 func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		key, inMetadata, err := o.keyFor(ctx, method)
-		generated := err == nil && key != "" && !inMetadata && ctx.Value(outgoingKey{}) == nil
 		if err != nil {
 			return err
 		}
@@ -187,10 +186,7 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 			}
 			return invoker(ctx, method, req, reply, cc, opts...)
 		}
-		switch {
-		case generated:
-			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key, NewKeyMetadata, "true")
-		case !inMetadata:
+		if !inMetadata {
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
 		}
 		if retryHints {

@@ -483,6 +483,10 @@ func TestRetryAttemptsReplayInOneRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = native.Close() })
 
+	// The store's first call finds its table (one statement, once per
+	// store): warm it, its response lost and retried like the others.
+	_, err = charge(context.Background(), interceptorChain, 2)
+	require.NoError(t, err)
 	for name, conn := range map[string]*grpc.ClientConn{"retry interceptor": interceptorChain, "native retry policy": native} {
 		before, markedBefore := roundTrips.Load(), marked.Load()
 		resp, err := charge(context.Background(), conn, 1)
@@ -491,5 +495,5 @@ func TestRetryAttemptsReplayInOneRoundTrip(t *testing.T) {
 		require.EqualValues(t, 1, marked.Load()-markedBefore, "%s: the retry arrives marked", name)
 		require.EqualValues(t, 3+1, roundTrips.Load()-before, "%s: a fresh call (3 round trips), then its replay (1)", name)
 	}
-	require.EqualValues(t, 2, srv.execs.Load())
+	require.EqualValues(t, 3, srv.execs.Load())
 }

@@ -37,7 +37,8 @@ func TestUnitClientKeyChoice(t *testing.T) {
 	require.False(t, inMD)
 	require.EqualValues(t, 7, uuid.MustParse(k).Version(), "a generated key is a UUIDv7")
 
-	// The interceptor sends a generated key marked as new; a chosen one not.
+	// The interceptor sends the key alone: no marker that a server could
+	// trust to skip looking for a stored result.
 	sent := func(ctx context.Context) metadata.MD {
 		var md metadata.MD
 		err := o.interceptor(false)(ctx, method, nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
@@ -47,9 +48,10 @@ func TestUnitClientKeyChoice(t *testing.T) {
 		require.NoError(t, err)
 		return md
 	}
-	require.Equal(t, []string{"true"}, sent(ctx).Get(NewKeyMetadata))
-	require.Empty(t, sent(WithOutgoingKey(ctx, "order-42")).Get(NewKeyMetadata))
-	require.Empty(t, sent(metadata.AppendToOutgoingContext(ctx, MetadataKey, "md")).Get(NewKeyMetadata))
+	for _, md := range []metadata.MD{sent(ctx), sent(WithOutgoingKey(ctx, "order-42")), sent(metadata.AppendToOutgoingContext(ctx, MetadataKey, "md"))} {
+		require.Len(t, md.Get(MetadataKey), 1)
+		require.Empty(t, md.Get("idempotency-key-new"))
+	}
 
 	k, inMD, err = o.keyFor(WithOutgoingKey(ctx, "order-42"), method)
 	require.NoError(t, err)

@@ -56,9 +56,6 @@ var (
 	// the key interceptor, so each attempt would get a new key and could run
 	// the operation again. Put the key interceptor first.
 	ErrChainOrder = &Error{code: codes.Internal, reason: "CHAIN_ORDER", msg: "retry attempt without an idempotency key: chain idempotency.UnaryClientInterceptor before the retry interceptor"}
-	// ErrTxOwned is returned by Commit and Rollback on the transaction a
-	// handler gets from [TxFromContext]: the call's outcome decides them.
-	ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempotent call; return an error to roll it back")
 )
 
 // Error is an outcome of the idempotency layer, convertible to a gRPC status

@@ -2,10 +2,10 @@ package idempotency
 
 import (
 	"context"
-	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -49,28 +49,25 @@ const messageMethod = "idempotency/message"
 // The rules are those of [Store.Execute]: an error from fn rolls back
 // everything and leaves the ID unprocessed, so a redelivery runs fn again;
 // an error marked with [Final] (a poison message, say) is stored, and
-// redeliveries return it again with [OutcomeReplayed]. A redelivery that
+// redeliveries return it again with [OutcomeReplayed]. So is a deferred
+// constraint of fn's writes that fails at COMMIT (FailedPrecondition): it
+// would fail on every redelivery. Message IDs live in a namespace of their
+// own in the key table: no gRPC or HTTP client's key can ever take one. A redelivery that
 // arrives while the first delivery is still being processed waits for it
 // up to the store's in-progress wait, then gets [ErrInProgress].
-func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (Outcome, error) {
-	ctx, trace := s.startCall(ctx, TransportMessage, m.Scope, m.ID)
-	outcome, err := s.processMessage(ctx, trace, m, fn)
-	trace.end(ctx, outcome, err)
-	return outcome, err
-}
-
-func (s *Store) processMessage(ctx context.Context, trace *callTrace, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (outcome Outcome, err error) {
+func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (outcome Outcome, err error) {
+	// A deferred constraint that fails at every COMMIT would fail every
+	// redelivery too: it is final, stored, and the message dead-lettered.
+	tp := &transport{kind: TransportMessage, namespace: namespaceMessage, finalCode: func(c codes.Code) bool { return c == codes.FailedPrecondition }}
+	if s.opts.tracer != nil {
+		ctx, tp.trace = s.startCall(ctx, TransportMessage, m.Scope, m.ID)
+		defer tp.trace.endDeferred(ctx, &outcome, &err)
+	}
 	if err := ValidateKey(m.ID); err != nil {
 		return OutcomeRejected, keyError(err, "ID", "message ID")
 	}
-	defer func() {
-		if p := recover(); p != nil {
-			trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
-			panic(p)
-		}
-	}()
-	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL, Retry: m.Redelivered, trace: trace}
-	res, err := s.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL, Retry: m.Redelivered}
+	res, err := s.execute(ctx, call, tp, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		return nil, fn(ctx, tx)
 	})
 	return res.Outcome, err

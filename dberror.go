@@ -32,6 +32,12 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 		return ErrStoreUnavailable.with(op, err)
 	}
 	switch code := pgErr.Code; {
+	case strings.HasPrefix(code, "28") || code == sqlInvalidCatalogName:
+		// Before the severity: PostgreSQL refuses a login with FATAL, and
+		// no retry fixes a wrong role, password or database.
+		return s.misconfigured(op, pgErr, "PostgreSQL refused the login: check the database URL, role and password (and that the database exists)")
+	case code == sqlInsufficientPrivilege && pgErr.Severity == "FATAL":
+		return s.misconfigured(op, pgErr, "PostgreSQL refused the login: the role may not connect to the database; grant it CONNECT")
 	case pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC":
 		// The server ended the session (idle_in_transaction_session_timeout,
 		// an administrator, a crash): the connection is gone, not the
@@ -39,18 +45,80 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 		return ErrStoreUnavailable.with(op, err)
 	case transientCode(code):
 		return ErrStoreUnavailable.with(op, err)
-	case code == "40001" || code == "40P01":
-		return &dbFailure{code: codes.Aborted, msg: "the database aborted the transaction (a serialization failure or deadlock); retry with the same key", op: op, cause: pgErr}
-	case code == "42P01":
+	case code == sqlSerializationFailure || code == sqlDeadlockDetected:
+		return &dbFailure{code: codes.Aborted, msg: "the database aborted the transaction (a serialization failure or deadlock); nothing was committed, retry with the same key", op: op, cause: pgErr}
+	case code == sqlUndefinedTable:
+		s.forgetTable()
 		return s.misconfigured(op, pgErr, "the key table %s does not exist: run Store.Migrate, or apply Store.Migrations() with your migration tool", s.ident.Sanitize())
 	case code == "42703" || code == "42804" || code == "23502":
 		return s.misconfigured(op, pgErr, "the key table %s is not at this version's schema: run Store.Migrate, or apply the missing Store.Migrations()", s.ident.Sanitize())
-	case code == "42501":
+	case code == sqlInsufficientPrivilege:
 		return s.misconfigured(op, pgErr, "the database role may not use the key table %s: grant it SELECT, INSERT, UPDATE and DELETE", s.ident.Sanitize())
-	case strings.HasPrefix(code, "28") || code == "3D000":
-		return s.misconfigured(op, pgErr, "PostgreSQL refused the login: check the database URL, role and password")
 	}
 	return s.misconfigured(op, pgErr, "unexpected database error; the server's log has it")
+}
+
+// handlerError gives a handler's raw database error the status that tells
+// its client the truth: a serialization failure or deadlock is Aborted
+// (nothing committed: retry with the same key), a lost or overloaded
+// server Unavailable. Errors that carry a status, and any other, are left
+// as they are.
+func handlerError(err error) error {
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return err
+	}
+	switch {
+	case pgErr.Code == sqlSerializationFailure || pgErr.Code == sqlDeadlockDetected:
+		return &dbFailure{code: codes.Aborted, msg: "the database aborted the handler's transaction (a serialization failure or deadlock); nothing was committed, retry with the same key", op: "handler", cause: pgErr}
+	case transientCode(pgErr.Code):
+		return ErrStoreUnavailable.with("handler", err)
+	}
+	return err
+}
+
+// outcomeOf is the outcome of a call that ended in err before Func ran or
+// committed: what a tracer counts.
+func outcomeOf(err error) Outcome {
+	var ce contextError
+	var failure *dbFailure
+	switch {
+	case errors.As(err, &ce):
+		return OutcomeCanceled
+	case errors.As(err, &failure):
+		if failure.code == codes.Internal {
+			return OutcomeMisconfigured
+		}
+		return OutcomeUnavailable
+	case status.Code(err) == codes.InvalidArgument:
+		return OutcomeRejected
+	}
+	return OutcomeUnavailable
+}
+
+// SQLSTATEs the engine tells apart, named once.
+const (
+	sqlUniqueViolation       = "23505"
+	sqlDivisionByZero        = "22012" // the INSERT's guard (see insertRow)
+	sqlInvalidSavepoint      = "3B001"
+	sqlReadOnlyTransaction   = "25006"
+	sqlSerializationFailure  = "40001"
+	sqlDeadlockDetected      = "40P01"
+	sqlUndefinedTable        = "42P01"
+	sqlInsufficientPrivilege = "42501"
+	sqlInvalidCatalogName    = "3D000" // the database does not exist
+)
+
+// sqlState returns the SQLSTATE of a PostgreSQL error, or "".
+func sqlState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
 }
 
 // transientCode reports whether a SQLSTATE names a condition that passes:
@@ -68,10 +136,10 @@ func transientCode(code string) bool {
 	}
 	switch code {
 	case "57014", // query_canceled: statement_timeout on an overloaded server
-		"25P03", // idle_in_transaction_session_timeout
-		"25P04", // transaction_timeout
-		"55P03", // lock_not_available: lock_timeout
-		"25006": // read_only_sql_transaction: a standby, during failover
+		"25P03",                // idle_in_transaction_session_timeout
+		"25P04",                // transaction_timeout
+		"55P03",                // lock_not_available: lock_timeout
+		sqlReadOnlyTransaction: // a standby, during failover (the engine tells a read-only primary apart)
 		return true
 	}
 	return false

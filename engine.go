@@ -11,31 +11,35 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"google.golang.org/genproto/googleapis/rpc/status" // google.rpc.Status, the stored form of a final error
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc/codes"
 	grpcstatus "google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/reflect/protoregistry"
 )
 
 // Execute runs fn at most once per (scope, key), in one transaction with the
 // key:
 //
 //   - A new key: the call takes the key's lock (a transaction-scoped
-//     advisory lock), fn runs, and its response is written as the key's row
-//     in the same transaction as fn's own writes, with the COMMIT.
-//     Result.Outcome is OutcomeExecuted.
+//     advisory lock), looks the key up, fn runs, and its response is
+//     written as the key's row in the same transaction as fn's own writes,
+//     with the COMMIT. Result.Outcome is OutcomeExecuted.
 //   - A finished key with the same method and fingerprint returns the stored
 //     response, or the stored [Final] error, without running fn
-//     (OutcomeReplayed).
+//     (OutcomeReplayed), whatever Call.Retry says.
 //   - A key held by a call still running: Execute waits, holding no
 //     database connection, up to the store's in-progress wait for it to
 //     finish, then returns its result, runs fn if the holder failed, or
 //     returns [ErrInProgress].
 //   - A finished key with another method or fingerprint: [ErrKeyReused].
 //   - fn returns an error not marked [Final], or panics: everything rolls
-//     back, no key is left behind, and the error (or panic) is passed on.
+//     back, no key is left behind, and the error (or panic) is passed on. A
+//     serialization failure or deadlock of fn's statements is returned as
+//     codes.Aborted: nothing committed, retry with the same key.
+//   - fn does what the engine cannot make safe (ends the transaction, sends
+//     COMMIT or SET TRANSACTION through tx, leaves rows open): the call
+//     fails with codes.Internal saying what happened, that error is stored
+//     as the key's result, and fn never runs again for the key.
 //   - The database fails before the outcome is known: [ErrStoreUnavailable].
 //
 // The key's row is the only write of the engine: the primary key (scope,
@@ -45,32 +49,129 @@ import (
 // so a caller that goes away after fn succeeded still finds its result
 // stored when it retries.
 func (s *Store) Execute(ctx context.Context, call Call, fn Func) (res Result, err error) {
-	if call.trace != nil || s.opts.tracer == nil {
-		return s.execute(ctx, call, fn)
+	tp := &transport{kind: TransportDirect}
+	if s.opts.tracer != nil {
+		ctx, tp.trace = s.startCall(ctx, TransportDirect, call.Method, call.Key)
+		defer tp.trace.endDeferred(ctx, &res.Outcome, &err)
 	}
-	ctx, call.trace = s.startCall(ctx, TransportDirect, call.Method, call.Key)
-	defer func() {
-		if p := recover(); p != nil {
-			call.trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
-			panic(p)
-		}
-		call.trace.end(ctx, res.Outcome, err)
-	}()
-	return s.execute(ctx, call, fn)
+	r, err := s.execute(ctx, call, tp, fn)
+	return r.Result, err
 }
 
-func (s *Store) execute(ctx context.Context, call Call, fn Func) (Result, error) {
-	if err := ValidateKey(call.Key); err != nil {
-		return Result{Outcome: OutcomeRejected}, err
+// execute is Execute for every transport: it validates the call, then
+// makes attempts until one decides the call's outcome.
+func (s *Store) execute(ctx context.Context, call Call, tp *transport, fn Func) (result, error) {
+	c, err := s.newCallRun(ctx, call, tp)
+	if err != nil {
+		return result{Result: Result{Outcome: outcomeOf(err)}}, err
 	}
-	if err := validateText("Call.Method", call.Method, maxMethodLen); err != nil || call.Method == "" {
-		if err == nil {
-			err = errors.New("idempotency: Call.Method is empty")
+	w := waiter{deadline: time.Now().Add(s.opts.inProgressWait), trace: tp.trace}
+	probe := call.Retry
+	for conflicts := 0; ; {
+		if probe {
+			res, found, err := c.probe(ctx, &w)
+			if found || err != nil {
+				return res, err
+			}
 		}
-		return Result{Outcome: OutcomeRejected}, err
+		res, then, err := c.attempt(ctx, fn)
+		switch then {
+		case attemptDone:
+			return res, err
+		case attemptWait:
+			if err := w.wait(ctx); err != nil {
+				return c.gaveUp(ctx)
+			}
+		case attemptAgain:
+			// Another writer's row appeared where the lock said none
+			// would, or a row expired while this call used it. Rare; look
+			// again, a few times at most.
+			if conflicts++; conflicts == 3 {
+				return result{Result: Result{Outcome: OutcomeInProgress}}, inProgress("the key kept changing while it was being claimed", s.opts.retryDelay)
+			}
+		case attemptSnapshot:
+			// The transaction's snapshot may predate the lock: claim again
+			// with the key locked before the transaction begins.
+			c.snapshot = true
+			continue
+		}
+		probe = true
+	}
+}
+
+// attemptNext says what execute does after an attempt.
+type attemptNext int
+
+const (
+	attemptDone     attemptNext = iota
+	attemptWait                 // another call holds the key's lock: wait, then probe
+	attemptAgain                // look at the key again at once
+	attemptSnapshot             // claim again, locking the key before the snapshot
+)
+
+// callRun is one call's state across its attempts.
+type callRun struct {
+	s    *Store
+	call Call
+	key  string // as stored: the transport's namespace and the call's key
+	tp   *transport
+	st   *statements
+	// begin opens the call's transaction at its isolation level.
+	begin string
+	// snapshot: the call's transaction is REPEATABLE READ or SERIALIZABLE,
+	// whose snapshot is taken at its first statement, so the key is locked
+	// by the session before the transaction begins (see claim).
+	snapshot bool
+	// inherited: the level is the database's default, which the store
+	// learns from the claims that run at it.
+	inherited bool
+}
+
+func (s *Store) newCallRun(ctx context.Context, call Call, tp *transport) (*callRun, error) {
+	if err := validateCall(&call); err != nil {
+		return nil, err
+	}
+	level := call.Isolation
+	if level == "" {
+		level = s.opts.isolation
+	}
+	begin, ok := beginStatements[level]
+	if !ok {
+		return nil, grpcstatus.Errorf(codes.InvalidArgument, "idempotency: Call.Isolation %q is not an isolation level of pgx.TxIsoLevel", level)
+	}
+	st, err := s.statements(ctx)
+	if err != nil {
+		return nil, s.dbError(ctx, "find the key table", err)
+	}
+	c := &callRun{s: s, call: call, key: tp.namespace + call.Key, tp: tp, st: st, begin: begin, inherited: level == ""}
+	c.snapshot = level == pgx.RepeatableRead || level == pgx.Serializable || (c.inherited && s.defaultSnapshot.Load())
+	return c, nil
+}
+
+// beginStatements opens a call's transaction at each level; "" leaves it
+// to the database's default.
+var beginStatements = map[pgx.TxIsoLevel]string{
+	"":                  "BEGIN",
+	pgx.ReadCommitted:   "BEGIN ISOLATION LEVEL READ COMMITTED",
+	pgx.ReadUncommitted: "BEGIN ISOLATION LEVEL READ UNCOMMITTED",
+	pgx.RepeatableRead:  "BEGIN ISOLATION LEVEL REPEATABLE READ",
+	pgx.Serializable:    "BEGIN ISOLATION LEVEL SERIALIZABLE",
+}
+
+// validateCall rejects what PostgreSQL cannot store, before anything is
+// sent, and fills in the defaults.
+func validateCall(call *Call) error {
+	if err := ValidateKey(call.Key); err != nil {
+		return err
+	}
+	if err := validateText("Call.Method", call.Method, maxMethodLen); err != nil {
+		return err
+	}
+	if call.Method == "" {
+		return grpcstatus.Error(codes.InvalidArgument, "idempotency: Call.Method is empty")
 	}
 	if err := validateText("scope", call.Scope, MaxScopeLen); err != nil {
-		return Result{Outcome: OutcomeRejected}, err
+		return err
 	}
 	if call.TTL <= 0 {
 		call.TTL = DefaultTTL
@@ -78,283 +179,477 @@ func (s *Store) execute(ctx context.Context, call Call, fn Func) (Result, error)
 	if call.Fingerprint == nil {
 		call.Fingerprint = []byte{}
 	}
+	return nil
+}
 
-	w := waiter{deadline: time.Now().Add(s.opts.inProgressWait), trace: call.trace}
-	probe := call.Retry
-	for conflicts := 0; ; {
-		if probe {
-			start := time.Now()
-			rec, free, err := s.probe(ctx, call)
-			call.trace.since(phaseClaim, start)
-			switch {
-			case err != nil:
-				return Result{Outcome: OutcomeUnavailable}, s.dbError(ctx, "look up key", err)
-			case rec != nil && !rec.expired:
-				return s.replay(call, *rec)
-			case !free:
-				if err := w.wait(ctx); err != nil {
-					return s.busy(ctx, err)
-				}
-				continue
-			}
+// probe looks for the key's row outside any transaction, and waits while
+// its lock is held. found is true when res is the call's outcome (a
+// replay, or the end of the wait); false sends the call to an attempt.
+func (c *callRun) probe(ctx context.Context, w *waiter) (res result, found bool, err error) {
+	for {
+		start := time.Now()
+		rec, free, err := c.probeOnce(ctx)
+		c.tp.trace.since(phaseClaim, start)
+		switch {
+		case err != nil:
+			res, err := c.failed(ctx, "look up key", err)
+			return res, true, err
+		case rec != nil && !rec.expired:
+			res, err := c.replay(*rec)
+			return res, true, err
+		case free:
+			return result{}, false, nil
 		}
-		res, next, err := s.attempt(ctx, call, fn)
-		call.NewKey = false // whatever happened, the key has been sent now
-		switch next {
-		case done:
-			return res, err
-		case busy:
-			if err := w.wait(ctx); err != nil {
-				return s.busy(ctx, err)
-			}
-		case conflict:
-			// Another writer's row appeared where the lock said none
-			// would, or a row expired while this call used it. Rare; look
-			// again, a few times at most.
-			if conflicts++; conflicts == 3 {
-				return Result{Outcome: OutcomeInProgress}, inProgress("the key kept changing while it was being claimed", s.opts.retryDelay)
-			}
+		if err := w.wait(ctx); err != nil {
+			res, err := c.gaveUp(ctx)
+			return res, true, err
 		}
-		probe = true
 	}
 }
 
-// next says what Execute does after an attempt.
-type next int
-
-const (
-	done     next = iota
-	busy          // another call holds the key's lock: wait, then probe
-	conflict      // look at the key again at once
-)
-
-// attempt makes one try at running the call on a connection of its own:
-// take the key's lock, look for its row, run fn, and write the row with
-// the COMMIT.
-func (s *Store) attempt(ctx context.Context, call Call, fn Func) (Result, next, error) {
-	pc, err := s.db.Acquire(ctx)
-	if err != nil {
-		return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "acquire connection", err)
-	}
-	// Release returns the connection to the pool, or destroys it if a
-	// failure left it inside a transaction.
-	defer pc.Release()
-	conn := pc.Conn()
-
-	finished := false
-	defer func() {
-		// Runs on every path that did not commit, panics included. The
-		// rollback must happen even when ctx is cancelled: until it does,
-		// the key's lock is held.
-		if !finished {
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
-			defer cancel()
-			_, _ = conn.Exec(rctx, "ROLLBACK")
-		}
-	}()
-
-	claimStart := time.Now()
-	locked, started, rec, err := s.claim(ctx, conn, call)
-	call.trace.since(phaseClaim, claimStart)
-	switch {
-	case err != nil:
-		return Result{Outcome: OutcomeUnavailable}, done, s.dbError(ctx, "claim", err)
-	case !locked:
-		return Result{}, busy, nil
-	case rec != nil && !rec.expired:
-		res, err := s.replay(call, *rec)
-		return res, done, err
-	}
-	replaceExpired := rec != nil
-
-	htx := &callTx{conn: conn}
-	handlerStart := time.Now()
-	resp, fnErr := func() (proto.Message, error) {
-		// Dead as soon as fn returns (or panics): a goroutine fn left
-		// behind must not write into what follows.
-		defer htx.close()
-		return fn(withCall(ctx, htx, call.Key), htx)
-	}()
-	call.trace.since(phaseHandler, handlerStart)
-	defer call.trace.since(phaseCommit, time.Now())
-
-	// From here the outcome is known; finish it even if the caller left.
-	// Errors of the finish are never the caller's deadline: their context
-	// is the finish's own (see finishError).
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
-	defer cancel()
-	var final *finalError
-	txStatus := conn.PgConn().TxStatus()
-	switch {
-	case conn.IsClosed():
-		if fnErr != nil && ctx.Err() != nil {
-			// The caller's deadline (or cancellation) cut fn short, and pgx
-			// closed the connection to stop fn's statement: nothing
-			// committed, a retry is safe. That is not an outage.
-			return Result{Outcome: OutcomeReleased}, done, contextError{ctx.Err()}
-		}
-		// The database connection died under fn: report an outage, not
-		// fn's raw driver error, so clients retry.
-		return Result{Outcome: OutcomeUnavailable}, done, ErrStoreUnavailable.with("connection lost during the call", fnErr)
-	case txStatus == 'I':
-		// fn ended the transaction (whatever else it returned): its writes
-		// may have committed without the key.
-		finished = true // nothing left to roll back
-		res, err := s.handlerEndedTx(fctx, conn, call)
-		return res, done, err
-	case fnErr != nil && !errors.As(fnErr, &final):
-		if txStatus == 'T' && s.newTransaction(fctx, conn, started) {
-			// fn committed and began another transaction, then failed.
-			res, err := s.handlerEndedTx(fctx, conn, call)
-			return res, done, err
-		}
-		if ctx.Err() != nil {
-			return Result{Outcome: OutcomeReleased}, done, contextError{ctx.Err()}
-		}
-		return Result{Outcome: OutcomeReleased}, done, fnErr
-	case fnErr == nil && txStatus == 'E':
-		return Result{Outcome: OutcomeReleased}, done, grpcstatus.Error(codes.Internal,
-			"idempotency: the handler returned success, but one of its statements failed and aborted the call's transaction; nothing was committed")
-	}
-
-	row := []any{call.Scope, call.Key, call.Method, call.Fingerprint, "succeeded", "", []byte(nil), []byte(nil), call.TTL.Microseconds(), []byte(nil), started}
-	var meta []byte
-	if call.metadata != nil {
-		if meta, err = call.metadata(); err != nil {
-			return Result{Outcome: OutcomeReleased}, done, err
-		}
-		row[9] = meta
-	}
-	if resp != nil {
-		// The response, or, with a final error, the response of a transport
-		// whose final outcomes are responses of their own (an HTTP 404).
-		row[5] = string(resp.ProtoReflect().Descriptor().FullName())
-		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
-		if err != nil {
-			return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal response: %w", err)
-		}
-		row[6] = b
-	}
-	batch := &pgx.Batch{}
-	if final != nil {
-		st := grpcstatus.Convert(final.err)
-		b, err := marshalStatus(st)
-		if err != nil {
-			return Result{Outcome: OutcomeReleased}, done, fmt.Errorf("idempotency: marshal status: %w", err)
-		}
-		row[4], row[7] = "failed", b
-		if !utf8.ValidString(st.Message()) {
-			// The caller gets what is stored, now and on every replay.
-			fnErr = Final(grpcstatus.ErrorProto(sanitizeStatus(st.Proto())))
-		}
-		if txStatus == 'E' {
-			// On its own, before the batch: in an aborted transaction
-			// PostgreSQL refuses to prepare the batch's statements until
-			// the savepoint is rolled back.
-			if _, err := conn.Exec(fctx, s.sql.rollbackToSavepoint); err != nil {
-				return s.finishFailed(fctx, conn, call, err)
-			}
-		} else {
-			batch.Queue(s.sql.rollbackToSavepoint)
-		}
-	}
-	if replaceExpired {
-		batch.Queue(s.sql.deleteExpiredKey, call.Scope, call.Key)
-	}
-	insertAt := len(batch.QueuedQueries)
-	batch.Queue(s.sql.insert, row...)
-	batch.Queue("COMMIT")
-	start := time.Now()
-	if failed, err := sendAll(fctx, conn, batch); err != nil {
-		if failed == insertAt && sqlState(err) == "23505" {
-			// Someone wrote the key's row without its lock.
-			return Result{}, conflict, nil
-		}
-		if failed == insertAt && sqlState(err) == "22012" {
-			// The insert's guard: fn ended the call's transaction and
-			// began another (see insertRow).
-			res, err := s.handlerEndedTx(fctx, conn, call)
-			return res, done, err
-		}
-		if failed == insertAt+1 && strings.HasPrefix(sqlState(err), "23") {
-			res, err := s.violatedAtCommit(fctx, conn, call, err)
-			return res, done, err
-		}
-		return s.finishFailed(fctx, conn, call, err)
-	}
-	finished = true
-	if took := time.Since(start); took >= call.TTL/2 {
-		// Best effort: a failure leaves the TTL counted from the insert.
-		_, _ = conn.Exec(fctx, s.sql.extend, call.Scope, call.Key, call.TTL.Microseconds())
-	}
-	return Result{Response: resp, Outcome: OutcomeExecuted, metadata: meta}, done, fnErr
-}
-
-// newTransaction reports whether the connection's transaction is no longer
-// the one the call began at started: fn committed it and began another. A
-// check that fails counts as no: the caller then rolls back as it would.
-func (s *Store) newTransaction(ctx context.Context, conn *pgx.Conn, started time.Time) bool {
-	var same bool
-	if err := conn.QueryRow(ctx, "SELECT now() = $1", started).Scan(&same); err != nil {
-		return false
-	}
-	return !same
-}
-
-// claim opens the call's transaction, takes the key's lock without waiting
-// for it, looks the key up once the lock is held (a new statement, so it
-// sees whatever the previous holder committed; not for a new key), and
-// takes the savepoint that a final error rolls back to: one round trip. started is the
-// transaction's start, which the key's INSERT checks.
-func (s *Store) claim(ctx context.Context, conn *pgx.Conn, call Call) (locked bool, started time.Time, rec *record, err error) {
-	lookup := !call.NewKey || call.Retry
-	batch := &pgx.Batch{}
-	batch.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
-	batch.Queue(s.sql.lock, call.Scope, call.Key)
-	if lookup {
-		batch.Queue(s.sql.lookup, call.Scope, call.Key)
-	}
-	batch.Queue(s.sql.savepoint)
-	br := conn.SendBatch(ctx, batch)
-	if _, err = br.Exec(); err == nil {
-		if err = br.QueryRow().Scan(&locked, &started); err == nil {
-			if lookup {
-				rec, err = scanRecord(br.QueryRow(), nil)
-			}
-			if err == nil {
-				_, err = br.Exec()
-			}
-		}
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	return locked, started, rec, err
-}
-
-// probe looks for the key's row and whether its lock is free, outside any
-// transaction, on a connection held only for that statement.
-func (s *Store) probe(ctx context.Context, call Call) (rec *record, free bool, err error) {
-	pc, err := s.db.Acquire(ctx)
+// probeOnce reads the key's row and whether its lock is free, on a
+// connection held only for that statement.
+func (c *callRun) probeOnce(ctx context.Context) (rec *record, free bool, err error) {
+	pc, err := c.s.db.Acquire(ctx)
 	if err != nil {
 		return nil, false, err
 	}
 	defer pc.Release()
-	rec, err = scanRecord(pc.QueryRow(ctx, s.sql.probe, call.Scope, call.Key), &free)
+	rec, err = scanRecord(pc.QueryRow(ctx, c.st.probe, c.call.Scope, c.key), &free)
 	return rec, free, err
 }
 
-// finishFailed handles a failed attempt to store the result: the
-// transaction is gone, and with it fn's writes.
-func (s *Store) finishFailed(ctx context.Context, conn *pgx.Conn, call Call, err error) (Result, next, error) {
-	if sqlState(err) == "3B001" { // invalid_savepoint_specification: fn ended the transaction
-		res, err := s.handlerEndedTx(ctx, conn, call)
-		return res, done, err
+// failed is the outcome of a database error of the engine's own
+// statements.
+func (c *callRun) failed(ctx context.Context, op string, err error) (result, error) {
+	err = c.s.dbError(ctx, op, err)
+	return result{Result: Result{Outcome: outcomeOf(err)}}, err
+}
+
+// gaveUp ends a wait for the key's holder: the caller's own cancellation,
+// or ErrInProgress once the in-progress wait is over.
+func (c *callRun) gaveUp(ctx context.Context) (result, error) {
+	if ctxErr := ctx.Err(); ctxErr != nil {
+		return result{Result: Result{Outcome: OutcomeCanceled}}, contextError{ctxErr}
+	}
+	return result{Result: Result{Outcome: OutcomeInProgress}}, inProgress("", c.s.opts.retryDelay)
+}
+
+// attempt makes one try at running the call on a connection of its own,
+// in phases: claim the key, run fn, check what fn did, commit.
+func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, error) {
+	pc, err := c.s.db.Acquire(ctx)
+	if err != nil {
+		res, err := c.failed(ctx, "acquire connection", err)
+		return res, attemptDone, err
+	}
+	a := &attempt{callRun: c, pc: pc, conn: pc.Conn()}
+	defer a.release(ctx)
+
+	start := time.Now()
+	cl, err := a.claim(ctx)
+	c.tp.trace.since(phaseClaim, start)
+	switch {
+	case err != nil:
+		res, err := c.failed(ctx, "claim", err)
+		return res, attemptDone, err
+	case !cl.locked:
+		return result{}, attemptWait, nil
+	case cl.stale:
+		return result{}, attemptSnapshot, nil
+	case cl.rec != nil && !cl.rec.expired:
+		res, err := c.replay(*cl.rec)
+		return res, attemptDone, err
+	case cl.readOnly:
+		return a.readOnly(ctx, "the call's transaction is read-only")
+	}
+	h := a.run(ctx, fn)
+	defer c.tp.trace.since(phaseCommit, time.Now())
+	return a.finish(ctx, h, cl.rec != nil)
+}
+
+// attempt is one attempt's hold on a connection.
+type attempt struct {
+	*callRun
+	pc   *pgxpool.Conn
+	conn *pgx.Conn
+	// open: the connection may be inside a transaction (the call's, or one
+	// the handler began), to be rolled back before it goes back to the pool.
+	open bool
+	// session: the session holds the key's lock, to be released before the
+	// connection goes back to the pool.
+	session bool
+	// started is the start of the call's transaction, its now().
+	started time.Time
+	// failedStatement: a statement of fn's failed and aborted the
+	// transaction, which the engine then rolled back to its savepoint.
+	failedStatement bool
+}
+
+// release ends the attempt on every path, panics included: whatever is
+// still open is rolled back and the session's lock released, even when
+// ctx is cancelled (until then the key stays locked). A connection that
+// cannot be cleaned up is closed, which releases both.
+func (a *attempt) release(ctx context.Context) {
+	if a.open || a.session {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
+		defer cancel()
+		b := &pgx.Batch{}
+		if a.open {
+			b.Queue("ROLLBACK")
+		}
+		if a.session {
+			b.Queue(a.st.unlock, a.call.Scope, a.key)
+		}
+		if _, err := sendAll(rctx, a.conn, b); err != nil {
+			_ = a.conn.Close(rctx)
+		}
+	}
+	a.pc.Release()
+}
+
+// claimed is what a claim found.
+type claimed struct {
+	locked bool
+	// stale: the transaction's snapshot was taken before the key's lock,
+	// so a result committed in between would be missed.
+	stale bool
+	// readOnly: the transaction cannot write (a standby, or a read-only
+	// default), so the result could never be stored.
+	readOnly bool
+	rec      *record
+}
+
+// claim opens the call's transaction, takes the key's lock without waiting
+// for it, looks the key up once the lock is held (a statement after the
+// lock's, so at READ COMMITTED it sees whatever the previous holder
+// committed), and takes the savepoint that a final error rolls back to:
+// one round trip.
+//
+// At REPEATABLE READ and SERIALIZABLE the transaction's snapshot is taken by
+// its first statement, the lock's, a moment before the lock is granted: a
+// holder committing in that moment would be missed. So the session takes
+// the lock first, in a transaction of its own ended at once, and the call's
+// transaction begins after it: its snapshot sees everything the key's
+// previous holders committed. Still one round trip, and one pipeline, so
+// the lock never leaves the connection behind a transaction pooler.
+func (a *attempt) claim(ctx context.Context) (claimed, error) {
+	var cl claimed
+	b := &pgx.Batch{}
+	if a.snapshot {
+		b.Queue(a.st.lockSession, a.call.Scope, a.key)
+		b.Queue("COMMIT")
+	}
+	b.Queue(a.begin)
+	b.Queue(a.st.lock, a.call.Scope, a.key)
+	b.Queue(a.st.lookup, a.call.Scope, a.key)
+	b.Queue(a.st.savepoint)
+	a.open = true
+	br := a.conn.SendBatch(ctx, b)
+	var level, readOnly string
+	err := func() error {
+		if a.snapshot {
+			if err := br.QueryRow().Scan(&a.session); err != nil {
+				return err
+			}
+			if _, err := br.Exec(); err != nil {
+				return err
+			}
+		}
+		if _, err := br.Exec(); err != nil {
+			return err
+		}
+		if err := br.QueryRow().Scan(&cl.locked, &a.started, &level, &readOnly); err != nil {
+			return err
+		}
+		var err error
+		if cl.rec, err = scanRecord(br.QueryRow(), nil); err != nil {
+			return err
+		}
+		_, err = br.Exec()
+		return err
+	}()
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return cl, err
+	}
+	if a.snapshot && !a.session {
+		cl.locked = false // another call held the key when the session asked for it
+	}
+	snapshotLevel := level == "repeatable read" || level == "serializable"
+	if a.inherited {
+		a.s.defaultSnapshot.Store(snapshotLevel)
+	}
+	cl.stale = snapshotLevel && !a.session && (cl.rec == nil || cl.rec.expired)
+	cl.readOnly = readOnly == "on"
+	return cl, nil
+}
+
+// handled is what fn did.
+type handled struct {
+	resp proto.Message
+	err  error
+	// refused names what the engine refused fn (a COMMIT sent through tx,
+	// rows left open); "" when nothing.
+	refused string
+}
+
+// run runs fn on the call's transaction, which is dead once fn returns.
+func (a *attempt) run(ctx context.Context, fn Func) handled {
+	htx := &callTx{conn: a.conn, attempt: a}
+	start := time.Now()
+	var h handled
+	func() {
+		// Closed as soon as fn returns (or panics): a goroutine fn left
+		// behind must not write into what follows.
+		defer htx.close()
+		h.resp, h.err = fn(withCall(ctx, htx, a.call.Key), htx)
+	}()
+	a.tp.trace.since(phaseHandler, start)
+	h.refused = htx.refusal()
+	return h
+}
+
+// finish decides the call's outcome from what fn did, and commits it: fn's
+// writes with the key's row, the key's row alone (a final error, rolled
+// back to the savepoint), or nothing (the key released). From here the
+// outcome is known; it is finished even if the caller left, on a context
+// of its own (see finishError).
+func (a *attempt) finish(ctx context.Context, h handled, replacing bool) (result, attemptNext, error) {
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
+	defer cancel()
+	if a.conn.IsClosed() {
+		if h.err != nil && ctx.Err() != nil {
+			// The caller's deadline (or cancellation) cut fn short, and pgx
+			// closed the connection to stop fn's statement: nothing
+			// committed, a retry is safe. That is not an outage.
+			return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, contextError{ctx.Err()}
+		}
+		// The database connection died under fn: report an outage, not fn's
+		// raw driver error, so clients retry.
+		return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, ErrStoreUnavailable.with("connection lost during the call", h.err)
+	}
+	var final *finalError
+	isFinal := errors.As(h.err, &final)
+	ended, err := a.handlerEndedTx(fctx, h.err != nil && !isFinal && h.refused == "")
+	switch {
+	case err != nil:
+		return a.finishFailed(fctx, err)
+	case ended:
+		return a.storeOutside(fctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+	case h.refused != "":
+		return a.commitFinal(fctx, grpcstatus.New(codes.Internal, h.refused), replacing)
+	case h.err != nil && !isFinal:
+		return a.releaseWith(ctx, fctx, h.err)
+	case a.failedStatement && !isFinal:
+		return a.commitFinal(fctx, grpcstatus.New(codes.Internal, errIgnoredFailure), replacing)
+	case isFinal:
+		st := grpcstatus.Convert(final.err)
+		if !utf8.ValidString(st.Message()) {
+			// The caller gets what is stored, now and on every replay.
+			h.err = Final(grpcstatus.ErrorProto(sanitizeStatus(st.Proto())))
+		}
+		return a.commit(fctx, h.resp, st, h.err, replacing)
+	}
+	return a.commit(fctx, h.resp, nil, nil, replacing)
+}
+
+// commitFinal stores st, an error of the engine's, as the call's final
+// error, fn's writes rolled back.
+func (a *attempt) commitFinal(ctx context.Context, st *grpcstatus.Status, replacing bool) (result, attemptNext, error) {
+	return a.commit(ctx, nil, st, Final(st.Err()), replacing)
+}
+
+// Messages of the errors stored for what a handler must not do.
+const (
+	errHandlerEndedTx = "idempotency: the handler ended the call's transaction itself (a COMMIT or ROLLBACK sent on tx.Conn(), " +
+		"or a transaction begun there), so its writes may have been committed without the key; " +
+		"the key is kept with this error so that the call does not run again. Handlers must not end the transaction"
+	errIgnoredFailure = "idempotency: the handler returned success, but one of its statements had failed and aborted the call's transaction, " +
+		"so none of its writes could be committed; the key is kept with this error so that the call does not run again. " +
+		"Return the statement's error (or roll back a nested transaction of tx) instead"
+)
+
+// handlerEndedTx reports whether fn ended the call's transaction (and
+// maybe began another): the connection is idle, its savepoint is gone, or
+// the transaction started at another time. An aborted transaction is rolled
+// back to the call's savepoint on the way, so that the engine can still
+// write the key. mustCheck asks for the check of a live transaction too,
+// where the key's INSERT would otherwise check it.
+func (a *attempt) handlerEndedTx(ctx context.Context, mustCheck bool) (bool, error) {
+	switch a.conn.PgConn().TxStatus() {
+	case 'I':
+		return true, nil
+	case 'E':
+		// On its own: in an aborted transaction PostgreSQL refuses to
+		// prepare any statement until the savepoint is rolled back.
+		a.failedStatement = true
+		if _, err := a.conn.Exec(ctx, a.st.rollbackToSavepoint); err != nil {
+			if sqlState(err) == sqlInvalidSavepoint {
+				return true, nil // the savepoint went with the transaction fn ended
+			}
+			return false, err
+		}
+	default:
+		if !mustCheck {
+			return false, nil
+		}
+	}
+	var same bool
+	if err := a.conn.QueryRow(ctx, a.st.sameTransaction, a.started).Scan(&same); err != nil {
+		return false, err
+	}
+	return !same, nil
+}
+
+// releaseWith rolls fn's writes back (in release) and passes fn's error on,
+// told truthfully: the caller's cancellation, a serialization failure or
+// deadlock (retry with the same key), a read-only transaction.
+func (a *attempt) releaseWith(ctx, fctx context.Context, fnErr error) (result, attemptNext, error) {
+	res := result{Result: Result{Outcome: OutcomeReleased}}
+	switch {
+	case ctx.Err() != nil && errors.Is(fnErr, ctx.Err()):
+		return res, attemptDone, contextError{ctx.Err()}
+	case sqlState(fnErr) == sqlReadOnlyTransaction:
+		return a.readOnly(fctx, "a statement of the handler's failed because the call's transaction is read-only")
+	}
+	return res, attemptDone, handlerError(fnErr)
+}
+
+// readOnly answers a call whose transaction cannot write: on a standby
+// (a failover in progress), a retry can reach the new primary; on a
+// primary, the session or the handler made the transaction read-only, and
+// a retry would fail the same way.
+func (a *attempt) readOnly(ctx context.Context, what string) (result, attemptNext, error) {
+	a.rollback(ctx)
+	var standby bool
+	if err := a.conn.QueryRow(ctx, "SELECT pg_catalog.pg_is_in_recovery()").Scan(&standby); err != nil || standby {
+		return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, ErrStoreUnavailable.with(what+" (the server is a standby)", err)
+	}
+	return result{Result: Result{Outcome: OutcomeMisconfigured}}, attemptDone, grpcstatus.Errorf(codes.Internal,
+		"idempotency: %s on a primary server: default_transaction_read_only is on for the store's role or database, "+
+			"or the handler set transaction_read_only; nothing was committed", what)
+}
+
+// rollback ends the connection's transaction now, for paths that go on
+// using the connection outside it.
+func (a *attempt) rollback(ctx context.Context) {
+	if _, err := a.conn.Exec(ctx, "ROLLBACK"); err == nil {
+		a.open = false
+	}
+}
+
+// commit writes the key's row with the call's result, fn's response and/or
+// a final error, and commits; returned is the error the caller then gets.
+// A final error first rolls fn's writes back to the savepoint. One round
+// trip: the row, the release of the session's lock when it holds one
+// (before the COMMIT, so that the lock never outlives the round trip; the
+// transaction's lock covers the COMMIT), and the COMMIT.
+func (a *attempt) commit(ctx context.Context, resp proto.Message, final *grpcstatus.Status, returned error, replacing bool) (result, attemptNext, error) {
+	row, err := a.keyRow(resp, final, true)
+	if err != nil {
+		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+	}
+	b := &pgx.Batch{}
+	if final != nil {
+		b.Queue(a.st.rollbackToSavepoint)
+	}
+	if replacing {
+		b.Queue(a.st.deleteExpiredKey, a.call.Scope, a.key)
+	}
+	insertAt := len(b.QueuedQueries)
+	b.Queue(a.st.insert, row.args()...)
+	if a.session {
+		b.Queue(a.st.unlock, a.call.Scope, a.key)
+	}
+	commitAt := len(b.QueuedQueries)
+	b.Queue("COMMIT")
+	start := time.Now()
+	failed, err := sendAll(ctx, a.conn, b)
+	if failed < 0 || failed > commitAt-1 {
+		a.session = false // the unlock ran
+	}
+	switch {
+	case err == nil:
+		a.open = false
+	case failed == insertAt && sqlState(err) == sqlUniqueViolation:
+		return result{}, attemptAgain, nil // someone wrote the key's row without its lock
+	case failed == insertAt && sqlState(err) == sqlDivisionByZero:
+		// The INSERT's guard: fn ended the call's transaction and began
+		// another (see insertRow).
+		return a.storeOutside(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+	case failed == insertAt && sqlState(err) == sqlReadOnlyTransaction:
+		return a.readOnly(ctx, "the key's row could not be written because the call's transaction is read-only")
+	case failed == commitAt:
+		return a.commitFailed(ctx, err)
+	default:
+		return a.finishFailed(ctx, err)
+	}
+	if took := time.Since(start); took >= a.call.TTL/2 {
+		// Best effort: a failure leaves the TTL counted from the insert.
+		_, _ = a.conn.Exec(ctx, a.st.extend, a.call.Scope, a.key, a.call.TTL.Microseconds())
+	}
+	return result{Result: Result{Response: resp, Outcome: OutcomeExecuted}, metadata: row.metadata}, attemptDone, returned
+}
+
+// keyRow builds the row of the call's key for its result: the response,
+// and with a final error its status; withMetadata adds what the transport
+// recorded of the call (its headers), in the transport's encoding.
+func (a *attempt) keyRow(resp proto.Message, final *grpcstatus.Status, withMetadata bool) (keyRow, error) {
+	row := keyRow{scope: a.call.Scope, key: a.key, method: a.call.Method, fingerprint: a.call.Fingerprint,
+		state: "succeeded", ttl: a.call.TTL, started: a.started}
+	if withMetadata && a.tp.metadata != nil {
+		var err error
+		if row.metadata, err = a.tp.metadata(); err != nil {
+			return row, err
+		}
+	}
+	if resp != nil {
+		// The response, or, with a final error, the response of a transport
+		// whose final outcomes are responses of their own (an HTTP 404).
+		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
+		if err != nil {
+			return row, fmt.Errorf("idempotency: marshal response: %w", err)
+		}
+		row.responseType, row.response = string(resp.ProtoReflect().Descriptor().FullName()), b
+	}
+	if final != nil {
+		b, err := marshalStatus(final)
+		if err != nil {
+			return row, fmt.Errorf("idempotency: marshal status: %w", err)
+		}
+		row.state, row.status = "failed", b
+	}
+	return row, nil
+}
+
+// commitFailed handles a COMMIT that PostgreSQL refused: the transaction
+// rolled back, fn's writes with it.
+func (a *attempt) commitFailed(ctx context.Context, err error) (result, attemptNext, error) {
+	switch code := sqlState(err); {
+	case strings.HasPrefix(code, "23"):
+		return a.violatedAtCommit(ctx, err)
+	case code == sqlSerializationFailure || code == sqlDeadlockDetected:
+		res, err := a.failed(ctx, "commit", err)
+		res.Outcome = OutcomeReleased
+		return res, attemptDone, err
+	}
+	return a.finishFailed(ctx, err)
+}
+
+// finishFailed handles a failure to store the result: the transaction is
+// gone, and with it fn's writes.
+func (a *attempt) finishFailed(ctx context.Context, err error) (result, attemptNext, error) {
+	if sqlState(err) == sqlInvalidSavepoint { // fn ended the transaction
+		return a.storeOutside(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
 	}
 	// The outcome may be unknown (the connection died during COMMIT); a
 	// retry with the same key replays it if the commit happened, or runs
 	// again.
-	return Result{Outcome: OutcomeUnavailable}, done, s.finishError("store result", err)
+	err = a.s.finishError("store result", err)
+	return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
 }
 
 // finishError is dbError for the statements that store a call's result:
@@ -366,53 +661,78 @@ func (s *Store) finishError(op string, err error) error {
 
 // violatedAtCommit handles a COMMIT that failed on a deferred constraint of
 // fn's writes: fn's failure, as if fn had returned FailedPrecondition, and
-// stored as such when the call's policy makes that code final.
-func (s *Store) violatedAtCommit(ctx context.Context, conn *pgx.Conn, call Call, err error) (Result, error) {
+// stored as such when the transport makes that code final.
+func (a *attempt) violatedAtCommit(ctx context.Context, err error) (result, attemptNext, error) {
 	var pgErr *pgconn.PgError
 	errors.As(err, &pgErr)
 	st := grpcstatus.Newf(codes.FailedPrecondition, "the call's writes violate constraint %s of table %s: %s", pgErr.ConstraintName, pgErr.TableName, pgErr.Message)
-	if call.finalCode == nil || !call.finalCode(codes.FailedPrecondition) {
-		return Result{Outcome: OutcomeReleased}, st.Err()
+	if a.tp.finalCode == nil || !a.tp.finalCode(codes.FailedPrecondition) {
+		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, st.Err()
 	}
-	// The call's transaction is gone; keep the key for the error outside
-	// any, unless a duplicate ran and stored its own result in between.
-	return s.storeOutside(ctx, conn, call, st)
+	return a.storeOutside(ctx, st)
 }
 
-// handlerEndedTx finishes a call whose fn ended the call's transaction
-// itself: a COMMIT, a ROLLBACK, or a transaction begun and committed on
-// tx.Conn(). fn's writes may have committed without the key, so running the
-// call again could apply them twice. The key is stored with an Internal
-// error, outside any transaction, and every retry gets that error.
-func (s *Store) handlerEndedTx(ctx context.Context, conn *pgx.Conn, call Call) (Result, error) {
-	if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil { // end a transaction fn may have begun
-		return Result{Outcome: OutcomeUnavailable}, s.finishError("store the error of a handler that ended the transaction", err)
-	}
-	return s.storeOutside(ctx, conn, call, grpcstatus.New(codes.Internal, "idempotency: the handler ended the call's transaction itself (a COMMIT or ROLLBACK statement, "+
-		"or a transaction begun on tx.Conn()), so its writes may have been committed without the key; "+
-		"the key is kept with this error so that the call does not run again. Handlers must not end the transaction"))
-}
-
-// storeOutside stores st as the key's final error outside any transaction,
-// unless the key has a row already, and returns it as the call's outcome.
-func (s *Store) storeOutside(ctx context.Context, conn *pgx.Conn, call Call, st *grpcstatus.Status) (Result, error) {
-	b, err := marshalStatus(st)
-	if err == nil {
-		_, err = conn.Exec(ctx, s.sql.insertIfAbsent, call.Scope, call.Key, call.Method, call.Fingerprint, "failed", "", []byte(nil), b, call.TTL.Microseconds(), []byte(nil), nil)
-	}
+// storeOutside stores st as the key's final error when the call's
+// transaction could not carry it (fn ended it, or its COMMIT failed): after
+// a ROLLBACK, in a statement of its own, unless another call stored a
+// result for the key first. Then that result is the call's answer too:
+// every caller of a key gets the same one.
+func (a *attempt) storeOutside(ctx context.Context, st *grpcstatus.Status) (result, attemptNext, error) {
+	a.rollback(ctx) // end a transaction fn may have begun
+	row, err := a.keyRow(nil, st, false)
 	if err != nil {
-		return Result{Outcome: OutcomeUnavailable}, s.finishError("store the call's final error", err)
+		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
 	}
-	return Result{Outcome: OutcomeExecuted}, Final(st.Err())
+	row.started = time.Time{} // outside the call's transaction: no guard
+	b := &pgx.Batch{}
+	b.Queue(a.st.deleteExpiredKey, a.call.Scope, a.key)
+	b.Queue(a.st.insertIfAbsent, row.args()...)
+	b.Queue(a.st.lookup, a.call.Scope, a.key)
+	br := a.conn.SendBatch(ctx, b)
+	var tag pgconn.CommandTag
+	_, err = br.Exec()
+	if err == nil {
+		tag, err = br.Exec()
+	}
+	var rec *record
+	if err == nil {
+		rec, err = scanRecord(br.QueryRow(), nil)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	switch {
+	case err != nil:
+		err = a.s.finishError("store the call's final error", err)
+		return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
+	case tag.RowsAffected() == 0 && rec != nil:
+		res, err := a.replay(*rec)
+		return res, attemptDone, err
+	}
+	return result{Result: Result{Outcome: OutcomeExecuted}}, attemptDone, Final(st.Err())
 }
 
-// busy ends a wait for the key's holder: the caller's own cancellation, or
-// ErrInProgress once the in-progress wait is over.
-func (s *Store) busy(ctx context.Context, err error) (Result, error) {
-	if ctxErr := ctx.Err(); ctxErr != nil {
-		return Result{Outcome: OutcomeInProgress}, contextError{ctxErr}
+// keyRow is a key's row as the INSERT writes it: its fields are the
+// statement's parameters, in order (see insertRow).
+type keyRow struct {
+	scope, key, method string
+	fingerprint        []byte
+	state              string
+	responseType       string
+	response, status   []byte
+	ttl                time.Duration
+	metadata           []byte
+	// started is the start of the call's transaction, checked by the
+	// INSERT's guard; zero outside it.
+	started time.Time
+}
+
+func (r *keyRow) args() []any {
+	var started any
+	if !r.started.IsZero() {
+		started = r.started
 	}
-	return Result{Outcome: OutcomeInProgress}, inProgress("", s.opts.retryDelay)
+	return []any{r.scope, r.key, r.method, r.fingerprint, r.state, r.responseType, r.response, r.status, r.ttl.Microseconds(), r.metadata, started}
 }
 
 // waiter paces a duplicate's wait for the key's holder: it sleeps, holding
@@ -444,10 +764,10 @@ func (w *waiter) wait(ctx context.Context) error {
 	}
 }
 
-// sendAll runs a batch of statements that return no rows, in one round
-// trip, and fails unless every one succeeded, the COMMIT included (a COMMIT
-// of a failed transaction reports ROLLBACK). failed is the index of the
-// statement that failed.
+// sendAll runs a batch of statements, in one round trip, and fails unless
+// every one succeeded, the COMMIT included (a COMMIT of a failed
+// transaction reports ROLLBACK). failed is the index of the statement that
+// failed, -1 when none did.
 func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (failed int, err error) {
 	br := conn.SendBatch(ctx, b)
 	for i, q := range b.QueuedQueries {
@@ -461,111 +781,6 @@ func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (failed int, err
 		}
 	}
 	return -1, br.Close()
-}
-
-// sqlState returns the SQLSTATE of a PostgreSQL error, or "".
-func sqlState(err error) string {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr.Code
-	}
-	return ""
-}
-
-// record is a key's row.
-type record struct {
-	method       string
-	fingerprint  []byte
-	state        string
-	responseType *string
-	response     []byte
-	status       []byte
-	metadata     []byte
-	expired      bool
-}
-
-// scanRecord reads a row of the lookup or, with free set, of the probe;
-// rec is nil when the key has no row.
-func scanRecord(row pgx.Row, free *bool) (*record, error) {
-	var rec record
-	var method, state *string // NULL when the probe's outer join found no row
-	var expired *bool
-	dest := []any{&method, &rec.fingerprint, &state, &rec.responseType, &rec.response, &rec.status, &rec.metadata, &expired}
-	if free != nil {
-		dest = append([]any{free}, dest...)
-	}
-	err := row.Scan(dest...)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return nil, nil
-	case err != nil:
-		return nil, err
-	case method == nil:
-		return nil, nil
-	}
-	rec.method, rec.state, rec.expired = *method, *state, *expired
-	return &rec, nil
-}
-
-func (s *Store) replay(call Call, rec record) (Result, error) {
-	if rec.method != call.Method || !sameRequest(rec.fingerprint, call.Fingerprint) {
-		detail := ""
-		if rec.method != call.Method {
-			detail = "key belongs to method " + rec.method
-		}
-		return Result{Outcome: OutcomeKeyReused}, ErrKeyReused.with(detail, nil).about(call.Key)
-	}
-	res := Result{Outcome: OutcomeReplayed, metadata: rec.metadata}
-	switch rec.state {
-	case "succeeded":
-		if rec.responseType == nil || *rec.responseType == "" {
-			return res, nil
-		}
-		m, err := decodeResponse(call, *rec.responseType, rec.response)
-		res.Response = m
-		return res, err
-	case "failed":
-		st := &status.Status{}
-		if err := proto.Unmarshal(rec.status, st); err != nil {
-			return res, grpcstatus.Errorf(codes.Internal, "idempotency: stored status of key %q: %v", call.Key, err)
-		}
-		if rec.responseType != nil && *rec.responseType != "" {
-			m, err := decodeResponse(call, *rec.responseType, rec.response)
-			if err != nil {
-				return res, err
-			}
-			res.Response = m
-		}
-		return res, Final(grpcstatus.FromProto(st).Err())
-	default:
-		// A 'running' row, committed by an engine before this one in the
-		// middle of its call: the call is still in progress.
-		return Result{Outcome: OutcomeInProgress}, inProgress("", s.opts.retryDelay)
-	}
-}
-
-// decodeResponse decodes a stored response with the type the call's method
-// declares, when the transport knows it (a dynamic type included), and else
-// with the type of that name linked into the binary. A stored type that is
-// not the declared one (the method's output changed since the call ran) is
-// an error, never bytes decoded as another type.
-func decodeResponse(call Call, typeName string, b []byte) (proto.Message, error) {
-	mt := call.responseType
-	if mt == nil {
-		var err error
-		if mt, err = protoregistry.GlobalTypes.FindMessageByName(protoreflect.FullName(typeName)); err != nil {
-			return nil, grpcstatus.Errorf(codes.Internal, "idempotency: the stored response of key %q is a %s, which is not linked into this binary", call.Key, typeName)
-		}
-	}
-	if declared := mt.Descriptor().FullName(); string(declared) != typeName {
-		return nil, grpcstatus.Errorf(codes.Internal, "idempotency: the stored response of key %q is a %s, but %s now returns %s (the method changed since the call ran); it cannot be replayed",
-			call.Key, typeName, call.Method, declared)
-	}
-	m := mt.New().Interface()
-	if err := proto.Unmarshal(b, m); err != nil {
-		return nil, grpcstatus.Errorf(codes.Internal, "idempotency: the stored response of key %q does not decode as a %s: %v", call.Key, typeName, err)
-	}
-	return m, nil
 }
 
 // MaxScopeLen is the longest scope, in bytes. With the longest key it keeps
@@ -586,19 +801,4 @@ func validateText(what, s string, limit int) error {
 		return grpcstatus.Errorf(codes.InvalidArgument, "idempotency: %s is not valid UTF-8 or contains a NUL byte", what)
 	}
 	return nil
-}
-
-// marshalStatus encodes a final error for storage. Its message must be
-// valid UTF-8 to be encoded at all, so an invalid one is repaired first.
-func marshalStatus(st *grpcstatus.Status) ([]byte, error) {
-	return proto.Marshal(sanitizeStatus(st.Proto()))
-}
-
-// sanitizeStatus replaces each invalid UTF-8 sequence of the message with
-// U+FFFD, which protobuf requires of a string field.
-func sanitizeStatus(p *status.Status) *status.Status {
-	if !utf8.ValidString(p.GetMessage()) {
-		p.Message = strings.ToValidUTF8(p.GetMessage(), "\uFFFD")
-	}
-	return p
 }

@@ -158,10 +158,11 @@ VALUES ('s', 'k', 'm', '\x01', 'succeeded', 'google.protobuf.StringValue', $1, n
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
 }
 
-// A key claimed as new that was in fact used before (a client that lies,
-// or a bug) is still caught: by the primary key, after its Func ran and
-// rolled back. NewKey only saves the lookup of honest new keys.
-func TestNewKeyThatWasUsedIsStillCaught(t *testing.T) {
+// A finished key is never run again, whatever the caller marks: a first
+// attempt (no retry marker) looks the key up under its lock before Func
+// runs. Func is counted, not the ledger: a run that rolls back is still a
+// run, and its calls to other systems would have happened.
+func TestFinishedKeyNeverRunsAgain(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	ctx := context.Background()
@@ -173,16 +174,17 @@ func TestNewKeyThatWasUsedIsStillCaught(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
 		return wrapperspb.String(fmt.Sprint("run ", runs.Load())), err
 	}
-	first, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", NewKey: true}, run)
+	first, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, run)
 	require.NoError(t, err)
 	require.Equal(t, idempotency.OutcomeExecuted, first.Outcome)
-	again, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", NewKey: true}, run)
-	require.NoError(t, err)
-	require.Equal(t, idempotency.OutcomeReplayed, again.Outcome)
-	require.True(t, proto.Equal(first.Response, again.Response), "the first run's response")
-	require.EqualValues(t, 2, runs.Load(), "the second run happened, and rolled back")
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
-	_, err = store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", Fingerprint: []byte("other"), NewKey: true}, run)
+	for _, retry := range []bool{false, true, false} {
+		again, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", Retry: retry}, run)
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, again.Outcome, "retry marker %v", retry)
+		require.True(t, proto.Equal(first.Response, again.Response), "the first run's response")
+	}
+	_, err = store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", Fingerprint: []byte("other")}, run)
 	require.ErrorIs(t, err, idempotency.ErrKeyReused)
+	require.EqualValues(t, 1, runs.Load(), "Func ran once")
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
 }

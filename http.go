@@ -101,6 +101,7 @@ type httpOptions struct {
 	replayed    []string // canonical header names
 	maxRequest  int64
 	maxResponse int
+	isolation   pgx.TxIsoLevel
 	err         error
 }
 
@@ -127,6 +128,9 @@ func (o *httpOptions) validate() error {
 		return fmt.Errorf("idempotency: WithHTTPMaxRequestBytes: must be positive, got %d", o.maxRequest)
 	case o.maxResponse <= 0:
 		return fmt.Errorf("idempotency: WithHTTPMaxResponseBytes: must be positive, got %d", o.maxResponse)
+	}
+	if _, ok := beginStatements[o.isolation]; !ok {
+		return fmt.Errorf("idempotency: WithHTTPIsolation: %q is not an isolation level of pgx.TxIsoLevel", o.isolation)
 	}
 	return nil
 }
@@ -156,10 +160,23 @@ func DefaultStoredStatus(status int) bool {
 }
 
 // DefaultReplayedHeaders returns the response headers a replay carries by
-// default: those that describe the body or its resource. Others (Date,
-// Set-Cookie, tracing headers) belong to the first response alone.
+// default: those that describe the body or its resource, without which the
+// stored body could not be read as the first one was (Content-Encoding for
+// a compressed body). Others (Date, Set-Cookie, tracing headers) belong to
+// the first response alone.
 func DefaultReplayedHeaders() []string {
-	return []string{"Content-Type", "Content-Language", "Content-Location", "Content-Disposition", "Location", "Etag", "Last-Modified"}
+	return []string{"Content-Type", "Content-Encoding", "Content-Language", "Content-Location", "Content-Disposition", "Location", "Etag", "Last-Modified"}
+}
+
+// neverReplayed are the response headers a replay must not carry: a
+// replay goes to whoever sends the same key and body in the same scope,
+// who must not receive the first caller's credentials or session; and the
+// connection's own headers belong to one connection.
+var neverReplayed = map[string]bool{
+	"Set-Cookie": true, "Set-Cookie2": true, "Authorization": true, "Proxy-Authorization": true,
+	"Proxy-Authenticate": true, "Www-Authenticate": true, "Cookie": true,
+	"Connection": true, "Keep-Alive": true, "Transfer-Encoding": true, "Upgrade": true, "Te": true, "Trailer": true,
+	"Content-Length": true, // a replay sets its own
 }
 
 // WithHTTPMethods sets the request methods that are protected; others pass
@@ -219,13 +236,27 @@ func WithHTTPStoredStatus(f func(status int) bool) HTTPOption {
 }
 
 // WithHTTPReplayedHeaders adds response headers a replay carries, to
-// [DefaultReplayedHeaders].
+// [DefaultReplayedHeaders]. Headers that carry credentials or a session
+// (Set-Cookie, Authorization and the like) and those of the connection
+// (Connection, Transfer-Encoding, ...) are refused: a replay goes to
+// whoever sends the same key and body in the same scope.
 func WithHTTPReplayedHeaders(names ...string) HTTPOption {
 	return func(o *httpOptions) {
 		for _, n := range names {
-			o.replayed = append(o.replayed, http.CanonicalHeaderKey(n))
+			c := http.CanonicalHeaderKey(n)
+			if neverReplayed[c] {
+				o.err = fmt.Errorf("idempotency: WithHTTPReplayedHeaders: %s is never replayed: a replay goes to whoever sends the same key and request, who must not get the first caller's credentials, session or connection headers", c)
+				return
+			}
+			o.replayed = append(o.replayed, c)
 		}
 	}
+}
+
+// WithHTTPIsolation sets the isolation level of the protected requests'
+// transactions (see [WithIsolation]). Defaults to "", the store's.
+func WithHTTPIsolation(level pgx.TxIsoLevel) HTTPOption {
+	return func(o *httpOptions) { o.isolation = level }
 }
 
 // WithHTTPMaxRequestBytes bounds the request body, which is read whole to
@@ -258,21 +289,22 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		}
 		err = ErrMissingKey.with("send it in the "+HeaderKey+" header", nil).about(HeaderKey)
 	}
-	ctx, trace := store.startCall(r.Context(), TransportHTTP, route, r.Header.Get(HeaderKey))
-	r = r.WithContext(ctx)
-	ended := false
-	report := func(outcome Outcome, status int, err error) {
-		ended = true
-		trace.endHTTP(ctx, outcome, status, err)
+	tp := &transport{kind: TransportHTTP, namespace: namespaceHTTP, responseType: httpBodyType,
+		// A FailedPrecondition the engine finds at COMMIT (a deferred
+		// constraint) is stored when a 409 would be.
+		finalCode: func(c codes.Code) bool { return c == codes.FailedPrecondition && o.stored(http.StatusConflict) }}
+	var outcome Outcome
+	var traced error
+	report := func(o Outcome, status int, err error) {
+		outcome, traced = o, err
+		tp.trace.setHTTPStatus(status)
 	}
-	defer func() {
-		if p := recover(); p != nil {
-			if !ended {
-				trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
-			}
-			panic(p)
-		}
-	}()
+	if store.opts.tracer != nil {
+		var ctx context.Context
+		ctx, tp.trace = store.startCall(r.Context(), TransportHTTP, route, r.Header.Get(HeaderKey))
+		r = r.WithContext(ctx)
+		defer tp.trace.endDeferred(ctx, &outcome, &traced)
+	}
 	if err != nil {
 		report(OutcomeRejected, writeProblem(w, err, store.opts.retryDelay), err)
 		return
@@ -302,16 +334,13 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		target += "?" + r.URL.RawQuery
 	}
 	call := Call{
-		Scope: scope, Key: key, TTL: o.ttl,
+		Scope: scope, Key: key, TTL: o.ttl, Isolation: o.isolation,
 		Method:      r.Method + " " + r.URL.EscapedPath(),
 		Fingerprint: tagged(kindDigest("http request"), []byte(r.Method), []byte(target), body),
 	}
 	rec := &responseRecorder{}
-	call.metadata, call.trace = rec.encode, trace
-	// A FailedPrecondition the engine finds at COMMIT (a deferred
-	// constraint) is stored when a 409 would be.
-	call.finalCode = func(c codes.Code) bool { return c == codes.FailedPrecondition && o.stored(http.StatusConflict) }
-	res, err := store.Execute(r.Context(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+	tp.metadata = func() ([]byte, error) { return rec.encode(o.replayed) }
+	res, err := store.execute(r.Context(), call, tp, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		// A fresh recorder for each run: an earlier one rolled back.
 		*rec = responseRecorder{header: http.Header{}, max: o.maxResponse, deadlines: http.NewResponseController(w)}
 		req := r.WithContext(ctx)
@@ -486,19 +515,25 @@ func (rr *responseRecorder) writeTo(w http.ResponseWriter, allowed []string, rep
 	_, _ = w.Write(rr.body.Bytes())
 }
 
-// encode is the stored form of the response's status and headers: field 1
-// the status, field 2 each header (name, then values), as for gRPC
+// encode is the stored form of the response's status and the headers a
+// replay carries (kept: no others are stored, cookies least of all):
+// field 1 the status, field 2 each header (name, then values), as for gRPC
 // metadata.
-func (rr *responseRecorder) encode() ([]byte, error) {
+func (rr *responseRecorder) encode(kept []string) ([]byte, error) {
 	b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), uint64(rr.statusCode()))
 	for name, values := range rr.header {
-		b = appendEntry(b, 2, name, values)
+		if slices.Contains(kept, name) {
+			b = appendEntry(b, 2, name, values)
+		}
 	}
 	return b, nil
 }
 
+// httpBodyType is the type a stored HTTP response's body is kept as.
+var httpBodyType = (&wrapperspb.BytesValue{}).ProtoReflect().Type()
+
 // decodeHTTPResponse rebuilds a stored response.
-func decodeHTTPResponse(res Result) (*responseRecorder, error) {
+func decodeHTTPResponse(res result) (*responseRecorder, error) {
 	body, ok := res.Response.(*wrapperspb.BytesValue)
 	if !ok {
 		return nil, status.Errorf(codes.Internal, "idempotency: the key's stored result is not an HTTP response (the key was used by a gRPC call?)")

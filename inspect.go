@@ -8,7 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	statuspb "google.golang.org/genproto/googleapis/rpc/status"
-	"google.golang.org/grpc/status"
+	grpcstatus "google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -19,6 +19,10 @@ var ErrKeyNotFound = errors.New("idempotency: no record of this key")
 // Record is what a store keeps of one key, for operators: [Store.Inspect].
 type Record struct {
 	Scope, Key string
+	// Transport is the kind of call the key belongs to: TransportHTTP,
+	// TransportMessage, or TransportGRPC for gRPC calls and Store.Execute,
+	// which share one namespace of keys.
+	Transport Transport
 	// Method is the operation the key was used for: the gRPC full method,
 	// "POST /path" for HTTP, "idempotency/message" for a message.
 	Method string
@@ -36,56 +40,94 @@ type Record struct {
 	ResponseType string
 	Response     []byte
 	// Status is the final error of a failed call.
-	Status *status.Status
+	Status *grpcstatus.Status
 	// Fingerprint identifies the request the key was first used with.
 	Fingerprint []byte
+	// Metadata is what the transport stored with the result (a gRPC call's
+	// headers and trailers, an HTTP response's status and headers), in its
+	// own encoding.
+	Metadata []byte
 }
 
-// Inspect returns the record of one key.
+// namespaces are the transports' namespaces of stored keys, in the order
+// Inspect and Forget look in them.
+var namespaces = []struct {
+	prefix    string
+	transport Transport
+}{{"", TransportGRPC}, {namespaceHTTP, TransportHTTP}, {namespaceMessage, TransportMessage}}
+
+// storedKeys returns key as each transport stores it.
+func storedKeys(key string) []string {
+	keys := make([]string, len(namespaces))
+	for i, ns := range namespaces {
+		keys[i] = ns.prefix + key
+	}
+	return keys
+}
+
+// Inspect returns the record of one key. Keys of different transports
+// never collide in the table; a key used by more than one (an HTTP
+// request's and a message's, say) is looked for among gRPC calls first,
+// then HTTP requests, then messages.
 func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) {
 	rec := Record{Scope: scope, Key: key}
+	st, err := s.statements(ctx)
+	if err != nil {
+		return rec, fmt.Errorf("idempotency: inspect key: %w", err)
+	}
+	var stored string
 	var responseType *string
-	var st []byte
-	err := s.db.QueryRow(ctx, s.sql.inspect, scope, key).Scan(&rec.Method, &rec.State, &rec.CreatedAt, &rec.ExpiresAt, &rec.Expired,
-		&responseType, &rec.Response, &st, &rec.Fingerprint)
+	var status []byte
+	err = s.db.QueryRow(ctx, st.inspect, scope, storedKeys(key)).Scan(&stored, &rec.Method, &rec.State, &rec.CreatedAt, &rec.ExpiresAt, &rec.Expired,
+		&responseType, &rec.Response, &status, &rec.Fingerprint, &rec.Metadata)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return rec, ErrKeyNotFound
 	}
 	if err != nil {
 		return rec, fmt.Errorf("idempotency: inspect key: %w", err)
 	}
+	for _, ns := range namespaces {
+		if stored == ns.prefix+key {
+			rec.Transport = ns.transport
+		}
+	}
 	if responseType != nil {
 		rec.ResponseType = *responseType
 	}
-	if st != nil {
+	if status != nil {
 		p := &statuspb.Status{}
-		if err := proto.Unmarshal(st, p); err != nil {
+		if err := proto.Unmarshal(status, p); err != nil {
 			return rec, fmt.Errorf("idempotency: inspect key: stored status: %w", err)
 		}
-		rec.Status = status.FromProto(p)
+		rec.Status = grpcstatus.FromProto(p)
 	}
 	return rec, nil
 }
 
 // Forget deletes the record of one key, so that the next call with it runs
 // again: for an operator who knows the stored result must not be replayed
-// (a customer's charge that was refunded by hand, say). It refuses, with
-// [ErrInProgress], while a call holds the key, and returns
-// [ErrKeyNotFound] when there is no record.
+// (a customer's charge that was refunded by hand, say). It deletes the
+// record Inspect shows. It refuses, with [ErrInProgress], while a call
+// holds the key, and returns [ErrKeyNotFound] when there is no record.
 func (s *Store) Forget(ctx context.Context, scope, key string) error {
+	st, err := s.statements(ctx)
+	if err != nil {
+		return fmt.Errorf("idempotency: forget key: %w", err)
+	}
 	tx, err := s.db.Begin(ctx)
 	if err != nil {
 		return fmt.Errorf("idempotency: forget key: %w", err)
 	}
 	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	keys := storedKeys(key)
 	var locked bool
-	if err := tx.QueryRow(ctx, s.sql.lock, scope, key).Scan(&locked, new(time.Time)); err != nil {
+	if err := tx.QueryRow(ctx, st.lockForget, scope, keys).Scan(&locked); err != nil {
 		return fmt.Errorf("idempotency: forget key: %w", err)
 	}
 	if !locked {
 		return inProgress("a call holds the key; forget it once the call is over", s.opts.retryDelay)
 	}
-	tag, err := tx.Exec(ctx, s.sql.forget, scope, key)
+	tag, err := tx.Exec(ctx, st.forget, scope, keys)
 	if err != nil {
 		return fmt.Errorf("idempotency: forget key: %w", err)
 	}

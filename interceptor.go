@@ -2,13 +2,11 @@ package idempotency
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -22,12 +20,6 @@ const (
 	// ReplayedTrailer is the response trailer set to "true" when the
 	// response was replayed from the store instead of executed.
 	ReplayedTrailer = "idempotency-replayed"
-	// NewKeyMetadata is sent as "true" by the client interceptor with a key
-	// it generated for the call: such a key cannot have a stored result, so
-	// the server skips looking for one on the call's first attempt (its
-	// retries carry retry markers and are looked up first). A client that
-	// sends it with a used key only costs the server a rolled-back run.
-	NewKeyMetadata = "idempotency-key-new"
 )
 
 // UnaryServerInterceptor returns a server interceptor that runs each call
@@ -75,30 +67,27 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		if vals := metadata.ValueFromIncomingContext(ctx, MetadataKey); traceKey == "" && len(vals) > 0 {
 			traceKey = vals[0]
 		}
-		ctx, trace := store.startCall(ctx, TransportGRPC, info.FullMethod, traceKey)
+		tp := &transport{kind: TransportGRPC, finalCode: func(c codes.Code) bool { return o.final[c] }}
 		outcome := OutcomeRejected
-		defer func() {
-			if p := recover(); p != nil {
-				trace.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
-				panic(p)
-			}
-			trace.end(ctx, outcome, err)
-		}()
+		if store.opts.tracer != nil {
+			ctx, tp.trace = store.startCall(ctx, TransportGRPC, info.FullMethod, traceKey)
+			defer tp.trace.endDeferred(ctx, &outcome, &err)
+		}
 		if err != nil {
 			return nil, err
 		}
-		ttl := o.ttl
-		if pol.ttl > 0 {
-			ttl = pol.ttl
-		}
-		res, rec, err := o.serve(ctx, trace, store, key, ttl, req, info, handler)
+		res, rec, err := o.serve(ctx, tp, store, key, pol, req, info, handler)
 		outcome = res.Outcome
 		switch {
 		case res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)):
 			if merr := replayMetadata(ctx, res.metadata); merr != nil {
 				res.Response, err = nil, status.Errorf(codes.Internal, "%v", merr)
 			}
-		case rec != nil:
+		case rec != nil && (res.Outcome == OutcomeExecuted || res.Outcome == OutcomeReleased):
+			// This run's answer: its headers and trailers go with it. Any
+			// other outcome (a replay of another call's row, an error of
+			// the engine's) is not this run's, and must not carry what
+			// its rolled-back handler set.
 			rec.flush()
 		}
 		err = unwrapFinal(err) // the client gets the status the handler returned
@@ -235,31 +224,34 @@ func (o *serverOptions) callKey(ctx context.Context, pol methodPolicy, req any) 
 	return key, nil
 }
 
-func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Store, key string, ttl time.Duration, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (Result, *recordingStream, error) {
+func (o *serverOptions) serve(ctx context.Context, tp *transport, store *Store, key string, pol methodPolicy, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (result, *recordingStream, error) {
+	rejected := result{Result: Result{Outcome: OutcomeRejected}}
 	msg, ok := req.(proto.Message)
 	if !ok {
-		return Result{Outcome: OutcomeRejected}, nil, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
+		return rejected, nil, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
 	}
 	scope, err := o.scope(ctx)
 	if err != nil {
 		if _, ok := status.FromError(err); !ok {
 			err = status.Errorf(codes.Internal, "idempotency: scope: %v", err)
 		}
-		return Result{Outcome: OutcomeRejected}, nil, err
+		return rejected, nil, err
 	}
 	fp, err := Fingerprint(info.FullMethod, msg)
 	if err != nil {
-		return Result{Outcome: OutcomeRejected}, nil, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
+		return rejected, nil, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
 	}
-	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx), NewKey: isNewKey(ctx),
-		responseType: declaredResponseType(info.FullMethod, msg),
-		finalCode:    func(c codes.Code) bool { return o.final[c] },
-		trace:        trace}
+	ttl := o.ttl
+	if pol.ttl > 0 {
+		ttl = pol.ttl
+	}
+	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx), Isolation: pol.isolation}
+	tp.responseType = declaredResponseType(info.FullMethod, msg)
 	ctx, rec := recordMetadata(ctx)
 	if rec != nil {
-		call.metadata = rec.encode
+		tp.metadata = rec.encode
 	}
-	res, err := store.Execute(ctx, call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+	res, err := store.execute(ctx, call, tp, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		if rec != nil {
 			rec.reset()
 		}
@@ -280,40 +272,12 @@ func (o *serverOptions) serve(ctx context.Context, trace *callTrace, store *Stor
 	return res, rec, err
 }
 
-// handlerError gives a handler's raw database error the status that tells
-// its client the truth: a serialization failure or deadlock is Aborted
-// (retry with the same key), a lost or overloaded server Unavailable.
-// Errors that carry a status, and any other, are left as they are.
-func handlerError(err error) error {
-	if _, ok := status.FromError(err); ok {
-		return err
-	}
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return err
-	}
-	switch {
-	case pgErr.Code == "40001" || pgErr.Code == "40P01":
-		return &dbFailure{code: codes.Aborted, msg: "the database aborted the handler's transaction (a serialization failure or deadlock); retry with the same key", op: "handler", cause: pgErr}
-	case transientCode(pgErr.Code):
-		return ErrStoreUnavailable.with("handler", err)
-	}
-	return err
-}
-
 // Metadata that marks an attempt as a retry: gRPC's own retry policy sends
 // the first, go-grpc-middleware's retry interceptor the second.
 const (
 	grpcPreviousAttempts = "grpc-previous-rpc-attempts"
 	retryAttempt         = retry.AttemptMetadataKey
 )
-
-// isNewKey reports whether the client interceptor generated the call's key
-// for it (see [NewKeyMetadata]).
-func isNewKey(ctx context.Context) bool {
-	v := metadata.ValueFromIncomingContext(ctx, NewKeyMetadata)
-	return len(v) == 1 && v[0] == "true"
-}
 
 // isRetryAttempt reports whether the client marked the call as a retry, so
 // the engine looks for a stored result before anything else.

@@ -228,40 +228,54 @@ func TestCallLongerThanTTLKeepsItsKey(t *testing.T) {
 // every retry, from the stored key.
 func TestHandlerEndingTheTransactionNeverRunsTwice(t *testing.T) {
 	t.Parallel()
-	for name, misuse := range map[string]func(ctx context.Context, tx pgx.Tx) error{
-		"raw COMMIT": func(ctx context.Context, tx pgx.Tx) error {
+	// Through tx, what would end the transaction is refused before it
+	// reaches PostgreSQL: nothing the handler wrote commits. Through
+	// tx.Conn(), which the engine cannot check, it does commit: the engine
+	// finds out afterwards. Either way the call fails once, its error is
+	// stored, and the handler never runs again.
+	const refused, ended = "through the call's transaction, which the engine refused", "handler ended the call's transaction"
+	for name, tc := range map[string]struct {
+		misuse     func(ctx context.Context, tx pgx.Tx) error
+		message    string
+		ledgerRows int
+	}{
+		"raw COMMIT": {func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT")
 			return err
-		},
-		"BeginFunc on tx.Conn()": func(ctx context.Context, tx pgx.Tx) error {
+		}, refused, 0},
+		"BeginFunc on tx.Conn()": {func(ctx context.Context, tx pgx.Tx) error {
 			// pgx's BEGIN is a no-op inside the open transaction, and its
 			// COMMIT commits the call's transaction.
 			return pgx.BeginFunc(ctx, tx.Conn(), func(inner pgx.Tx) error {
 				_, err := inner.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x')")
 				return err
 			})
-		},
-		"raw ROLLBACK, then writes": func(ctx context.Context, tx pgx.Tx) error {
+		}, ended, 1},
+		"raw ROLLBACK, then writes": {func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "ROLLBACK")
 			if err == nil {
 				_, err = tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x')") // autocommitted
 			}
 			return err
-		},
-		"COMMIT, then a transaction of its own": func(ctx context.Context, tx pgx.Tx) error {
+		}, refused, 0},
+		"COMMIT, then a transaction of its own": {func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT; BEGIN")
 			if err == nil {
 				_, err = tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('rolled back with the call')")
 			}
 			return err
-		},
-		"COMMIT, a transaction of its own, then an error": func(ctx context.Context, tx pgx.Tx) error {
+		}, refused, 0},
+		"COMMIT, a transaction of its own, then an error": {func(ctx context.Context, tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT; BEGIN"); err != nil {
 				return err
 			}
 			return status.Error(codes.Unavailable, "downstream flaked") // would release the key
-		},
-		"BeginFunc on tx.Conn(), then an error": func(ctx context.Context, tx pgx.Tx) error {
+		}, refused, 0},
+		"the refusal ignored, then an error": {func(ctx context.Context, tx pgx.Tx) error {
+			_, _ = tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT")
+			return status.Error(codes.Unavailable, "downstream flaked") // would release the key
+		}, refused, 0},
+		"BeginFunc on tx.Conn(), then an error": {func(ctx context.Context, tx pgx.Tx) error {
 			err := pgx.BeginFunc(ctx, tx.Conn(), func(inner pgx.Tx) error {
 				_, err := inner.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x')")
 				return err
@@ -270,26 +284,40 @@ func TestHandlerEndingTheTransactionNeverRunsTwice(t *testing.T) {
 				return err
 			}
 			return status.Error(codes.Unavailable, "downstream flaked")
-		},
+		}, ended, 1},
+		"COMMIT, BEGIN on tx.Conn(), then a failing statement": {func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Conn().Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT; BEGIN"); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "SELECT 1/0")
+			return err
+		}, ended, 1},
+		"COMMIT AND CHAIN on tx.Conn(), then a failing statement": {func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Conn().Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); COMMIT AND CHAIN"); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "SELECT 1/0")
+			return err
+		}, ended, 1},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-				if err := misuse(ctx, idempotency.MustTxFromContext(ctx)); err != nil {
+				if err := tc.misuse(ctx, idempotency.MustTxFromContext(ctx)); err != nil {
 					return nil, err
 				}
 				return wrapperspb.String("ok"), nil
 			}})
 			first := e.call(context.Background(), methodCharge, "k", "x")
 			require.Equal(t, codes.Internal, status.Code(first.err), "%v", first.err)
-			require.ErrorContains(t, first.err, "handler ended the call's transaction")
+			require.ErrorContains(t, first.err, tc.message)
 			for i := 0; i < 2; i++ {
 				again := e.call(context.Background(), methodCharge, "k", "x")
 				require.Equal(t, codes.Internal, status.Code(again.err), "%v", again.err)
 				require.True(t, again.replayed, "the retry gets the stored error")
 			}
 			require.EqualValues(t, 1, e.runs.Load(), "the handler never runs a second time")
-			require.Equal(t, 1, e.ledgerRows(), "the one write the handler committed itself; no second one")
+			require.Equal(t, tc.ledgerRows, e.ledgerRows(), "what the handler committed itself, once; no second one")
 			require.Equal(t, "failed", e.keyState("k"))
 		})
 	}

@@ -43,8 +43,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("idempotency: migrate: %w", err)
 	}
-	defer conn.Release()
-	return pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
+	err = pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", int64(h.Sum64())); err != nil {
 			return fmt.Errorf("idempotency: migrate: lock: %w", err)
 		}
@@ -66,4 +65,13 @@ func (s *Store) Migrate(ctx context.Context) error {
 		}
 		return nil
 	})
+	conn.Release() // before the statement below borrows one: the pool may hold one alone
+	if err != nil {
+		return err
+	}
+	s.forgetTable() // it may have been created just now
+	if _, err := s.statements(ctx); err != nil {
+		return fmt.Errorf("idempotency: migrate: find the key table: %w", err)
+	}
+	return nil
 }

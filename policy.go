@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
@@ -47,6 +48,17 @@ type methodPolicy struct {
 	err error
 	// safeLevel: idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT.
 	safeLevel bool
+	// isolation is the level of the method's transactions, "" for the
+	// store's.
+	isolation pgx.TxIsoLevel
+}
+
+// isolationLevels maps the option's isolation to pgx's.
+var isolationLevels = map[idempotencyv1.MethodPolicy_Isolation]pgx.TxIsoLevel{
+	idempotencyv1.MethodPolicy_ISOLATION_UNSPECIFIED:     "",
+	idempotencyv1.MethodPolicy_ISOLATION_READ_COMMITTED:  pgx.ReadCommitted,
+	idempotencyv1.MethodPolicy_ISOLATION_REPEATABLE_READ: pgx.RepeatableRead,
+	idempotencyv1.MethodPolicy_ISOLATION_SERIALIZABLE:    pgx.Serializable,
 }
 
 // policies caches methodPolicy by full method name ("/pkg.Service/Method"),
@@ -95,6 +107,12 @@ func resolvePolicy(fullMethod string) methodPolicy {
 	if mp == nil || p.mode == modePassThrough {
 		return p
 	}
+	level, ok := isolationLevels[mp.GetIsolation()]
+	if !ok {
+		p.err = fmt.Errorf("method %s: option (idempotency.v1.method).isolation has the unknown value %d", fullMethod, mp.GetIsolation())
+		return p
+	}
+	p.isolation = level
 	if ttl := mp.GetTtl(); ttl != nil {
 		if err := ttl.CheckValid(); err != nil || ttl.AsDuration() < 0 {
 			p.err = fmt.Errorf("method %s: option (idempotency.v1.method).ttl must be a non-negative duration, got %v", fullMethod, ttl)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -35,7 +37,14 @@ type Store struct {
 	db    DB
 	ident pgx.Identifier
 	opts  storeOptions
-	sql   statements
+
+	// stmts holds the statements, rendered for the table once its schema
+	// is known; see statements.
+	stmts     atomic.Pointer[statements]
+	resolveMu sync.Mutex
+	// defaultSnapshot: the database's default isolation level, as the
+	// last claim at it saw it, is REPEATABLE READ or SERIALIZABLE.
+	defaultSnapshot atomic.Bool
 }
 
 // NewStore returns a Store on db. The table must exist: run [Store.Migrate]
@@ -52,11 +61,50 @@ func NewStore(db DB, opts ...StoreOption) (*Store, error) {
 	if err := o.validate(); err != nil {
 		return nil, err
 	}
-	ident := pgx.Identifier{o.table}
+	s := &Store{db: db, ident: pgx.Identifier{o.table}, opts: o}
 	if o.schema != "" {
-		ident = pgx.Identifier{o.schema, o.table}
+		s.ident = pgx.Identifier{o.schema, o.table}
+		st := renderStatements(s.ident.Sanitize())
+		s.stmts.Store(&st)
 	}
-	return &Store{db: db, ident: ident, opts: o, sql: renderStatements(ident.Sanitize())}, nil
+	return s, nil
+}
+
+// statements returns the store's statements. A table configured without a
+// schema is found in the schemas of the connection's search_path, once, at
+// the first call; from then on every statement names it with its schema,
+// so that a handler's SET LOCAL search_path (a tenant's schema) cannot
+// move the key's row into another table. If the table is later dropped,
+// the next call looks for it again.
+func (s *Store) statements(ctx context.Context) (*statements, error) {
+	if st := s.stmts.Load(); st != nil {
+		return st, nil
+	}
+	s.resolveMu.Lock()
+	defer s.resolveMu.Unlock()
+	if st := s.stmts.Load(); st != nil {
+		return st, nil
+	}
+	var schema string
+	err := s.db.QueryRow(ctx, `SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = pg_catalog.to_regclass($1)`, s.ident.Sanitize()).Scan(&schema)
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = &pgconn.PgError{Severity: "ERROR", Code: sqlUndefinedTable, Message: fmt.Sprintf("relation %s does not exist in the search_path", s.ident.Sanitize())}
+	}
+	if err != nil {
+		return nil, err
+	}
+	st := renderStatements(pgx.Identifier{schema, s.opts.table}.Sanitize())
+	s.stmts.Store(&st)
+	return &st, nil
+}
+
+// forgetTable makes the next call look for a table configured without a
+// schema again: it was not where it was found.
+func (s *Store) forgetTable() {
+	if s.opts.schema == "" {
+		s.stmts.Store(nil)
+	}
 }
 
 // StoreOption configures a [Store]. Invalid values make [NewStore] return
@@ -68,6 +116,7 @@ type storeOptions struct {
 	inProgressWait time.Duration
 	retryDelay     time.Duration
 	finishTimeout  time.Duration
+	isolation      pgx.TxIsoLevel
 	tracer         Tracer
 	err            error // the first invalid option that cannot wait for validate
 }
@@ -110,12 +159,32 @@ func (o storeOptions) validate() error {
 	case o.finishTimeout <= 0:
 		return fmt.Errorf("idempotency: WithFinishTimeout: must be positive, got %v", o.finishTimeout)
 	}
+	if _, ok := beginStatements[o.isolation]; !ok {
+		return fmt.Errorf("idempotency: WithIsolation: %q is not an isolation level of pgx.TxIsoLevel", o.isolation)
+	}
 	return nil
 }
 
-// WithTable sets the key table. An empty schema means the connection's
-// search_path decides. Names are quoted as identifiers, so any name is safe.
-// Defaults to "idempotency_keys" with no schema.
+// WithIsolation sets the isolation level of every call's transaction,
+// where the call sets none (Call.Isolation, a method's proto option, an
+// HTTP middleware's WithHTTPIsolation). Handlers cannot raise it
+// themselves: SET TRANSACTION fails after a transaction's first statement,
+// and the engine refuses it. Every guarantee holds at every level; at
+// REPEATABLE READ and SERIALIZABLE a fresh call's claim runs two more
+// statements in its round trip, and a serialization failure of the
+// handler's work is returned as codes.Aborted, to retry with the same key.
+// Defaults to "", the database's default_transaction_isolation.
+func WithIsolation(level pgx.TxIsoLevel) StoreOption {
+	return func(o *storeOptions) { o.isolation = level }
+}
+
+// WithTable sets the key table. An empty schema means the table is looked
+// for in the connection's search_path once, at the store's first call, and
+// then named with the schema it was found in: a store has one table, even
+// for handlers that switch search_path per tenant (give each tenant its
+// own Store, with its schema, for a key table per tenant). Names are quoted
+// as identifiers, so any name is safe. Defaults to "idempotency_keys" with
+// no schema.
 func WithTable(schema, table string) StoreOption {
 	return func(o *storeOptions) { o.schema, o.table = schema, table }
 }

@@ -3,6 +3,7 @@ package idempotency
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 )
 
@@ -153,12 +154,22 @@ func (s *Store) startCall(ctx context.Context, transport Transport, method, key 
 	return ctx, &callTrace{tracer: s.opts.tracer, start: time.Now(), data: TraceCallEndData{TraceCallStartData: start}}
 }
 
-// endHTTP reports an HTTP call's outcome and status.
-func (t *callTrace) endHTTP(ctx context.Context, o Outcome, status int, err error) {
+// setHTTPStatus records the status an HTTP call answered with.
+func (t *callTrace) setHTTPStatus(status int) {
 	if t != nil {
 		t.data.HTTPStatus = status
-		t.end(ctx, o, err)
 	}
+}
+
+// endDeferred, deferred by a transport once its trace has started, ends the
+// trace with the call's outcome and error as the transport returns them;
+// a panic is reported as released, then goes on.
+func (t *callTrace) endDeferred(ctx context.Context, outcome *Outcome, err *error) {
+	if p := recover(); p != nil {
+		t.end(ctx, OutcomeReleased, fmt.Errorf("panic: %v", p))
+		panic(p)
+	}
+	t.end(ctx, *outcome, *err)
 }
 
 // end reports the call's outcome.

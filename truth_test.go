@@ -35,7 +35,7 @@ func TestNeverMigratedIsAConfigurationError(t *testing.T) {
 		func(context.Context, pgx.Tx) (proto.Message, error) { ran = true; return nil, nil })
 	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
 	require.Contains(t, status.Convert(err).Message(), `key table "idempotency_keys" does not exist: run Store.Migrate`)
-	require.Equal(t, idempotency.OutcomeUnavailable, res.Outcome)
+	require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome, "an operator must act; not an outage")
 	require.False(t, ran, "nothing runs without a key table")
 	require.False(t, errors.Is(err, idempotency.ErrStoreUnavailable))
 }
@@ -64,7 +64,8 @@ func TestUnstorableCallsAreRejectedUpFront(t *testing.T) {
 // A deferred constraint the handler's writes violate is found at COMMIT.
 // It is the handler's failure, FailedPrecondition, not an outage: through
 // the interceptor (FailedPrecondition is final there) it is stored and the
-// handler never runs again; for a message (no policy) the ID is released.
+// handler never runs again; for a message too, which is dead-lettered
+// instead of redelivered forever (TestMessageThatCanNeverCommitIsDeadLettered).
 func TestDeferredConstraintAtCommitIsTheHandlersFailure(t *testing.T) {
 	t.Parallel()
 	var e *env
@@ -93,8 +94,9 @@ CREATE TRIGGER audit_note AFTER INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION a
 		return err
 	})
 	require.Equal(t, codes.FailedPrecondition, status.Code(err))
-	require.Equal(t, idempotency.OutcomeReleased, o, "without a policy the message's ID is released")
-	require.False(t, idempotency.IsFinal(err))
+	require.Equal(t, idempotency.OutcomeExecuted, o, "the message's failure is stored")
+	require.True(t, idempotency.IsFinal(err))
+	require.Equal(t, idempotency.DeadLetter, idempotency.DispositionOf(o, err))
 }
 
 // With statement_timeout shorter than the in-progress wait, a duplicate

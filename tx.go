@@ -2,8 +2,11 @@ package idempotency
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -13,32 +16,67 @@ import (
 // engine opens and ends it itself, pipelined with its own statements (BEGIN
 // with the claim, the stored result with COMMIT), which pgx's own Tx cannot
 // do; that saves two round trips per call. Handlers get everything but the
-// right to end it: Commit and Rollback return [ErrTxOwned].
+// right to end it:
+//
+//   - Commit and Rollback return [ErrTxOwned].
+//   - SQL that would end or reshape the transaction (COMMIT, ROLLBACK,
+//     BEGIN, SET TRANSACTION, and the others txControl lists) is refused
+//     before it reaches PostgreSQL, with an error wrapping ErrTxOwned, and
+//     the call then fails with codes.Internal, stored: a COMMIT that got
+//     through would release the key's lock with the handler's writes, and a
+//     duplicate could run in the gap.
+//   - Rows and batch results left open when the handler returns are closed,
+//     and the call fails the same way.
+//   - Conn returns the connection itself, whose statements cannot be
+//     checked; so its first use holds the key's lock for the session too,
+//     and a COMMIT sent there lets no duplicate in (see Conn).
 //
 // Once the call is over the transaction is dead, as a pgx Tx is after its
-// Commit: every method returns [pgx.ErrTxClosed], so a handler that kept it
-// cannot write into an idle pooled connection (autocommit) or into another
-// call's transaction.
+// Commit: every method returns [pgx.ErrTxClosed], those of its savepoints
+// and large objects too, so a handler that kept it cannot write into an
+// idle pooled connection (autocommit) or into another call's transaction.
 type callTx struct {
-	conn *pgx.Conn
+	conn    *pgx.Conn
+	attempt *attempt
 	// mu is held, shared, by each statement the handler sends, and taken
 	// whole by close: once close returns, no statement of the handler's is
 	// in flight on the connection, and none can start.
-	mu         sync.RWMutex
-	closed     bool
-	savepoints int // nested transactions started, for unique savepoint names
+	mu     sync.RWMutex
+	closed bool
 
-	loOnce sync.Once
-	lo     pgx.Tx // a pgx Tx on the same connection, only for LargeObjects
+	state      sync.Mutex // guards what follows, for handlers that share tx between goroutines
+	savepoints int        // nested transactions started, for unique savepoint names
+	refused    string     // why the call must fail, "" while nothing was refused
+	results    []func()   // closers of the rows and batch results handed out
 }
 
 var _ pgx.Tx = (*callTx)(nil)
 
-// close ends the handler's use of the transaction, when its Func returns.
+// close ends the handler's use of the transaction, when its Func returns:
+// it closes what the handler left open, so that the engine can use the
+// connection, and notes that it did.
 func (t *callTx) close() {
 	t.mu.Lock()
 	t.closed = true
 	t.mu.Unlock()
+	t.state.Lock()
+	defer t.state.Unlock()
+	leftOpen := !t.conn.IsClosed() && t.conn.PgConn().IsBusy()
+	for _, c := range t.results {
+		c()
+	}
+	if leftOpen && t.refused == "" {
+		t.refused = "idempotency: the handler returned while the rows of one of its queries (or the results of a batch) were still open; " +
+			"pgx needs them closed before the connection can run anything else. Close them (defer rows.Close()), or read them to the end. " +
+			"The key is kept with this error so that the call does not run again"
+	}
+}
+
+// refusal is why the call must fail, "" when it need not.
+func (t *callTx) refusal() string {
+	t.state.Lock()
+	defer t.state.Unlock()
+	return t.refused
 }
 
 // use holds the transaction open for one statement; done must be called
@@ -52,13 +90,45 @@ func (t *callTx) use() (done func(), ok bool) {
 	return t.mu.RUnlock, true
 }
 
+// ErrTxOwned is returned by Commit and Rollback on the transaction a
+// handler gets from [TxFromContext], and wrapped in the error of a
+// statement sent through it that would end the transaction: the call's
+// outcome decides them.
+var ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempotent call; return an error to roll it back")
+
+// allow refuses SQL that would end or reshape the call's transaction. The
+// first refusal decides the call's outcome, whatever the handler does next.
+func (t *callTx) allow(sql string) error {
+	what := txControl(sql)
+	if what == "" {
+		return nil
+	}
+	err := fmt.Errorf("%w: %s refused; it would end or change the call's transaction, which commits with the call's result "+
+		"(nested transactions: tx.Begin; the isolation level: the store's or the method's setting)", ErrTxOwned, what)
+	t.state.Lock()
+	defer t.state.Unlock()
+	if t.refused == "" {
+		t.refused = "idempotency: the handler sent " + what + " through the call's transaction, which the engine refused: " +
+			"a handler must not end the transaction, which commits with the call's result, nor change it. " +
+			"Nothing it wrote was committed; the key is kept with this error so that the call does not run again"
+	}
+	return err
+}
+
+// track keeps the closer of a result handed to the handler.
+func (t *callTx) track(closer func()) {
+	t.state.Lock()
+	t.results = append(t.results, closer)
+	t.state.Unlock()
+}
+
 func (t *callTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	done, ok := t.use()
 	if !ok {
 		return nil, pgx.ErrTxClosed
 	}
 	defer done()
-	return beginSavepoint(ctx, t, t)
+	return t.beginSavepoint(ctx)
 }
 
 func (t *callTx) Commit(context.Context) error {
@@ -66,7 +136,7 @@ func (t *callTx) Commit(context.Context) error {
 	if !ok {
 		return pgx.ErrTxClosed
 	}
-	defer done()
+	done()
 	return ErrTxOwned
 }
 
@@ -75,150 +145,273 @@ func (t *callTx) Rollback(context.Context) error {
 	if !ok {
 		return pgx.ErrTxClosed
 	}
-	defer done()
+	done()
 	return ErrTxOwned
 }
 
 func (t *callTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	return t.copyFrom(ctx, nil, table, cols, src)
+}
+
+func (t *callTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return t.sendBatch(ctx, nil, b)
+}
+
+func (t *callTx) LargeObjects() pgx.LargeObjects { return largeObjectsOf(t) }
+
+func (t *callTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	return t.prepare(ctx, nil, name, sql)
+}
+
+func (t *callTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return t.exec(ctx, nil, sql, args)
+}
+
+func (t *callTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return t.query(ctx, nil, sql, args)
+}
+
+func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return t.queryRow(ctx, nil, sql, args)
+}
+
+// Conn returns the call's connection. Statements sent on it directly are in
+// the call's transaction only while the call runs, and are not checked:
+// Conn must not be used to begin, commit or roll back transactions. As it
+// could be, its first use in a call holds the key's lock for the session
+// (one statement), so that duplicates keep waiting even if the handler
+// ends the transaction there; the engine then stores the call's error
+// before it lets them in. If that statement fails (the transaction already
+// aborted), the call fails with codes.Internal, stored.
+func (t *callTx) Conn() *pgx.Conn {
 	done, ok := t.use()
 	if !ok {
+		return t.conn
+	}
+	defer done()
+	t.holdKey()
+	return t.conn
+}
+
+// holdKey takes the key's lock for the session, once.
+func (t *callTx) holdKey() {
+	t.state.Lock()
+	defer t.state.Unlock()
+	if t.attempt == nil || t.attempt.session || t.refused != "" {
+		return
+	}
+	a := t.attempt
+	ctx, cancel := context.WithTimeout(context.Background(), a.s.opts.finishTimeout)
+	defer cancel()
+	if _, err := t.conn.Exec(ctx, a.st.holdSession, a.call.Scope, a.key); err != nil {
+		t.refused = "idempotency: the handler used tx.Conn(), and the engine could not hold the key's lock across it (" + err.Error() + "); " +
+			"a COMMIT sent there could let a duplicate run. The key is kept with this error so that the call does not run again"
+		return
+	}
+	a.session = true
+}
+
+// The statements of the call's transaction and of its savepoints: each
+// takes the call's hold, refuses once the call (or the savepoint, closed)
+// is over, and checks its SQL.
+
+func (t *callTx) exec(ctx context.Context, closed *atomic.Bool, sql string, args []any) (pgconn.CommandTag, error) {
+	done, ok := t.use()
+	if !ok || isClosed(closed) {
+		release(done)
+		return pgconn.CommandTag{}, pgx.ErrTxClosed
+	}
+	defer done()
+	if err := t.allow(sql); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	return t.conn.Exec(ctx, sql, args...)
+}
+
+func (t *callTx) query(ctx context.Context, closed *atomic.Bool, sql string, args []any) (pgx.Rows, error) {
+	done, ok := t.use()
+	if !ok || isClosed(closed) {
+		release(done)
+		return nil, pgx.ErrTxClosed
+	}
+	defer done()
+	if err := t.allow(sql); err != nil {
+		return nil, err
+	}
+	rows, err := t.conn.Query(ctx, sql, args...)
+	if rows != nil {
+		t.track(rows.Close)
+	}
+	return rows, err
+}
+
+func (t *callTx) queryRow(ctx context.Context, closed *atomic.Bool, sql string, args []any) pgx.Row {
+	rows, err := t.query(ctx, closed, sql, args)
+	return &row{rows: rows, err: err}
+}
+
+func (t *callTx) sendBatch(ctx context.Context, closed *atomic.Bool, b *pgx.Batch) pgx.BatchResults {
+	done, ok := t.use()
+	if !ok || isClosed(closed) {
+		release(done)
+		return closedBatch{pgx.ErrTxClosed}
+	}
+	defer done()
+	for _, q := range b.QueuedQueries {
+		if err := t.allow(q.SQL); err != nil {
+			return closedBatch{err}
+		}
+	}
+	br := t.conn.SendBatch(ctx, b)
+	t.track(func() { _ = br.Close() })
+	return br
+}
+
+func (t *callTx) prepare(ctx context.Context, closed *atomic.Bool, name, sql string) (*pgconn.StatementDescription, error) {
+	done, ok := t.use()
+	if !ok || isClosed(closed) {
+		release(done)
+		return nil, pgx.ErrTxClosed
+	}
+	defer done()
+	if err := t.allow(sql); err != nil {
+		return nil, err
+	}
+	return t.conn.Prepare(ctx, name, sql)
+}
+
+func (t *callTx) copyFrom(ctx context.Context, closed *atomic.Bool, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	done, ok := t.use()
+	if !ok || isClosed(closed) {
+		release(done)
 		return 0, pgx.ErrTxClosed
 	}
 	defer done()
 	return t.conn.CopyFrom(ctx, table, cols, src)
 }
 
-func (t *callTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	done, ok := t.use()
-	if !ok {
-		return closedBatch{}
+// isClosed reports whether a savepoint's closed flag is set; nil is the
+// call's transaction itself, which use checks.
+func isClosed(closed *atomic.Bool) bool { return closed != nil && closed.Load() }
+
+// release calls done when it is set: a hold that was taken.
+func release(done func()) {
+	if done != nil {
+		done()
 	}
-	defer done()
-	return t.conn.SendBatch(ctx, b)
 }
 
-// LargeObjects works inside the call's transaction. pgx builds LargeObjects
-// only from its own Tx, so the first use makes one on this connection with a
-// harmless statement in place of BEGIN (the transaction is already open).
-func (t *callTx) LargeObjects() pgx.LargeObjects {
-	t.loOnce.Do(func() {
-		t.lo, _ = t.conn.BeginTx(context.Background(), pgx.TxOptions{BeginQuery: "SELECT 1"})
-	})
-	if t.lo == nil {
-		return pgx.LargeObjects{}
-	}
-	return t.lo.LargeObjects()
+// row is what QueryRow returns: pgx's semantics (ErrNoRows, the rows closed
+// after Scan), on rows the call tracks.
+type row struct {
+	rows pgx.Rows
+	err  error
 }
 
-func (t *callTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	done, ok := t.use()
-	if !ok {
-		return nil, pgx.ErrTxClosed
+func (r *row) Scan(dest ...any) error {
+	if r.err != nil {
+		return r.err
 	}
-	defer done()
-	return t.conn.Prepare(ctx, name, sql)
+	defer r.rows.Close()
+	if !r.rows.Next() {
+		if err := r.rows.Err(); err != nil {
+			return err
+		}
+		return pgx.ErrNoRows
+	}
+	if err := r.rows.Scan(dest...); err != nil {
+		return err
+	}
+	r.rows.Close()
+	return r.rows.Err()
 }
 
-func (t *callTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	done, ok := t.use()
-	if !ok {
-		return pgconn.CommandTag{}, pgx.ErrTxClosed
-	}
-	defer done()
-	return t.conn.Exec(ctx, sql, args...)
-}
+// closedBatch is the result of a batch that was not sent.
+type closedBatch struct{ err error }
 
-func (t *callTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	done, ok := t.use()
-	if !ok {
-		return nil, pgx.ErrTxClosed
-	}
-	defer done()
-	return t.conn.Query(ctx, sql, args...)
-}
-
-func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	done, ok := t.use()
-	if !ok {
-		return closedRow{}
-	}
-	defer done()
-	return t.conn.QueryRow(ctx, sql, args...)
-}
-
-// Conn returns the call's connection. Statements sent on it directly are
-// in the call's transaction only while the call runs; Conn must not be used
-// to begin, commit or roll back transactions.
-func (t *callTx) Conn() *pgx.Conn { return t.conn }
-
-// closedRow and closedBatch are what a dead call transaction returns.
-type closedRow struct{}
-
-func (closedRow) Scan(...any) error { return pgx.ErrTxClosed }
-
-type closedBatch struct{}
-
-func (closedBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, pgx.ErrTxClosed }
-func (closedBatch) Query() (pgx.Rows, error)         { return nil, pgx.ErrTxClosed }
-func (closedBatch) QueryRow() pgx.Row                { return closedRow{} }
-func (closedBatch) Close() error                     { return pgx.ErrTxClosed }
-func (closedBatch) Tx() pgx.Tx                       { return nil }
+func (b closedBatch) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, b.err }
+func (b closedBatch) Query() (pgx.Rows, error)         { return nil, b.err }
+func (b closedBatch) QueryRow() pgx.Row                { return &row{err: b.err} }
+func (b closedBatch) Close() error                     { return b.err }
+func (b closedBatch) Tx() pgx.Tx                       { return nil }
 
 // savepointTx is a nested transaction inside a call's transaction, made
-// with SAVEPOINT like pgx's own nested transactions.
+// with SAVEPOINT like pgx's own nested transactions. Once committed or
+// rolled back it is closed, as pgx's are, and so is it once the call is
+// over.
 type savepointTx struct {
-	pgx.Tx // the enclosing transaction, for statements
 	call   *callTx
 	name   string
-	closed bool
+	closed atomic.Bool
 }
 
-// beginSavepoint starts a nested transaction; its caller holds call.use.
-func beginSavepoint(ctx context.Context, call *callTx, parent pgx.Tx) (pgx.Tx, error) {
-	call.savepoints++
-	name := "idempotency_sp_" + strconv.Itoa(call.savepoints)
-	if _, err := call.conn.Exec(ctx, "SAVEPOINT "+name); err != nil {
+var _ pgx.Tx = (*savepointTx)(nil)
+
+// beginSavepoint starts a nested transaction; its caller holds t.use.
+func (t *callTx) beginSavepoint(ctx context.Context) (pgx.Tx, error) {
+	t.state.Lock()
+	t.savepoints++
+	name := reservedPrefix + "sp_" + strconv.Itoa(t.savepoints)
+	t.state.Unlock()
+	if _, err := t.conn.Exec(ctx, "SAVEPOINT "+name); err != nil {
 		return nil, err
 	}
-	return &savepointTx{Tx: parent, call: call, name: name}, nil
+	return &savepointTx{call: t, name: name}, nil
 }
 
 func (s *savepointTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	done, ok := s.call.use()
-	if s.closed || !ok {
-		if ok {
-			done()
-		}
+	if !ok || s.closed.Load() {
+		release(done)
 		return nil, pgx.ErrTxClosed
 	}
 	defer done()
-	return beginSavepoint(ctx, s.call, s)
+	return s.call.beginSavepoint(ctx)
 }
 
-func (s *savepointTx) Commit(ctx context.Context) error {
-	done, ok := s.call.use()
-	if s.closed || !ok {
-		if ok {
-			done()
-		}
-		return pgx.ErrTxClosed
-	}
-	defer done()
-	_, err := s.call.conn.Exec(ctx, "RELEASE SAVEPOINT "+s.name)
-	s.closed = true
-	return err
-}
+func (s *savepointTx) Commit(ctx context.Context) error { return s.end(ctx, "RELEASE SAVEPOINT ") }
 
 func (s *savepointTx) Rollback(ctx context.Context) error {
+	return s.end(ctx, "ROLLBACK TO SAVEPOINT ")
+}
+
+// end releases or rolls back the savepoint, and closes s.
+func (s *savepointTx) end(ctx context.Context, statement string) error {
 	done, ok := s.call.use()
-	if s.closed || !ok {
-		if ok {
-			done()
-		}
+	if !ok || !s.closed.CompareAndSwap(false, true) {
+		release(done)
 		return pgx.ErrTxClosed
 	}
 	defer done()
-	_, err := s.call.conn.Exec(ctx, "ROLLBACK TO SAVEPOINT "+s.name)
-	s.closed = true
+	_, err := s.call.conn.Exec(ctx, statement+s.name)
 	return err
 }
+
+func (s *savepointTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	return s.call.copyFrom(ctx, &s.closed, table, cols, src)
+}
+
+func (s *savepointTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	return s.call.sendBatch(ctx, &s.closed, b)
+}
+
+func (s *savepointTx) LargeObjects() pgx.LargeObjects { return largeObjectsOf(s) }
+
+func (s *savepointTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	return s.call.prepare(ctx, &s.closed, name, sql)
+}
+
+func (s *savepointTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return s.call.exec(ctx, &s.closed, sql, args)
+}
+
+func (s *savepointTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return s.call.query(ctx, &s.closed, sql, args)
+}
+
+func (s *savepointTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return s.call.queryRow(ctx, &s.closed, sql, args)
+}
+
+// Conn is the call's connection; see callTx.Conn.
+func (s *savepointTx) Conn() *pgx.Conn { return s.call.Conn() }

@@ -85,12 +85,12 @@ pgbouncer() {
 	user=$(url_part user); db=$(url_part dbname)
 	export PGBOUNCER_URL=${PGBOUNCER_URL:-postgres://$user@127.0.0.1:$pgbouncer_port/$db?sslmode=disable&default_query_exec_mode=exec}
 	if can_login "${PGBOUNCER_URL%%&default_query_exec_mode=*}"; then return 0; fi
-	if ! command -v pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
+	if ! type -P pgbouncer >/dev/null && [ ! -x /usr/sbin/pgbouncer ]; then
 		log "installing pgbouncer (apt-get install pgbouncer)"
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer >/dev/null || { log "could not install pgbouncer"; return 1; }
 	fi
 	local dir=/tmp/idempotency-pgbouncer bin
-	bin=$(command -v pgbouncer || echo /usr/sbin/pgbouncer)
+	bin=$(type -P pgbouncer || echo /usr/sbin/pgbouncer)
 	mkdir -p "$dir"
 	cat >"$dir/pgbouncer.ini" <<EOF
 [databases]

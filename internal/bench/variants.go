@@ -160,7 +160,7 @@ func (b *bench) direct(execute, floor, plain *variant) {
 		if err != nil {
 			return err
 		}
-		res, err := b.store.Execute(ctx, idempotency.Call{Key: key, Method: h.method, Fingerprint: fp, TTL: idempotency.DefaultTTL, NewKey: true},
+		res, err := b.store.Execute(ctx, idempotency.Call{Key: key, Method: h.method, Fingerprint: fp, TTL: idempotency.DefaultTTL},
 			func(ctx context.Context, tx pgx.Tx) (proto.Message, error) { return h.write(ctx, tx, req) })
 		execute.outcomes.add(res.Outcome)
 		return err
@@ -230,10 +230,6 @@ func (c *client) call(ctx context.Context, v *variant, kind string) error {
 	}
 	if key != "" {
 		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
-	}
-	if v.keys == freshKey {
-		// As the client interceptor sends a key it generated: new.
-		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.NewKeyMetadata, "true")
 	}
 	if v.retry {
 		// As go-grpc-middleware's retry interceptor marks a second attempt.

@@ -87,6 +87,61 @@ func (MethodPolicy_Mode) EnumDescriptor() ([]byte, []int) {
 	return file_idempotency_v1_idempotency_proto_rawDescGZIP(), []int{0, 0}
 }
 
+// Isolation is a transaction isolation level of PostgreSQL.
+type MethodPolicy_Isolation int32
+
+const (
+	// The server's setting: the store's WithIsolation, whose default is the
+	// database's default_transaction_isolation.
+	MethodPolicy_ISOLATION_UNSPECIFIED     MethodPolicy_Isolation = 0
+	MethodPolicy_ISOLATION_READ_COMMITTED  MethodPolicy_Isolation = 1
+	MethodPolicy_ISOLATION_REPEATABLE_READ MethodPolicy_Isolation = 2
+	MethodPolicy_ISOLATION_SERIALIZABLE    MethodPolicy_Isolation = 3
+)
+
+// Enum value maps for MethodPolicy_Isolation.
+var (
+	MethodPolicy_Isolation_name = map[int32]string{
+		0: "ISOLATION_UNSPECIFIED",
+		1: "ISOLATION_READ_COMMITTED",
+		2: "ISOLATION_REPEATABLE_READ",
+		3: "ISOLATION_SERIALIZABLE",
+	}
+	MethodPolicy_Isolation_value = map[string]int32{
+		"ISOLATION_UNSPECIFIED":     0,
+		"ISOLATION_READ_COMMITTED":  1,
+		"ISOLATION_REPEATABLE_READ": 2,
+		"ISOLATION_SERIALIZABLE":    3,
+	}
+)
+
+func (x MethodPolicy_Isolation) Enum() *MethodPolicy_Isolation {
+	p := new(MethodPolicy_Isolation)
+	*p = x
+	return p
+}
+
+func (x MethodPolicy_Isolation) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (MethodPolicy_Isolation) Descriptor() protoreflect.EnumDescriptor {
+	return file_idempotency_v1_idempotency_proto_enumTypes[1].Descriptor()
+}
+
+func (MethodPolicy_Isolation) Type() protoreflect.EnumType {
+	return &file_idempotency_v1_idempotency_proto_enumTypes[1]
+}
+
+func (x MethodPolicy_Isolation) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use MethodPolicy_Isolation.Descriptor instead.
+func (MethodPolicy_Isolation) EnumDescriptor() ([]byte, []int) {
+	return file_idempotency_v1_idempotency_proto_rawDescGZIP(), []int{0, 1}
+}
+
 // MethodPolicy is the idempotency policy of one RPC, attached with the
 // (idempotency.v1.method) option. Every field is optional: an unset field
 // falls back to the next rule below.
@@ -131,7 +186,15 @@ type MethodPolicy struct {
 	// a singular string field of the request type is a configuration error,
 	// reported as Internal on every call of the method. Empty means the key
 	// is taken from metadata only.
-	KeyField      string `protobuf:"bytes,3,opt,name=key_field,json=keyField,proto3" json:"key_field,omitempty"`
+	KeyField string `protobuf:"bytes,3,opt,name=key_field,json=keyField,proto3" json:"key_field,omitempty"`
+	// The isolation level of the transaction the method's handler runs in
+	// (the transaction that also stores its result). A handler cannot raise
+	// the level itself: SET TRANSACTION fails after a transaction's first
+	// statement, and the server interceptor refuses it. Every guarantee
+	// holds at every level; at REPEATABLE READ and SERIALIZABLE a
+	// serialization failure of the handler's work is returned as ABORTED,
+	// to be retried with the same key.
+	Isolation     MethodPolicy_Isolation `protobuf:"varint,4,opt,name=isolation,proto3,enum=idempotency.v1.MethodPolicy_Isolation" json:"isolation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -187,6 +250,13 @@ func (x *MethodPolicy) GetKeyField() string {
 	return ""
 }
 
+func (x *MethodPolicy) GetIsolation() MethodPolicy_Isolation {
+	if x != nil {
+		return x.Isolation
+	}
+	return MethodPolicy_ISOLATION_UNSPECIFIED
+}
+
 var file_idempotency_v1_idempotency_proto_extTypes = []protoimpl.ExtensionInfo{
 	{
 		ExtendedType:  (*descriptorpb.MethodOptions)(nil),
@@ -229,16 +299,22 @@ var File_idempotency_v1_idempotency_proto protoreflect.FileDescriptor
 
 const file_idempotency_v1_idempotency_proto_rawDesc = "" +
 	"\n" +
-	" idempotency/v1/idempotency.proto\x12\x0eidempotency.v1\x1a google/protobuf/descriptor.proto\x1a\x1egoogle/protobuf/duration.proto\"\xe6\x01\n" +
+	" idempotency/v1/idempotency.proto\x12\x0eidempotency.v1\x1a google/protobuf/descriptor.proto\x1a\x1egoogle/protobuf/duration.proto\"\xad\x03\n" +
 	"\fMethodPolicy\x125\n" +
 	"\x04mode\x18\x01 \x01(\x0e2!.idempotency.v1.MethodPolicy.ModeR\x04mode\x12+\n" +
 	"\x03ttl\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\x12\x1b\n" +
-	"\tkey_field\x18\x03 \x01(\tR\bkeyField\"U\n" +
+	"\tkey_field\x18\x03 \x01(\tR\bkeyField\x12D\n" +
+	"\tisolation\x18\x04 \x01(\x0e2&.idempotency.v1.MethodPolicy.IsolationR\tisolation\"U\n" +
 	"\x04Mode\x12\x14\n" +
 	"\x10MODE_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rMODE_REQUIRED\x10\x01\x12\x11\n" +
 	"\rMODE_OPTIONAL\x10\x02\x12\x11\n" +
-	"\rMODE_DISABLED\x10\x03:V\n" +
+	"\rMODE_DISABLED\x10\x03\"\x7f\n" +
+	"\tIsolation\x12\x19\n" +
+	"\x15ISOLATION_UNSPECIFIED\x10\x00\x12\x1c\n" +
+	"\x18ISOLATION_READ_COMMITTED\x10\x01\x12\x1d\n" +
+	"\x19ISOLATION_REPEATABLE_READ\x10\x02\x12\x1a\n" +
+	"\x16ISOLATION_SERIALIZABLE\x10\x03:V\n" +
 	"\x06method\x12\x1e.google.protobuf.MethodOptions\x18\x85\x96\x03 \x01(\v2\x1c.idempotency.v1.MethodPolicyR\x06methodBGZEgithub.com/exactlyonce/idempotency/proto/idempotency/v1;idempotencyv1b\x06proto3"
 
 var (
@@ -253,24 +329,26 @@ func file_idempotency_v1_idempotency_proto_rawDescGZIP() []byte {
 	return file_idempotency_v1_idempotency_proto_rawDescData
 }
 
-var file_idempotency_v1_idempotency_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_idempotency_v1_idempotency_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
 var file_idempotency_v1_idempotency_proto_msgTypes = make([]protoimpl.MessageInfo, 1)
 var file_idempotency_v1_idempotency_proto_goTypes = []any{
 	(MethodPolicy_Mode)(0),             // 0: idempotency.v1.MethodPolicy.Mode
-	(*MethodPolicy)(nil),               // 1: idempotency.v1.MethodPolicy
-	(*durationpb.Duration)(nil),        // 2: google.protobuf.Duration
-	(*descriptorpb.MethodOptions)(nil), // 3: google.protobuf.MethodOptions
+	(MethodPolicy_Isolation)(0),        // 1: idempotency.v1.MethodPolicy.Isolation
+	(*MethodPolicy)(nil),               // 2: idempotency.v1.MethodPolicy
+	(*durationpb.Duration)(nil),        // 3: google.protobuf.Duration
+	(*descriptorpb.MethodOptions)(nil), // 4: google.protobuf.MethodOptions
 }
 var file_idempotency_v1_idempotency_proto_depIdxs = []int32{
 	0, // 0: idempotency.v1.MethodPolicy.mode:type_name -> idempotency.v1.MethodPolicy.Mode
-	2, // 1: idempotency.v1.MethodPolicy.ttl:type_name -> google.protobuf.Duration
-	3, // 2: idempotency.v1.method:extendee -> google.protobuf.MethodOptions
-	1, // 3: idempotency.v1.method:type_name -> idempotency.v1.MethodPolicy
-	4, // [4:4] is the sub-list for method output_type
-	4, // [4:4] is the sub-list for method input_type
-	3, // [3:4] is the sub-list for extension type_name
-	2, // [2:3] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	3, // 1: idempotency.v1.MethodPolicy.ttl:type_name -> google.protobuf.Duration
+	1, // 2: idempotency.v1.MethodPolicy.isolation:type_name -> idempotency.v1.MethodPolicy.Isolation
+	4, // 3: idempotency.v1.method:extendee -> google.protobuf.MethodOptions
+	2, // 4: idempotency.v1.method:type_name -> idempotency.v1.MethodPolicy
+	5, // [5:5] is the sub-list for method output_type
+	5, // [5:5] is the sub-list for method input_type
+	4, // [4:5] is the sub-list for extension type_name
+	3, // [3:4] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_idempotency_v1_idempotency_proto_init() }
@@ -283,7 +361,7 @@ func file_idempotency_v1_idempotency_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_idempotency_v1_idempotency_proto_rawDesc), len(file_idempotency_v1_idempotency_proto_rawDesc)),
-			NumEnums:      1,
+			NumEnums:      2,
 			NumMessages:   1,
 			NumExtensions: 1,
 			NumServices:   0,

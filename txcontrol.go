@@ -1,0 +1,272 @@
+package idempotency
+
+import "strings"
+
+// reservedPrefix starts the names of the savepoints the engine and its
+// nested transactions create; a handler's SQL may not create, release or
+// roll back to one of them.
+const reservedPrefix = "idempotency_"
+
+// txControl returns the first statement of sql (one statement, or several
+// separated by semicolons, as the simple protocol allows) that would end or
+// reshape the call's transaction, named for an error message; "" when
+// there is none. Refused: BEGIN, START TRANSACTION, COMMIT, END, ABORT,
+// ROLLBACK (but not ROLLBACK TO SAVEPOINT), PREPARE TRANSACTION, SET
+// TRANSACTION, SET SESSION CHARACTERISTICS, SET of the transaction_* and
+// default_transaction_* settings, and savepoint statements naming the
+// engine's own savepoints.
+//
+// It reads SQL as PostgreSQL does with standard_conforming_strings on (the
+// default since 9.1): quoted strings and identifiers, E'...' strings, dollar
+// quoting and nested comments hide what they contain. DO blocks and
+// procedures need no check: PostgreSQL refuses to commit inside them while
+// a transaction block is open.
+func txControl(sql string) string {
+	l := sqlLexer{s: sql}
+	for {
+		first := l.word()
+		switch first {
+		case "begin", "commit", "end", "abort":
+			return strings.ToUpper(first)
+		case "start":
+			if l.word() == "transaction" {
+				return "START TRANSACTION"
+			}
+		case "rollback":
+			switch l.word() {
+			case "to":
+				if n := l.savepointName(); strings.HasPrefix(n, reservedPrefix) {
+					return "ROLLBACK TO SAVEPOINT " + n
+				}
+			case "prepared":
+				return "ROLLBACK PREPARED"
+			default:
+				return "ROLLBACK"
+			}
+		case "release":
+			if n := l.savepointName(); strings.HasPrefix(n, reservedPrefix) {
+				return "RELEASE SAVEPOINT " + n
+			}
+		case "savepoint":
+			if n := l.ident(); strings.HasPrefix(n, reservedPrefix) {
+				return "SAVEPOINT " + n
+			}
+		case "prepare":
+			if l.word() == "transaction" {
+				return "PREPARE TRANSACTION"
+			}
+		case "set":
+			if what := l.setTarget(); what != "" {
+				return "SET " + what
+			}
+		}
+		if !l.nextStatement() {
+			return ""
+		}
+	}
+}
+
+// sqlLexer reads just enough of SQL to find statements' leading words.
+type sqlLexer struct {
+	s string
+	i int
+}
+
+// skipSpace skips whitespace and comments.
+func (l *sqlLexer) skipSpace() {
+	for l.i < len(l.s) {
+		switch c := l.s[l.i]; {
+		case c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v':
+			l.i++
+		case c == '-' && strings.HasPrefix(l.s[l.i:], "--"):
+			if n := strings.IndexByte(l.s[l.i:], '\n'); n >= 0 {
+				l.i += n + 1
+			} else {
+				l.i = len(l.s)
+			}
+		case c == '/' && strings.HasPrefix(l.s[l.i:], "/*"):
+			l.skipBlockComment()
+		default:
+			return
+		}
+	}
+}
+
+// skipBlockComment skips a /* */ comment, which may nest.
+func (l *sqlLexer) skipBlockComment() {
+	depth := 0
+	for l.i < len(l.s) {
+		switch {
+		case strings.HasPrefix(l.s[l.i:], "/*"):
+			depth++
+			l.i += 2
+		case strings.HasPrefix(l.s[l.i:], "*/"):
+			depth--
+			l.i += 2
+			if depth == 0 {
+				return
+			}
+		default:
+			l.i++
+		}
+	}
+}
+
+// word reads the next keyword or bare identifier, lower-cased; "" when the
+// next token is something else.
+func (l *sqlLexer) word() string {
+	l.skipSpace()
+	start := l.i
+	for l.i < len(l.s) && isIdentByte(l.s[l.i], l.i > start) {
+		l.i++
+	}
+	return strings.ToLower(l.s[start:l.i])
+}
+
+// ident reads an identifier, bare (lower-cased, as PostgreSQL folds it) or
+// double-quoted (as written).
+func (l *sqlLexer) ident() string {
+	l.skipSpace()
+	if l.i < len(l.s) && l.s[l.i] == '"' {
+		start := l.i
+		l.skipQuoted('"')
+		quoted := l.s[start+1 : max(l.i-1, start+1)]
+		return strings.ReplaceAll(quoted, `""`, `"`)
+	}
+	return l.word()
+}
+
+// savepointName reads the name after ROLLBACK TO or RELEASE, skipping the
+// optional SAVEPOINT keyword.
+func (l *sqlLexer) savepointName() string {
+	save := l.i
+	if l.word() != "savepoint" {
+		l.i = save
+	}
+	return l.ident()
+}
+
+// setTarget reads what a SET statement sets and names it when it is the
+// transaction's characteristics: SET [SESSION | LOCAL] TRANSACTION ..., SET
+// SESSION CHARACTERISTICS ..., or SET [SESSION | LOCAL] of a setting whose
+// name starts with transaction_ or default_transaction_.
+func (l *sqlLexer) setTarget() string {
+	name := l.ident()
+	if name == "session" || name == "local" {
+		next := l.ident()
+		if name == "session" && next == "characteristics" {
+			return "SESSION CHARACTERISTICS"
+		}
+		name = next
+	}
+	switch {
+	case name == "transaction":
+		return "TRANSACTION"
+	case strings.HasPrefix(name, "transaction_"), strings.HasPrefix(name, "default_transaction_"):
+		return name
+	}
+	return ""
+}
+
+// nextStatement moves past the end of the current statement, its first
+// top-level semicolon; false when there is none.
+func (l *sqlLexer) nextStatement() bool {
+	for l.i < len(l.s) {
+		c := l.s[l.i]
+		switch {
+		case c == ';':
+			l.i++
+			return true
+		case c == '\'':
+			l.skipQuoted('\'')
+		case c == '"':
+			l.skipQuoted('"')
+		case (c == 'e' || c == 'E') && l.i+1 < len(l.s) && l.s[l.i+1] == '\'' && (l.i == 0 || !isIdentByte(l.s[l.i-1], true)):
+			l.i++
+			l.skipEscapeString()
+		case c == '$':
+			l.skipDollar()
+		case c == '-' && strings.HasPrefix(l.s[l.i:], "--"), c == '/' && strings.HasPrefix(l.s[l.i:], "/*"):
+			l.skipSpace()
+		case isIdentByte(c, false):
+			// A whole word, so that the E of a word like "type" never
+			// starts an escape string.
+			for l.i < len(l.s) && isIdentByte(l.s[l.i], true) {
+				l.i++
+			}
+		default:
+			l.i++
+		}
+	}
+	return false
+}
+
+// skipQuoted skips a string or identifier quoted with q, in which a doubled
+// q stands for itself.
+func (l *sqlLexer) skipQuoted(q byte) {
+	l.i++ // the opening quote
+	for l.i < len(l.s) {
+		if l.s[l.i] == q {
+			if l.i+1 < len(l.s) && l.s[l.i+1] == q {
+				l.i += 2
+				continue
+			}
+			l.i++
+			return
+		}
+		l.i++
+	}
+}
+
+// skipEscapeString skips an E'...' string, where a backslash escapes the next
+// character.
+func (l *sqlLexer) skipEscapeString() {
+	l.i++ // the opening quote
+	for l.i < len(l.s) {
+		switch l.s[l.i] {
+		case '\\':
+			l.i += 2
+			continue
+		case '\'':
+			if l.i+1 < len(l.s) && l.s[l.i+1] == '\'' {
+				l.i += 2
+				continue
+			}
+			l.i++
+			return
+		}
+		l.i++
+	}
+}
+
+// skipDollar skips a dollar-quoted string ($$...$$ or $tag$...$tag$), or a
+// lone $ such as a parameter's ($1).
+func (l *sqlLexer) skipDollar() {
+	end := l.i + 1
+	for end < len(l.s) && l.s[end] != '$' && isIdentByte(l.s[end], end > l.i+1) {
+		end++
+	}
+	if end >= len(l.s) || l.s[end] != '$' {
+		l.i++ // a parameter, or a $ inside a word
+		return
+	}
+	tag := l.s[l.i : end+1]
+	if n := strings.Index(l.s[end+1:], tag); n >= 0 {
+		l.i = end + 1 + n + len(tag)
+	} else {
+		l.i = len(l.s)
+	}
+}
+
+// isIdentByte reports whether c can be part of a bare identifier; digits
+// and $ only after its first byte. Bytes of multibyte characters count as
+// letters, as PostgreSQL's lexer takes them.
+func isIdentByte(c byte, notFirst bool) bool {
+	switch {
+	case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c == '_', c >= 0x80:
+		return true
+	case c >= '0' && c <= '9', c == '$':
+		return notFirst
+	}
+	return false
+}

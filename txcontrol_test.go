@@ -1,0 +1,84 @@
+package idempotency
+
+import "testing"
+
+func TestUnitTxControlFindsStatementsThatEndTheTransaction(t *testing.T) {
+	refused := map[string]string{
+		"COMMIT":                                                  "COMMIT",
+		"commit and chain":                                        "COMMIT",
+		"  End Work":                                              "END",
+		"abort":                                                   "ABORT",
+		"ROLLBACK":                                                "ROLLBACK",
+		"rollback and chain":                                      "ROLLBACK",
+		"ROLLBACK PREPARED 'x'":                                   "ROLLBACK PREPARED",
+		"COMMIT PREPARED 'x'":                                     "COMMIT",
+		"BEGIN":                                                   "BEGIN",
+		"begin isolation level serializable":                      "BEGIN",
+		"START TRANSACTION":                                       "START TRANSACTION",
+		"PREPARE TRANSACTION 'x'":                                 "PREPARE TRANSACTION",
+		"INSERT INTO t VALUES (1); COMMIT":                        "COMMIT",
+		"INSERT INTO t VALUES (1);COMMIT;BEGIN":                   "COMMIT",
+		"insert into t values ('a;b'); commit":                    "COMMIT",
+		"SELECT 1; -- a comment\nCOMMIT":                          "COMMIT",
+		"/* a /* nested */ comment */ COMMIT":                     "COMMIT",
+		"SELECT $$;$$; COMMIT":                                    "COMMIT",
+		"SELECT $tag$ $$; $tag$; COMMIT":                          "COMMIT",
+		`SELECT E'\';'; COMMIT`:                                   "COMMIT",
+		`SELECT "a;b" FROM t; COMMIT`:                             "COMMIT",
+		"SET TRANSACTION READ ONLY":                               "SET TRANSACTION",
+		"SET LOCAL TRANSACTION ISOLATION LEVEL SERIALIZABLE":      "SET TRANSACTION",
+		"set session characteristics as transaction read only":    "SET SESSION CHARACTERISTICS",
+		"SET transaction_read_only = on":                          "SET transaction_read_only",
+		"SET LOCAL default_transaction_isolation TO serializable": "SET default_transaction_isolation",
+		`SET "transaction_isolation" = 'serializable'`:            "SET transaction_isolation",
+		"SAVEPOINT idempotency_call":                              "SAVEPOINT idempotency_call",
+		"RELEASE SAVEPOINT idempotency_call":                      "RELEASE SAVEPOINT idempotency_call",
+		"RELEASE idempotency_sp_1":                                "RELEASE SAVEPOINT idempotency_sp_1",
+		"ROLLBACK TO SAVEPOINT idempotency_call":                  "ROLLBACK TO SAVEPOINT idempotency_call",
+		`ROLLBACK TO "idempotency_call"`:                          "ROLLBACK TO SAVEPOINT idempotency_call",
+	}
+	for sql, want := range refused {
+		if got := txControl(sql); got != want {
+			t.Errorf("txControl(%q) = %q, want %q", sql, got, want)
+		}
+	}
+	for _, sql := range []string{
+		"",
+		"SELECT 1",
+		"INSERT INTO ledger (note) VALUES ('COMMIT')",
+		"INSERT INTO ledger (note) VALUES ('x; COMMIT')",
+		"SELECT $$; COMMIT $$",
+		"SELECT $1::text; SELECT 2",
+		`SELECT E'it''s; commit'`,
+		"SELECT 1 -- ; COMMIT",
+		"SELECT 1 /* ; COMMIT */",
+		`SELECT "; COMMIT" FROM t`,
+		"UPDATE t SET ended = true WHERE type = 'begin'",
+		"SELECT CASE WHEN true THEN 1 END",
+		"SAVEPOINT mine",
+		"ROLLBACK TO SAVEPOINT mine",
+		"ROLLBACK TO mine",
+		"RELEASE SAVEPOINT mine",
+		"SET LOCAL search_path = tenant_1",
+		"SET search_path TO tenant_1, public",
+		"SET TIME ZONE 'UTC'",
+		"PREPARE q AS SELECT 1",
+		"DO $$ BEGIN PERFORM 1; END $$",
+		"WITH x AS (SELECT 1) SELECT * FROM x",
+		"(SELECT 1)",
+		"typecommit",
+	} {
+		if got := txControl(sql); got != "" {
+			t.Errorf("txControl(%q) = %q, want none", sql, got)
+		}
+	}
+}
+
+func FuzzTxControl(f *testing.F) {
+	for _, s := range []string{"COMMIT", "SELECT 'a'; COMMIT", "SELECT $a$ x $a$", "/* /* */", "E'\\'", `"x""y"`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, sql string) {
+		txControl(sql) // must terminate without panicking on any input
+	})
+}
