@@ -94,7 +94,8 @@ func TestUnitOutcomeNames(t *testing.T) {
 	want := map[Outcome]string{
 		OutcomeExecuted: "executed", OutcomeReplayed: "replayed", OutcomeReleased: "released",
 		OutcomeInProgress: "in_progress", OutcomeKeyReused: "key_reused", OutcomeRejected: "rejected",
-		OutcomeUnavailable: "unavailable", 0: "unknown", 99: "unknown",
+		OutcomeUnavailable: "unavailable", OutcomeCanceled: "canceled", OutcomeMisconfigured: "misconfigured",
+		0: "unknown", 99: "unknown",
 	}
 	for o, name := range want {
 		require.Equal(t, name, o.String())

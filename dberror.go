@@ -26,6 +26,10 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 	if ctxErr := ctx.Err(); ctxErr != nil && errors.Is(err, ctxErr) {
 		return contextError{ctxErr}
 	}
+	var failure *dbFailure
+	if errors.As(err, &failure) {
+		return failure // classified already
+	}
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) {
 		// No answer from the server: the network, or a connection that died.
@@ -54,6 +58,10 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 		return s.misconfigured(op, pgErr, "the key table %s is not at this version's schema: run Store.Migrate, or apply the missing Store.Migrations()", s.ident.Sanitize())
 	case code == sqlInsufficientPrivilege:
 		return s.misconfigured(op, pgErr, "the database role may not use the key table %s: grant it SELECT, INSERT, UPDATE and DELETE", s.ident.Sanitize())
+	case code == sqlInvalidStatementName:
+		return s.misconfigured(op, pgErr, "a prepared statement vanished from the server connection: behind a connection pooler in transaction mode, "+
+			"pgx's default query mode (cache_statement) needs a pooler that carries prepared statements (PgBouncer 1.21 or later, max_prepared_statements); "+
+			"otherwise set default_query_exec_mode=cache_describe or exec")
 	}
 	return s.misconfigured(op, pgErr, "unexpected database error; the server's log has it")
 }
@@ -95,6 +103,8 @@ func outcomeOf(err error) Outcome {
 		return OutcomeUnavailable
 	case status.Code(err) == codes.InvalidArgument:
 		return OutcomeRejected
+	case status.Code(err) == codes.Internal:
+		return OutcomeMisconfigured
 	}
 	return OutcomeUnavailable
 }
@@ -110,6 +120,7 @@ const (
 	sqlUndefinedTable        = "42P01"
 	sqlInsufficientPrivilege = "42501"
 	sqlInvalidCatalogName    = "3D000" // the database does not exist
+	sqlInvalidStatementName  = "26000" // a prepared statement that does not exist
 )
 
 // sqlState returns the SQLSTATE of a PostgreSQL error, or "".
@@ -160,13 +171,24 @@ type dbFailure struct {
 }
 
 func (e *dbFailure) Error() string {
+	if e.cause == nil {
+		return fmt.Sprintf("idempotency: %s: %s", e.op, e.msg)
+	}
 	return fmt.Sprintf("idempotency: %s: %s (SQLSTATE %s: %s)", e.op, e.msg, e.cause.Code, e.cause.Message)
 }
 
-func (e *dbFailure) Unwrap() error { return e.cause }
+func (e *dbFailure) Unwrap() error {
+	if e.cause == nil {
+		return nil
+	}
+	return e.cause
+}
 
 // GRPCStatus gives the client the code and the message, not the database's
 // message, which may name internal objects.
 func (e *dbFailure) GRPCStatus() *status.Status {
+	if e.cause == nil {
+		return status.New(e.code, "idempotency: "+e.msg)
+	}
 	return status.New(e.code, fmt.Sprintf("idempotency: %s (SQLSTATE %s)", e.msg, e.cause.Code))
 }

@@ -42,6 +42,11 @@ func TestUnitDatabaseErrorClassification(t *testing.T) {
 		{&pgconn.PgError{Code: "28P01"}, codes.Internal, "PostgreSQL refused the login"},
 		{&pgconn.PgError{Code: "22021"}, codes.Internal, "unexpected database error"},
 		{&pgconn.PgError{Code: "P0001"}, codes.Internal, "unexpected database error"},
+		{&pgconn.PgError{Code: "28000", Severity: "FATAL"}, codes.Internal, "PostgreSQL refused the login"},
+		{&pgconn.PgError{Code: "3D000", Severity: "FATAL"}, codes.Internal, "PostgreSQL refused the login"},
+		{&pgconn.PgError{Code: "42501", Severity: "FATAL"}, codes.Internal, "grant it CONNECT"},
+		{&pgconn.ConnectError{Config: &pgconn.Config{}}, codes.Unavailable, "key store unavailable"},
+		{&pgconn.PgError{Code: "26000"}, codes.Internal, "max_prepared_statements"},
 		{&pgconn.PgError{Code: "25P03", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
 		{&pgconn.PgError{Code: "XX000", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
 	} {

@@ -3,6 +3,10 @@
 //
 // # The guarantee
 //
+// Whatever a client sends (markers, hints, headers) and whatever a handler
+// does, a key that has a stored result never runs its handler again, and
+// every caller of one key gets the same answer.
+//
 // For every idempotency key, the handler's database writes commit if and
 // only if the key and the handler's result commit with them, in one
 // PostgreSQL transaction. So a key never exists without its result, a
@@ -44,9 +48,29 @@
 //	}
 //
 // A handler's error rolls its writes back. An error whose code says the
-// request was decided (InvalidArgument, NotFound, ...: [DefaultFinalCodes],
-// changed with [WithFinalCodes]) is final: it is stored with the key and
-// replayed. Any other error releases the key, so a retry runs again.
+// request was decided (NotFound, FailedPrecondition, ...:
+// [DefaultFinalCodes], changed with [WithFinalCodes]) is final: it is
+// stored with the key and replayed. Any other error releases the key, so a
+// retry runs again; InvalidArgument does too, so that the corrected request
+// can reuse its key.
+//
+// The transaction belongs to the call: a handler must not end it. SQL sent
+// through it that would (COMMIT, ROLLBACK, BEGIN, SET TRANSACTION) is
+// refused with an error wrapping [ErrTxOwned], and the call then fails with
+// codes.Internal, stored, so that it never runs again; so does a call whose
+// handler ends the transaction on tx.Conn(), returns success after one of
+// its statements failed, or leaves a query's rows open. Nested transactions
+// (tx.Begin) are savepoints and work as usual.
+//
+// The transaction runs at the database's default isolation level, or at
+// the one chosen with [WithIsolation], [Call.Isolation], the isolation field
+// of the method's proto option or [WithHTTPIsolation]. Every guarantee holds
+// at every level. At REPEATABLE READ and SERIALIZABLE the claim locks the
+// key for the session just before the call's transaction begins, so that
+// the transaction's snapshot sees everything the key's previous holders
+// committed (two more statements in the claim's round trip), and a
+// serialization failure or deadlock is returned as codes.Aborted: nothing
+// committed, retry with the same key.
 //
 // A handler that calls another system (a payment provider, another
 // service) cannot take that system's effect into the transaction: it must
@@ -111,9 +135,13 @@
 // github.com/exactlyonce/idempotency/idempotencyotel reports them to
 // OpenTelemetry. [Store.Inspect] and [Store.Forget] look at and remove one
 // key, and cmd/idempotency does both from a shell, applies the migrations
-// or prints them for golang-migrate, goose or Atlas. Behind PgBouncer in
-// transaction pooling, give pgx a query mode that prepares no named
-// statements (default_query_exec_mode=cache_describe).
+// or prints them for golang-migrate, goose or Atlas.
+//
+// Behind PgBouncer in transaction pooling, pgx's default query mode,
+// cache_statement, needs a pooler that carries prepared statements
+// (PgBouncer 1.21 or later with max_prepared_statements); describe_exec
+// never works there, and a store refuses it when it sees a pooler; use
+// default_query_exec_mode=cache_describe or exec.
 //
 // # Options
 //

@@ -24,6 +24,7 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 		"WithInProgressWait": WithInProgressWait(0),
 		"WithRetryDelay":     WithRetryDelay(-time.Second),
 		"WithFinishTimeout":  WithFinishTimeout(0),
+		"WithIsolation":      WithIsolation("snapshot"),
 	} {
 		_, err := NewStore(pool, opt)
 		require.ErrorContains(t, err, strings.TrimSpace(name))
@@ -34,6 +35,8 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 	require.NoError(t, err)
 	_, err = NewStore(pool, WithTable("", strings.Repeat("t", 48)))
 	require.NoError(t, err, "48 bytes leave room for both suffixes")
+	_, err = NewStore(pool, WithTable("", strings.Repeat("t", 53)))
+	require.ErrorContains(t, err, "at most 48 bytes", "the limit the longer suffix sets, whichever check fails")
 
 	for name, opt := range map[string]ServerOption{
 		"WithScope":       WithScope(nil),
@@ -53,6 +56,14 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 	} {
 		require.Contains(t, panicMessage(t, func() { UnaryClientInterceptor(opt) }), strings.TrimSpace(name))
 		require.Contains(t, panicMessage(t, func() { UnaryClientInterceptors(opt) }), strings.TrimSpace(name))
+	}
+
+	for name, opt := range map[string]HTTPOption{
+		"WithHTTPReplayedHeaders":  WithHTTPReplayedHeaders("set-cookie"),
+		"WithHTTPReplayedHeaders ": WithHTTPReplayedHeaders("X-Request-Id", "Authorization"),
+		"WithHTTPIsolation":        WithHTTPIsolation("snapshot"),
+	} {
+		require.Contains(t, panicMessage(t, func() { HTTPMiddleware(store, opt) }), strings.TrimSpace(name))
 	}
 
 	// Valid edge values are accepted.

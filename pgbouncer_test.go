@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
@@ -34,29 +35,40 @@ const pgbouncerURLEnv = "PGBOUNCER_URL"
 const defaultPgbouncerURL = "postgres://postgres@127.0.0.1:6432/test?sslmode=disable&default_query_exec_mode=exec"
 
 // bouncedServer serves the ledger through a store on a PgBouncer pool.
-func bouncedServer(t *testing.T, handler func(ctx context.Context, schema string, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error)) (*testdb.DB, *replica) {
+func bouncedServer(t *testing.T, handler func(ctx context.Context, schema string, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error), opts ...idempotency.StoreOption) (*testdb.DB, *replica) {
+	t.Helper()
+	db := suiteDB(t)
+	pool := bouncedPool(t, "")
+	srv := startReplica(t, pool, replicaConfig{
+		storeOpts: append([]idempotency.StoreOption{idempotency.WithTable(db.Schema, idempotency.DefaultTable), idempotency.WithInProgressWait(10 * time.Second)}, opts...),
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			return handler(ctx, db.Schema, req)
+		},
+	})
+	return db, srv
+}
+
+// bouncedPool is a pool through PgBouncer; mode, when set, replaces the
+// URL's query mode.
+func bouncedPool(t *testing.T, mode string) *pgxpool.Pool {
 	t.Helper()
 	url := os.Getenv(pgbouncerURLEnv)
 	if url == "" {
 		url = defaultPgbouncerURL
 	}
-	db := suiteDB(t)
 	cfg, err := pgxpool.ParseConfig(url)
 	require.NoError(t, err)
 	cfg.MaxConns = 16
+	if mode != "" {
+		cfg.ConnConfig.DefaultQueryExecMode = map[string]pgx.QueryExecMode{"describe_exec": pgx.QueryExecModeDescribeExec, "exec": pgx.QueryExecModeExec}[mode]
+	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	if err := pool.Ping(context.Background()); err != nil {
 		t.Fatalf("no PgBouncer at %s (set %s; `bash scripts/services.sh` starts one): %v", strings.Split(url, "?")[0], pgbouncerURLEnv, err)
 	}
-	srv := startReplica(t, pool, replicaConfig{
-		storeOpts: []idempotency.StoreOption{idempotency.WithTable(db.Schema, idempotency.DefaultTable), idempotency.WithInProgressWait(10 * time.Second)},
-		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-			return handler(ctx, db.Schema, req)
-		},
-	})
-	return db, srv
+	return pool
 }
 
 // bouncedLedger is keyedLedger with the ledger named by its schema.
@@ -153,4 +165,69 @@ func TestThroughPgBouncerCrashLeavesNoKey(t *testing.T) {
 	require.False(t, r.replayed)
 	require.Less(t, time.Since(start), 2*time.Second, "no lock outlived the dead session")
 	requireKeysMatchLedger(t, db)
+}
+
+// At SERIALIZABLE the key is locked by the session before the call's
+// transaction begins, and a handler that uses tx.Conn() holds it by the
+// session too: through PgBouncer, every such lock is released in the round
+// trip that took it or in the one that ends the transaction, so no server
+// connection goes back to PgBouncer's pool holding one.
+func TestThroughPgBouncerAtSerializableNoLockOutlivesItsCall(t *testing.T) {
+	t.Parallel()
+	db, srv := bouncedServer(t, func(ctx context.Context, schema string, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if strings.HasSuffix(req.GetValue(), "odd") {
+			_ = idempotency.MustTxFromContext(ctx).Conn().TypeMap() // as code that reads the connection's types
+		}
+		return bouncedLedger(ctx, schema, req)
+	}, idempotency.WithIsolation(pgx.Serializable))
+	conn := dial(t, srv.addr)
+	const keys, perKey = 10, 4
+	var wg sync.WaitGroup
+	errs := make(chan error, keys*perKey)
+	for k := range keys {
+		for range perKey {
+			wg.Go(func() {
+				ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, fmt.Sprint("pgb-ser-", k))
+				body := fmt.Sprint("charge ", k, []string{" even", " odd"}[k%2])
+				if r := invoke(ctx, conn, methodCharge, body); r.err != nil && status.Code(r.err) != codes.Aborted {
+					errs <- r.err
+				}
+			})
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	require.EqualValues(t, keys, srv.execs.Load())
+	requireKeysMatchLedger(t, db)
+	// A session lock left behind would be held by a server connection that
+	// is idle in PgBouncer's pool.
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND a.state = 'idle' AND a.datname = current_database() AND a.pid <> pg_backend_pid()`))
+}
+
+// describe_exec prepares a statement in one round trip and binds it in the
+// next, which a pooler may send to another server connection: behind one,
+// the store refuses it, saying what to use; directly it works.
+func TestDescribeExecBehindAPoolerIsRefused(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	ctx := context.Background()
+	call := idempotency.Call{Key: "k", Method: "m"}
+	run := func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil }
+	store, err := idempotency.NewStore(bouncedPool(t, "describe_exec"), idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+	require.NoError(t, err)
+	res, err := store.Execute(ctx, call, run)
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Contains(t, status.Convert(err).Message(), "use cache_describe or exec")
+	require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome)
+
+	direct := schemaPool(t, db.Schema, 2, func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeDescribeExec })
+	store, err = idempotency.NewStore(direct)
+	require.NoError(t, err)
+	res, err = store.Execute(ctx, call, run)
+	require.NoError(t, err, "no pooler in between")
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
 }

@@ -71,6 +71,15 @@ func (s *policyServer) NonStringKeyField(ctx context.Context, r *testingv1.Reque
 	return s.write(ctx, r)
 }
 
+// Serializable answers with the isolation level of its transaction.
+func (s *policyServer) Serializable(ctx context.Context, r *testingv1.Request) (*testingv1.Response, error) {
+	resp, err := s.write(ctx, r)
+	if err == nil {
+		err = idempotency.MustTxFromContext(ctx).QueryRow(ctx, `SELECT current_setting('transaction_isolation')`).Scan(&resp.Body)
+	}
+	return resp, err
+}
+
 type policyEnv struct {
 	db     *testdb.DB
 	client testingv1.PolicyServiceClient
@@ -136,6 +145,12 @@ func TestPolicyFromProtoOptions(t *testing.T) {
 	t.Run("the explicit option wins over idempotency_level", func(t *testing.T) {
 		_, _, err := send(c.RequiredDespiteLevel, "", req("rl"))
 		require.Equal(t, idempotency.MetadataKey, badRequestField(t, err))
+	})
+
+	t.Run("isolation: the method's transaction runs at its level", func(t *testing.T) {
+		resp, _, err := send(c.Serializable, "ser-key", req("s"))
+		require.NoError(t, err)
+		require.Equal(t, "serializable", resp.GetBody(), "on a database whose default is READ COMMITTED")
 	})
 
 	t.Run("optional: no key passes through, a key protects", func(t *testing.T) {

@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	_ "github.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1" // registers PolicyService
@@ -19,6 +20,7 @@ func TestUnitPolicyResolution(t *testing.T) {
 		ttl           time.Duration
 		keyPath       string
 		err           string
+		isolation     pgx.TxIsoLevel
 		clientKey     bool // the client generates a key
 		retryWithout  bool // a keyless call may be retried
 		knownToClient bool
@@ -34,6 +36,7 @@ func TestUnitPolicyResolution(t *testing.T) {
 		{method: "ShortTTL", mode: modeDefault, ttl: 200 * time.Millisecond, clientKey: true, knownToClient: true},
 		{method: "BadKeyField", err: `has no field "missing"`, knownToClient: true},
 		{method: "NonStringKeyField", err: "the key must be a string field", knownToClient: true},
+		{method: "Serializable", mode: modeRequired, isolation: pgx.Serializable, clientKey: true, knownToClient: true},
 	} {
 		p := resolvePolicy(svc + tc.method)
 		require.Equal(t, tc.knownToClient, p.known, tc.method)
@@ -46,6 +49,7 @@ func TestUnitPolicyResolution(t *testing.T) {
 		require.Equal(t, tc.mode, p.mode, tc.method)
 		require.Equal(t, tc.ttl, p.ttl, tc.method)
 		require.Equal(t, tc.keyPath, p.keyPath, tc.method)
+		require.Equal(t, tc.isolation, p.isolation, tc.method)
 		require.Equal(t, tc.clientKey, p.clientGeneratesKey(true), "%s: client generates a key", tc.method)
 		require.Equal(t, tc.retryWithout, p.retrySafeWithoutKey(), "%s: retry without a key", tc.method)
 	}

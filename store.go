@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc/codes"
 )
 
 // DefaultTTL is how long a finished key is kept when a call sets no TTL.
@@ -64,18 +65,18 @@ func NewStore(db DB, opts ...StoreOption) (*Store, error) {
 	s := &Store{db: db, ident: pgx.Identifier{o.table}, opts: o}
 	if o.schema != "" {
 		s.ident = pgx.Identifier{o.schema, o.table}
-		st := renderStatements(s.ident.Sanitize())
-		s.stmts.Store(&st)
 	}
 	return s, nil
 }
 
-// statements returns the store's statements. A table configured without a
-// schema is found in the schemas of the connection's search_path, once, at
-// the first call; from then on every statement names it with its schema,
-// so that a handler's SET LOCAL search_path (a tenant's schema) cannot
-// move the key's row into another table. If the table is later dropped,
-// the next call looks for it again.
+// statements returns the store's statements, rendered at the store's
+// first call. A table configured without a schema is found in the schemas
+// of the connection's search_path, once; from then on every statement
+// names it with its schema, so that a handler's SET LOCAL search_path (a
+// tenant's schema) cannot move the key's row into another table. If the
+// table is later dropped, the next call looks for it again. The same first
+// call checks that the pool's query mode works where it runs (see
+// checkQueryMode).
 func (s *Store) statements(ctx context.Context) (*statements, error) {
 	if st := s.stmts.Load(); st != nil {
 		return st, nil
@@ -85,26 +86,52 @@ func (s *Store) statements(ctx context.Context) (*statements, error) {
 	if st := s.stmts.Load(); st != nil {
 		return st, nil
 	}
-	var schema string
-	err := s.db.QueryRow(ctx, `SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.oid = pg_catalog.to_regclass($1)`, s.ident.Sanitize()).Scan(&schema)
-	if errors.Is(err, pgx.ErrNoRows) {
-		err = &pgconn.PgError{Severity: "ERROR", Code: sqlUndefinedTable, Message: fmt.Sprintf("relation %s does not exist in the search_path", s.ident.Sanitize())}
-	}
+	pc, err := s.db.Acquire(ctx)
 	if err != nil {
 		return nil, err
 	}
-	st := renderStatements(pgx.Identifier{schema, s.opts.table}.Sanitize())
+	defer pc.Release()
+	var schema *string
+	var backendPID uint32
+	err = pc.QueryRow(ctx, `SELECT (SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = pg_catalog.to_regclass($1)), pg_catalog.pg_backend_pid()`, s.ident.Sanitize()).Scan(&schema, &backendPID)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkQueryMode(pc.Conn(), backendPID); err != nil {
+		return nil, err
+	}
+	if schema == nil {
+		return nil, &pgconn.PgError{Severity: "ERROR", Code: sqlUndefinedTable, Message: fmt.Sprintf("relation %s does not exist", s.ident.Sanitize())}
+	}
+	st := renderStatements(pgx.Identifier{*schema, s.opts.table}.Sanitize())
 	s.stmts.Store(&st)
 	return &st, nil
+}
+
+// checkQueryMode refuses pgx's describe_exec query mode behind a
+// connection pooler. That mode prepares an unnamed statement in one round
+// trip and binds it in the next, and a pooler in transaction mode may run
+// the two on different server connections: the bind then fails, or runs
+// another client's statement. A pooler is recognised by the process ID it
+// hands out for cancel requests, which is not the server process's own.
+// (cache_statement, pgx's default, prepares named statements: behind a
+// pooler it needs one that carries them, PgBouncer 1.21 or later with
+// max_prepared_statements; without, calls fail with the message of
+// sqlInvalidStatementName.)
+func checkQueryMode(conn *pgx.Conn, backendPID uint32) error {
+	if conn.Config().DefaultQueryExecMode != pgx.QueryExecModeDescribeExec || conn.PgConn().PID() == backendPID {
+		return nil
+	}
+	return &dbFailure{code: codes.Internal, op: "check the pool's query mode",
+		msg: "the pool uses pgx's default_query_exec_mode=describe_exec behind a connection pooler, where it can bind one client's statement to another's; " +
+			"use cache_describe or exec (or cache_statement in session pooling, or with PgBouncer 1.21 or later and max_prepared_statements)"}
 }
 
 // forgetTable makes the next call look for a table configured without a
 // schema again: it was not where it was found.
 func (s *Store) forgetTable() {
-	if s.opts.schema == "" {
-		s.stmts.Store(nil)
-	}
+	s.stmts.Store(nil)
 }
 
 // StoreOption configures a [Store]. Invalid values make [NewStore] return
@@ -142,12 +169,15 @@ func (o storeOptions) validate() error {
 			}
 		}
 	}
-	// Migrate names two more objects after the table; they must fit too.
-	for _, suffix := range []string{migrationsSuffix, expiresIndexSuffix} {
-		if n := len(o.table) + len(suffix); n > 63 {
-			return fmt.Errorf("idempotency: WithTable: table name %q is %d bytes; with the suffix %q of the objects Migrate creates beside it, it must fit PostgreSQL's 63-byte identifier limit, so at most %d bytes",
-				o.table, len(o.table), suffix, 63-len(suffix))
-		}
+	// Migrate names two more objects after the table; they must fit too,
+	// the longer suffix deciding.
+	suffix := migrationsSuffix
+	if len(expiresIndexSuffix) > len(suffix) {
+		suffix = expiresIndexSuffix
+	}
+	if n := len(o.table) + len(suffix); n > 63 {
+		return fmt.Errorf("idempotency: WithTable: table name %q is %d bytes; with the suffix %q of the objects Migrate creates beside it, it must fit PostgreSQL's 63-byte identifier limit, so at most %d bytes",
+			o.table, len(o.table), suffix, 63-len(suffix))
 	}
 	switch {
 	case o.table == "":

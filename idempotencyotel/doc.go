@@ -17,7 +17,7 @@
 //
 // Each call's metrics carry idempotency.outcome (the [idempotency.Outcome]
 // names: executed, replayed, released, in_progress, key_reused, rejected,
-// unavailable) and idempotency.transport, and the method: rpc.system,
+// unavailable, canceled, misconfigured) and idempotency.transport, and the method: rpc.system,
 // rpc.service and rpc.method for gRPC, http.route for HTTP. Through the
 // Prometheus exporter, idempotency.calls is idempotency_calls_total with
 // the label idempotency_outcome.

@@ -211,10 +211,14 @@ func recordJSON(rec idempotency.Record) inspected {
 func sqlCommand(args []string, schema, table string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idempotency sql", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	down := fs.Bool("down", false, "print the down migrations, newest first, instead of the up ones")
+	down := fs.Bool("down", false, "print the down migrations, newest first, instead of the up ones (-format plain only: the files of the other formats hold both directions)")
 	format := fs.String("format", "plain", "plain (print), golang-migrate (NNN_name.up.sql and .down.sql; also Atlas's golang-migrate format) or goose (NNN_name.sql with +goose annotations)")
 	dir := fs.String("dir", "", "write the files into this directory instead of printing (golang-migrate and goose formats)")
 	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *down && *format != "plain" {
+		fmt.Fprintf(stderr, "idempotency sql: -down applies to -format plain only; -format %s writes both directions in its files\n", *format)
 		return 2
 	}
 	store, err := idempotency.NewStore(noDB{}, idempotency.WithTable(schema, table))

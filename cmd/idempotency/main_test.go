@@ -206,7 +206,8 @@ func TestSQLFilesForMigrationTools(t *testing.T) {
 	for _, n := range names {
 		base = append(base, filepath.Base(n))
 	}
-	require.Equal(t, []string{"001_create_keys.down.sql", "001_create_keys.up.sql", "002_add_metadata.down.sql", "002_add_metadata.up.sql"}, base)
+	require.Equal(t, []string{"001_create_keys.down.sql", "001_create_keys.up.sql", "002_add_metadata.down.sql", "002_add_metadata.up.sql",
+		"003_namespace_keys.down.sql", "003_namespace_keys.up.sql"}, base)
 	up, err := os.ReadFile(filepath.Join(dir, "001_create_keys.up.sql"))
 	require.NoError(t, err)
 	require.Contains(t, string(up), `CREATE TABLE IF NOT EXISTS "app"."keys"`)
@@ -216,6 +217,13 @@ func TestSQLFilesForMigrationTools(t *testing.T) {
 	require.Contains(t, out, "-- file 001_create_keys.sql\n-- +goose Up\n")
 	require.Contains(t, out, "-- +goose Down\n-- +goose StatementBegin\n")
 	require.Contains(t, out, "DROP TABLE IF EXISTS \"idempotency_keys\";\n-- +goose StatementEnd\n")
+
+	// -down has no meaning where each file holds both directions.
+	for _, format := range []string{"goose", "golang-migrate"} {
+		_, errOut, code := command(t, nil, "", "sql", "-format", format, "-down")
+		require.Equal(t, 2, code, format)
+		require.Contains(t, errOut, "-down applies to -format plain only", format)
+	}
 }
 
 // No output ever shows the database password.

@@ -112,7 +112,7 @@ func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, opts ...idempot
 // (at most 64 bytes of it), the status, where the time went, and on
 // failures the cause, which stays in the server's log and is never sent to
 // the client. Executions and replays are Info, calls the client must act on
-// Warn, a database that failed Error.
+// Warn, a database that failed or a store an operator must fix Error.
 func LogTracer(logger *slog.Logger) idempotency.Tracer {
 	return idempotency.TraceCallEndFunc(func(ctx context.Context, data idempotency.TraceCallEndData) {
 		attrs := []slog.Attr{
@@ -129,7 +129,7 @@ func LogTracer(logger *slog.Logger) idempotency.Tracer {
 		attrs = append(attrs, slog.Duration("took", data.Duration), slog.Duration("handler", data.Handler))
 		level := slog.LevelInfo
 		switch {
-		case data.Outcome == idempotency.OutcomeUnavailable:
+		case data.Outcome == idempotency.OutcomeUnavailable, data.Outcome == idempotency.OutcomeMisconfigured:
 			level = slog.LevelError
 		case data.Err != nil && data.Outcome != idempotency.OutcomeReplayed && data.Outcome != idempotency.OutcomeExecuted:
 			level = slog.LevelWarn

@@ -192,7 +192,7 @@ const file_idempotency_testing_v1_policy_proto_rawDesc = "" +
 	"request_id\x18\x01 \x01(\tR\trequestId\";\n" +
 	"\bResponse\x12\x12\n" +
 	"\x04body\x18\x01 \x01(\tR\x04body\x12\x1b\n" +
-	"\tledger_id\x18\x02 \x01(\x03R\bledgerId2\x8d\b\n" +
+	"\tledger_id\x18\x02 \x01(\x03R\bledgerId2\xea\b\n" +
 	"\rPolicyService\x12U\n" +
 	"\bRequired\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\x06\xaa\xb0\x19\x02\b\x01\x12U\n" +
 	"\bOptional\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\x06\xaa\xb0\x19\x02\b\x02\x12U\n" +
@@ -206,7 +206,8 @@ const file_idempotency_testing_v1_policy_proto_rawDesc = "" +
 	"NaturalKey\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\x17\xaa\xb0\x19\x13\b\x01\x1a\x0fmeta.request_id\x12Z\n" +
 	"\bShortTTL\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\v\xaa\xb0\x19\a\x12\x05\x10\x80\x84\xaf_\x12d\n" +
 	"\vBadKeyField\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\x12\xaa\xb0\x19\x0e\x1a\fmeta.missing\x12d\n" +
-	"\x11NonStringKeyField\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\f\xaa\xb0\x19\b\x1a\x06amountBUZSgithub.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1;testingv1b\x06proto3"
+	"\x11NonStringKeyField\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\f\xaa\xb0\x19\b\x1a\x06amount\x12[\n" +
+	"\fSerializable\x12\x1f.idempotency.testing.v1.Request\x1a .idempotency.testing.v1.Response\"\b\xaa\xb0\x19\x04\b\x01 \x03BUZSgithub.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1;testingv1b\x06proto3"
 
 var (
 	file_idempotency_testing_v1_policy_proto_rawDescOnce sync.Once
@@ -239,19 +240,21 @@ var file_idempotency_testing_v1_policy_proto_depIdxs = []int32{
 	0,  // 9: idempotency.testing.v1.PolicyService.ShortTTL:input_type -> idempotency.testing.v1.Request
 	0,  // 10: idempotency.testing.v1.PolicyService.BadKeyField:input_type -> idempotency.testing.v1.Request
 	0,  // 11: idempotency.testing.v1.PolicyService.NonStringKeyField:input_type -> idempotency.testing.v1.Request
-	2,  // 12: idempotency.testing.v1.PolicyService.Required:output_type -> idempotency.testing.v1.Response
-	2,  // 13: idempotency.testing.v1.PolicyService.Optional:output_type -> idempotency.testing.v1.Response
-	2,  // 14: idempotency.testing.v1.PolicyService.Disabled:output_type -> idempotency.testing.v1.Response
-	2,  // 15: idempotency.testing.v1.PolicyService.NoSideEffects:output_type -> idempotency.testing.v1.Response
-	2,  // 16: idempotency.testing.v1.PolicyService.Idempotent:output_type -> idempotency.testing.v1.Response
-	2,  // 17: idempotency.testing.v1.PolicyService.RequiredDespiteLevel:output_type -> idempotency.testing.v1.Response
-	2,  // 18: idempotency.testing.v1.PolicyService.Unannotated:output_type -> idempotency.testing.v1.Response
-	2,  // 19: idempotency.testing.v1.PolicyService.NaturalKey:output_type -> idempotency.testing.v1.Response
-	2,  // 20: idempotency.testing.v1.PolicyService.ShortTTL:output_type -> idempotency.testing.v1.Response
-	2,  // 21: idempotency.testing.v1.PolicyService.BadKeyField:output_type -> idempotency.testing.v1.Response
-	2,  // 22: idempotency.testing.v1.PolicyService.NonStringKeyField:output_type -> idempotency.testing.v1.Response
-	12, // [12:23] is the sub-list for method output_type
-	1,  // [1:12] is the sub-list for method input_type
+	0,  // 12: idempotency.testing.v1.PolicyService.Serializable:input_type -> idempotency.testing.v1.Request
+	2,  // 13: idempotency.testing.v1.PolicyService.Required:output_type -> idempotency.testing.v1.Response
+	2,  // 14: idempotency.testing.v1.PolicyService.Optional:output_type -> idempotency.testing.v1.Response
+	2,  // 15: idempotency.testing.v1.PolicyService.Disabled:output_type -> idempotency.testing.v1.Response
+	2,  // 16: idempotency.testing.v1.PolicyService.NoSideEffects:output_type -> idempotency.testing.v1.Response
+	2,  // 17: idempotency.testing.v1.PolicyService.Idempotent:output_type -> idempotency.testing.v1.Response
+	2,  // 18: idempotency.testing.v1.PolicyService.RequiredDespiteLevel:output_type -> idempotency.testing.v1.Response
+	2,  // 19: idempotency.testing.v1.PolicyService.Unannotated:output_type -> idempotency.testing.v1.Response
+	2,  // 20: idempotency.testing.v1.PolicyService.NaturalKey:output_type -> idempotency.testing.v1.Response
+	2,  // 21: idempotency.testing.v1.PolicyService.ShortTTL:output_type -> idempotency.testing.v1.Response
+	2,  // 22: idempotency.testing.v1.PolicyService.BadKeyField:output_type -> idempotency.testing.v1.Response
+	2,  // 23: idempotency.testing.v1.PolicyService.NonStringKeyField:output_type -> idempotency.testing.v1.Response
+	2,  // 24: idempotency.testing.v1.PolicyService.Serializable:output_type -> idempotency.testing.v1.Response
+	13, // [13:25] is the sub-list for method output_type
+	1,  // [1:13] is the sub-list for method input_type
 	1,  // [1:1] is the sub-list for extension type_name
 	1,  // [1:1] is the sub-list for extension extendee
 	0,  // [0:1] is the sub-list for field type_name

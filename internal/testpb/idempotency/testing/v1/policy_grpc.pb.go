@@ -30,6 +30,7 @@ const (
 	PolicyService_ShortTTL_FullMethodName             = "/idempotency.testing.v1.PolicyService/ShortTTL"
 	PolicyService_BadKeyField_FullMethodName          = "/idempotency.testing.v1.PolicyService/BadKeyField"
 	PolicyService_NonStringKeyField_FullMethodName    = "/idempotency.testing.v1.PolicyService/NonStringKeyField"
+	PolicyService_Serializable_FullMethodName         = "/idempotency.testing.v1.PolicyService/Serializable"
 )
 
 // PolicyServiceClient is the client API for PolicyService service.
@@ -62,6 +63,8 @@ type PolicyServiceClient interface {
 	BadKeyField(ctx context.Context, in *Request, opts ...grpc.CallOption) (*Response, error)
 	// A misconfigured option: the key field is not a string.
 	NonStringKeyField(ctx context.Context, in *Request, opts ...grpc.CallOption) (*Response, error)
+	// Runs its transaction at SERIALIZABLE, whatever the database's default.
+	Serializable(ctx context.Context, in *Request, opts ...grpc.CallOption) (*Response, error)
 }
 
 type policyServiceClient struct {
@@ -182,6 +185,16 @@ func (c *policyServiceClient) NonStringKeyField(ctx context.Context, in *Request
 	return out, nil
 }
 
+func (c *policyServiceClient) Serializable(ctx context.Context, in *Request, opts ...grpc.CallOption) (*Response, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(Response)
+	err := c.cc.Invoke(ctx, PolicyService_Serializable_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // PolicyServiceServer is the server API for PolicyService service.
 // All implementations must embed UnimplementedPolicyServiceServer
 // for forward compatibility.
@@ -212,6 +225,8 @@ type PolicyServiceServer interface {
 	BadKeyField(context.Context, *Request) (*Response, error)
 	// A misconfigured option: the key field is not a string.
 	NonStringKeyField(context.Context, *Request) (*Response, error)
+	// Runs its transaction at SERIALIZABLE, whatever the database's default.
+	Serializable(context.Context, *Request) (*Response, error)
 	mustEmbedUnimplementedPolicyServiceServer()
 }
 
@@ -254,6 +269,9 @@ func (UnimplementedPolicyServiceServer) BadKeyField(context.Context, *Request) (
 }
 func (UnimplementedPolicyServiceServer) NonStringKeyField(context.Context, *Request) (*Response, error) {
 	return nil, status.Error(codes.Unimplemented, "method NonStringKeyField not implemented")
+}
+func (UnimplementedPolicyServiceServer) Serializable(context.Context, *Request) (*Response, error) {
+	return nil, status.Error(codes.Unimplemented, "method Serializable not implemented")
 }
 func (UnimplementedPolicyServiceServer) mustEmbedUnimplementedPolicyServiceServer() {}
 func (UnimplementedPolicyServiceServer) testEmbeddedByValue()                       {}
@@ -474,6 +492,24 @@ func _PolicyService_NonStringKeyField_Handler(srv interface{}, ctx context.Conte
 	return interceptor(ctx, in, info, handler)
 }
 
+func _PolicyService_Serializable_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(Request)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(PolicyServiceServer).Serializable(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: PolicyService_Serializable_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(PolicyServiceServer).Serializable(ctx, req.(*Request))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // PolicyService_ServiceDesc is the grpc.ServiceDesc for PolicyService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -524,6 +560,10 @@ var PolicyService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "NonStringKeyField",
 			Handler:    _PolicyService_NonStringKeyField_Handler,
+		},
+		{
+			MethodName: "Serializable",
+			Handler:    _PolicyService_Serializable_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
