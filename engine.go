@@ -261,7 +261,7 @@ func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, er
 		res, err := c.replay(*cl.rec)
 		return res, attemptDone, err
 	case cl.readOnly:
-		return a.readOnly(ctx, "the call's transaction is read-only")
+		return a.readOnly(ctx, "the call's transaction is read-only", false)
 	}
 	h := a.run(ctx, fn)
 	defer c.tp.trace.since(phaseCommit, time.Now())
@@ -513,24 +513,29 @@ func (a *attempt) releaseWith(ctx, fctx context.Context, fnErr error) (result, a
 	case ctx.Err() != nil && errors.Is(fnErr, ctx.Err()):
 		return res, attemptDone, contextError{ctx.Err()}
 	case sqlState(fnErr) == sqlReadOnlyTransaction:
-		return a.readOnly(fctx, "a statement of the handler's failed because the call's transaction is read-only")
+		return a.readOnly(fctx, "a statement of the handler's failed because the call's transaction is read-only", true)
 	}
 	return res, attemptDone, handlerError(fnErr)
 }
 
 // readOnly answers a call whose transaction cannot write: on a standby
 // (a failover in progress), a retry can reach the new primary; on a
-// primary, the session or the handler made the transaction read-only, and
-// a retry would fail the same way.
-func (a *attempt) readOnly(ctx context.Context, what string) (result, attemptNext, error) {
+// primary, the session's default (before the handler ran) or the handler
+// (ran: it set transaction_read_only) made the transaction read-only, and
+// a retry would fail the same way. A handler that did so fails once, its
+// error stored, as for anything else the engine cannot make safe.
+func (a *attempt) readOnly(ctx context.Context, what string, ran bool) (result, attemptNext, error) {
 	a.rollback(ctx)
 	var standby bool
 	if err := a.conn.QueryRow(ctx, "SELECT pg_catalog.pg_is_in_recovery()").Scan(&standby); err != nil || standby {
 		return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, ErrStoreUnavailable.with(what+" (the server is a standby)", err)
 	}
+	if ran {
+		return a.storeOutside(ctx, grpcstatus.Newf(codes.Internal, "idempotency: %s on a primary server: the handler made it so "+
+			"(transaction_read_only); nothing was committed, and the key is kept with this error so that the call does not run again", what))
+	}
 	return result{Result: Result{Outcome: OutcomeMisconfigured}}, attemptDone, grpcstatus.Errorf(codes.Internal,
-		"idempotency: %s on a primary server: default_transaction_read_only is on for the store's role or database, "+
-			"or the handler set transaction_read_only; nothing was committed", what)
+		"idempotency: %s on a primary server: default_transaction_read_only is on for the store's role, database or connection; nothing ran", what)
 }
 
 // rollback ends the connection's transaction now, for paths that go on
@@ -581,7 +586,7 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message, final *grpcsta
 		// another (see insertRow).
 		return a.storeOutside(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
 	case failed == insertAt && sqlState(err) == sqlReadOnlyTransaction:
-		return a.readOnly(ctx, "the key's row could not be written because the call's transaction is read-only")
+		return a.readOnly(ctx, "the key's row could not be written because the call's transaction is read-only", true)
 	case failed == commitAt:
 		return a.commitFailed(ctx, err)
 	default:

@@ -601,6 +601,20 @@ func TestPermanentErrorsAreNotUnavailable(t *testing.T) {
 			require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome, name)
 		}
 	})
+	t.Run("read-only default", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.New(t, 2)
+		migratedStore(t, db)
+		ro := schemaPool(t, db.Schema, 2, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on" })
+		store, err := idempotency.NewStore(ro)
+		require.NoError(t, err)
+		ran := false
+		res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { ran = true; return nil, nil })
+		require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+		require.Contains(t, status.Convert(err).Message(), "default_transaction_read_only is on")
+		require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome)
+		require.False(t, ran, "nothing runs where its result could not be stored")
+	})
 	t.Run("handler errors", func(t *testing.T) {
 		t.Parallel()
 		db := testdb.New(t, 4)
@@ -618,7 +632,7 @@ func TestPermanentErrorsAreNotUnavailable(t *testing.T) {
 			"transaction_read_only through set_config": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 				_, err := tx.Exec(ctx, `SELECT set_config('transaction_read_only', 'on', true)`)
 				return wrapperspb.String("read only"), err
-			}, "read-only on a primary server", false},
+			}, "the handler made it so", true},
 			"rows left open": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 				_, err := tx.Query(ctx, `SELECT generate_series(1, 10000)`)
 				return wrapperspb.String("left open"), err

@@ -12,9 +12,8 @@ const reservedPrefix = "idempotency_"
 // reshape the call's transaction, named for an error message; "" when
 // there is none. Refused: BEGIN, START TRANSACTION, COMMIT, END, ABORT,
 // ROLLBACK (but not ROLLBACK TO SAVEPOINT), PREPARE TRANSACTION, SET
-// TRANSACTION, SET SESSION CHARACTERISTICS, SET of the transaction_* and
-// default_transaction_* settings, and savepoint statements naming the
-// engine's own savepoints.
+// TRANSACTION, SET SESSION CHARACTERISTICS, SET of the settings behind
+// those two, and savepoint statements naming the engine's own savepoints.
 //
 // It reads SQL as PostgreSQL does with standard_conforming_strings on (the
 // default since 9.1): quoted strings and identifiers, E'...' strings, dollar
@@ -148,8 +147,8 @@ func (l *sqlLexer) savepointName() string {
 
 // setTarget reads what a SET statement sets and names it when it is the
 // transaction's characteristics: SET [SESSION | LOCAL] TRANSACTION ..., SET
-// SESSION CHARACTERISTICS ..., or SET [SESSION | LOCAL] of a setting whose
-// name starts with transaction_ or default_transaction_.
+// SESSION CHARACTERISTICS ..., or SET [SESSION | LOCAL] of one of the
+// settings behind them (transactionSettings).
 func (l *sqlLexer) setTarget() string {
 	name := l.ident()
 	if name == "session" || name == "local" {
@@ -162,10 +161,19 @@ func (l *sqlLexer) setTarget() string {
 	switch {
 	case name == "transaction":
 		return "TRANSACTION"
-	case strings.HasPrefix(name, "transaction_"), strings.HasPrefix(name, "default_transaction_"):
+	case transactionSettings[name]:
 		return name
 	}
 	return ""
+}
+
+// transactionSettings are the settings SET TRANSACTION and SET SESSION
+// CHARACTERISTICS change: the current transaction's isolation, read-only
+// and deferrable modes, and the defaults of later ones (which on a pooled
+// connection would reach other calls).
+var transactionSettings = map[string]bool{
+	"transaction_isolation": true, "transaction_read_only": true, "transaction_deferrable": true,
+	"default_transaction_isolation": true, "default_transaction_read_only": true, "default_transaction_deferrable": true,
 }
 
 // nextStatement moves past the end of the current statement, its first

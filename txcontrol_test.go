@@ -62,6 +62,8 @@ func TestUnitTxControlFindsStatementsThatEndTheTransaction(t *testing.T) {
 		"SET LOCAL search_path = tenant_1",
 		"SET search_path TO tenant_1, public",
 		"SET TIME ZONE 'UTC'",
+		"SET LOCAL transaction_timeout = '5s'",
+		"SET LOCAL statement_timeout = 1000",
 		"PREPARE q AS SELECT 1",
 		"DO $$ BEGIN PERFORM 1; END $$",
 		"WITH x AS (SELECT 1) SELECT * FROM x",
