@@ -65,11 +65,13 @@
 // The transaction runs at the database's default isolation level, or at
 // the one chosen with [WithIsolation], [Call.Isolation], the isolation field
 // of the method's proto option or [WithHTTPIsolation]. Every guarantee holds
-// at every level. At REPEATABLE READ and SERIALIZABLE the claim locks the
-// key for the session just before the call's transaction begins, so that
-// the transaction's snapshot sees everything the key's previous holders
-// committed (two more statements in the claim's round trip), and a
-// serialization failure or deadlock is returned as codes.Aborted: nothing
+// at every level. At REPEATABLE READ and SERIALIZABLE the claim locks and
+// looks up the key in a short READ COMMITTED transaction just before the
+// call's transaction begins, so that the transaction's snapshot sees
+// everything the key's previous holders committed and the engine's reads
+// never count in SERIALIZABLE's conflict tracking (three more statements in
+// the claim's round trip, one in the commit's), and a serialization failure
+// or deadlock of the handler's work is returned as codes.Aborted: nothing
 // committed, retry with the same key.
 //
 // A handler that calls another system (a payment provider, another

@@ -208,14 +208,33 @@ func (c *callRun) probe(ctx context.Context, w *waiter) (res result, found bool,
 }
 
 // probeOnce reads the key's row and whether its lock is free, on a
-// connection held only for that statement.
+// connection held only for that statement. Where the database's default is
+// SERIALIZABLE (or REPEATABLE READ), the statement runs in a READ COMMITTED
+// transaction of its own, so that conflict tracking never counts the
+// engine's reads against the calls that write keys.
 func (c *callRun) probeOnce(ctx context.Context) (rec *record, free bool, err error) {
 	pc, err := c.s.db.Acquire(ctx)
 	if err != nil {
 		return nil, false, err
 	}
 	defer pc.Release()
-	rec, err = scanRecord(pc.QueryRow(ctx, c.st.probe, c.call.Scope, c.key), &free)
+	if !c.s.defaultSnapshot.Load() {
+		rec, err = scanRecord(pc.QueryRow(ctx, c.st.probe, c.call.Scope, c.key), &free)
+		return rec, free, err
+	}
+	b := &pgx.Batch{}
+	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
+	b.Queue(c.st.probe, c.call.Scope, c.key)
+	b.Queue("COMMIT")
+	br := pc.SendBatch(ctx, b)
+	if _, err = br.Exec(); err == nil {
+		if rec, err = scanRecord(br.QueryRow(), &free); err == nil {
+			_, err = br.Exec()
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	return rec, free, err
 }
 
@@ -329,46 +348,30 @@ type claimed struct {
 // At REPEATABLE READ and SERIALIZABLE the transaction's snapshot is taken by
 // its first statement, the lock's, a moment before the lock is granted: a
 // holder committing in that moment would be missed. So the session takes
-// the lock first, in a transaction of its own ended at once, and the call's
-// transaction begins after it: its snapshot sees everything the key's
-// previous holders committed. Still one round trip, and one pipeline, so
-// the lock never leaves the connection behind a transaction pooler.
+// the lock first and looks the key up, in a READ COMMITTED transaction of
+// their own ended at once, and the call's transaction begins after them:
+// its snapshot sees everything the key's previous holders committed, and
+// SERIALIZABLE's conflict tracking never sees the engine's lookups (which
+// would fail unrelated calls whose keys share an index page). Still one
+// round trip, and one pipeline, so the lock never leaves the connection
+// behind a transaction pooler.
 func (a *attempt) claim(ctx context.Context) (claimed, error) {
-	var cl claimed
 	b := &pgx.Batch{}
 	if a.snapshot {
+		b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
 		b.Queue(a.st.lockSession, a.call.Scope, a.key)
+		b.Queue(a.st.lookup, a.call.Scope, a.key)
 		b.Queue("COMMIT")
 	}
 	b.Queue(a.begin)
 	b.Queue(a.st.lock, a.call.Scope, a.key)
-	b.Queue(a.st.lookup, a.call.Scope, a.key)
+	if !a.snapshot {
+		b.Queue(a.st.lookup, a.call.Scope, a.key)
+	}
 	b.Queue(a.st.savepoint)
 	a.open = true
 	br := a.conn.SendBatch(ctx, b)
-	var level, readOnly string
-	err := func() error {
-		if a.snapshot {
-			if err := br.QueryRow().Scan(&a.session); err != nil {
-				return err
-			}
-			if _, err := br.Exec(); err != nil {
-				return err
-			}
-		}
-		if _, err := br.Exec(); err != nil {
-			return err
-		}
-		if err := br.QueryRow().Scan(&cl.locked, &a.started, &level, &readOnly); err != nil {
-			return err
-		}
-		var err error
-		if cl.rec, err = scanRecord(br.QueryRow(), nil); err != nil {
-			return err
-		}
-		_, err = br.Exec()
-		return err
-	}()
+	cl, level, err := a.readClaim(br)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
@@ -383,8 +386,38 @@ func (a *attempt) claim(ctx context.Context) (claimed, error) {
 		a.s.defaultSnapshot.Store(snapshotLevel)
 	}
 	cl.stale = snapshotLevel && !a.session && (cl.rec == nil || cl.rec.expired)
-	cl.readOnly = readOnly == "on"
 	return cl, nil
+}
+
+// readClaim reads the claim's results, in the order claim queued them.
+func (a *attempt) readClaim(br pgx.BatchResults) (cl claimed, level string, err error) {
+	var readOnly string
+	exec := func() error { _, err := br.Exec(); return err }
+	if a.snapshot {
+		if err = exec(); err == nil { // BEGIN ISOLATION LEVEL READ COMMITTED
+			err = br.QueryRow().Scan(&a.session)
+		}
+		if err == nil {
+			cl.rec, err = scanRecord(br.QueryRow(), nil)
+		}
+		if err == nil {
+			err = exec() // COMMIT
+		}
+	}
+	if err == nil {
+		err = exec() // BEGIN
+	}
+	if err == nil {
+		err = br.QueryRow().Scan(&cl.locked, &a.started, &level, &readOnly)
+	}
+	if err == nil && !a.snapshot {
+		cl.rec, err = scanRecord(br.QueryRow(), nil)
+	}
+	if err == nil {
+		err = exec() // SAVEPOINT
+	}
+	cl.readOnly = readOnly == "on"
+	return cl, level, err
 }
 
 // handled is what fn did.

@@ -189,7 +189,10 @@ func TestThroughPgBouncerAtSerializableNoLockOutlivesItsCall(t *testing.T) {
 			wg.Go(func() {
 				ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, fmt.Sprint("pgb-ser-", k))
 				body := fmt.Sprint("charge ", k, []string{" even", " odd"}[k%2])
-				if r := invoke(ctx, conn, methodCharge, body); r.err != nil && status.Code(r.err) != codes.Aborted {
+				// No call fails: the engine's own reads of the key table run
+				// outside the SERIALIZABLE transactions, so calls of different
+				// keys never fail each other's serialization.
+				if r := invoke(ctx, conn, methodCharge, body); r.err != nil {
 					errs <- r.err
 				}
 			})

@@ -44,7 +44,8 @@ type Store struct {
 	stmts     atomic.Pointer[statements]
 	resolveMu sync.Mutex
 	// defaultSnapshot: the database's default isolation level, as the
-	// last claim at it saw it, is REPEATABLE READ or SERIALIZABLE.
+	// store's first call and the last claim at it saw it, is REPEATABLE
+	// READ or SERIALIZABLE.
 	defaultSnapshot atomic.Bool
 }
 
@@ -93,14 +94,19 @@ func (s *Store) statements(ctx context.Context) (*statements, error) {
 	defer pc.Release()
 	var schema *string
 	var backendPID uint32
+	var defaultLevel string
+	// In the simple protocol: it works in front of any pooler, whatever the
+	// pool's query mode, which is what is checked next.
 	err = pc.QueryRow(ctx, `SELECT (SELECT n.nspname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-WHERE c.oid = pg_catalog.to_regclass($1)), pg_catalog.pg_backend_pid()`, s.ident.Sanitize()).Scan(&schema, &backendPID)
+WHERE c.oid = pg_catalog.to_regclass($1)), pg_catalog.pg_backend_pid(), pg_catalog.current_setting('default_transaction_isolation')`,
+		pgx.QueryExecModeSimpleProtocol, s.ident.Sanitize()).Scan(&schema, &backendPID, &defaultLevel)
 	if err != nil {
 		return nil, err
 	}
 	if err := checkQueryMode(pc.Conn(), backendPID); err != nil {
 		return nil, err
 	}
+	s.defaultSnapshot.Store(defaultLevel == "repeatable read" || defaultLevel == "serializable")
 	if schema == nil {
 		return nil, &pgconn.PgError{Severity: "ERROR", Code: sqlUndefinedTable, Message: fmt.Sprintf("relation %s does not exist", s.ident.Sanitize())}
 	}
@@ -200,9 +206,10 @@ func (o storeOptions) validate() error {
 // HTTP middleware's WithHTTPIsolation). Handlers cannot raise it
 // themselves: SET TRANSACTION fails after a transaction's first statement,
 // and the engine refuses it. Every guarantee holds at every level; at
-// REPEATABLE READ and SERIALIZABLE a fresh call's claim runs two more
-// statements in its round trip, and a serialization failure of the
-// handler's work is returned as codes.Aborted, to retry with the same key.
+// REPEATABLE READ and SERIALIZABLE a fresh call runs three more statements
+// in its claim's round trip and one in its commit's, and a serialization
+// failure of the handler's work is returned as codes.Aborted, to retry with
+// the same key.
 // Defaults to "", the database's default_transaction_isolation.
 func WithIsolation(level pgx.TxIsoLevel) StoreOption {
 	return func(o *storeOptions) { o.isolation = level }
