@@ -303,16 +303,20 @@ type attempt struct {
 	// failedStatement: a statement of fn's failed and aborted the
 	// transaction, which the engine then rolled back to its savepoint.
 	failedStatement bool
+	// rawConn: the handler had the connection itself (tx.Conn()).
+	rawConn bool
 }
 
 // release ends the attempt on every path, panics included: whatever is
-// still open is rolled back and the session's lock released, even when
-// ctx is cancelled (until then the key stays locked). A connection that
-// cannot be cleaned up is closed, which releases both.
+// still open is rolled back and the session's lock released, in one round
+// trip, even when ctx is cancelled (until then the key stays locked). A
+// connection that cannot be cleaned up is closed, which releases both; so
+// is one the handler had raw (tx.Conn()), so that nothing it kept of the
+// call can reach a later one.
 func (a *attempt) release(ctx context.Context) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
+	defer cancel()
 	if a.open || a.session {
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
-		defer cancel()
 		b := &pgx.Batch{}
 		if a.open {
 			b.Queue("ROLLBACK")
@@ -323,6 +327,9 @@ func (a *attempt) release(ctx context.Context) {
 		if _, err := sendAll(rctx, a.conn, b); err != nil {
 			_ = a.conn.Close(rctx)
 		}
+	}
+	if a.rawConn {
+		_ = a.conn.Close(rctx)
 	}
 	a.pc.Release()
 }
@@ -454,6 +461,13 @@ func (a *attempt) finish(ctx context.Context, h handled, replacing bool) (result
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
 	defer cancel()
 	if a.conn.IsClosed() {
+		if a.rawConn {
+			// The handler had the connection itself, and it is gone: it
+			// may have committed on it. The outcome is unknown, so the key
+			// keeps an error, stored on another connection.
+			a.session = false // with the session
+			return a.storeOutsideOn(fctx, nil, grpcstatus.New(codes.Internal, errLostRawConn))
+		}
 		if h.err != nil && ctx.Err() != nil {
 			// The caller's deadline (or cancellation) cut fn short, and pgx
 			// closed the connection to stop fn's statement: nothing
@@ -500,6 +514,8 @@ const (
 	errHandlerEndedTx = "idempotency: the handler ended the call's transaction itself (a COMMIT or ROLLBACK sent on tx.Conn(), " +
 		"or a transaction begun there), so its writes may have been committed without the key; " +
 		"the key is kept with this error so that the call does not run again. Handlers must not end the transaction"
+	errLostRawConn = "idempotency: the connection closed after the handler used tx.Conn(), so its writes may have been committed " +
+		"without the key; the key is kept with this error so that the call does not run again"
 	errIgnoredFailure = "idempotency: the handler returned success, but one of its statements had failed and aborted the call's transaction, " +
 		"so none of its writes could be committed; the key is kept with this error so that the call does not run again. " +
 		"Return the statement's error (or roll back a nested transaction of tx) instead"
@@ -541,7 +557,7 @@ func (a *attempt) handlerEndedTx(ctx context.Context, mustCheck bool) (bool, err
 // told truthfully: the caller's cancellation, a serialization failure or
 // deadlock (retry with the same key), a read-only transaction.
 func (a *attempt) releaseWith(ctx, fctx context.Context, fnErr error) (result, attemptNext, error) {
-	res := result{Result: Result{Outcome: OutcomeReleased}}
+	res := result{Result: Result{Outcome: OutcomeReleased}, ownAnswer: true}
 	switch {
 	case ctx.Err() != nil && errors.Is(fnErr, ctx.Err()):
 		return res, attemptDone, contextError{ctx.Err()}
@@ -558,9 +574,13 @@ func (a *attempt) releaseWith(ctx, fctx context.Context, fnErr error) (result, a
 // a retry would fail the same way. A handler that did so fails once, its
 // error stored, as for anything else the engine cannot make safe.
 func (a *attempt) readOnly(ctx context.Context, what string, ran bool) (result, attemptNext, error) {
-	a.rollback(ctx)
+	// Asked inside the call's transaction: ending it on its own would hand
+	// a pooler the connection while the session may hold the key.
+	if a.conn.PgConn().TxStatus() == 'E' {
+		_, _ = a.conn.Exec(ctx, a.st.rollbackToSavepoint)
+	}
 	var standby bool
-	if err := a.conn.QueryRow(ctx, "SELECT pg_catalog.pg_is_in_recovery()").Scan(&standby); err != nil || standby {
+	if err := a.conn.QueryRow(ctx, "SELECT pg_catalog.pg_is_in_recovery()", pgx.QueryExecModeSimpleProtocol).Scan(&standby); err != nil || standby {
 		return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, ErrStoreUnavailable.with(what+" (the server is a standby)", err)
 	}
 	if ran {
@@ -569,14 +589,6 @@ func (a *attempt) readOnly(ctx context.Context, what string, ran bool) (result, 
 	}
 	return result{Result: Result{Outcome: OutcomeMisconfigured}}, attemptDone, grpcstatus.Errorf(codes.Internal,
 		"idempotency: %s on a primary server: default_transaction_read_only is on for the store's role, database or connection; nothing ran", what)
-}
-
-// rollback ends the connection's transaction now, for paths that go on
-// using the connection outside it.
-func (a *attempt) rollback(ctx context.Context) {
-	if _, err := a.conn.Exec(ctx, "ROLLBACK"); err == nil {
-		a.open = false
-	}
 }
 
 // commit writes the key's row with the call's result, fn's response and/or
@@ -629,7 +641,7 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message, final *grpcsta
 		// Best effort: a failure leaves the TTL counted from the insert.
 		_, _ = a.conn.Exec(ctx, a.st.extend, a.call.Scope, a.key, a.call.TTL.Microseconds())
 	}
-	return result{Result: Result{Response: resp, Outcome: OutcomeExecuted}, metadata: row.metadata}, attemptDone, returned
+	return result{Result: Result{Response: resp, Outcome: OutcomeExecuted}, metadata: row.metadata, ownAnswer: true}, attemptDone, returned
 }
 
 // keyRow builds the row of the call's key for its result: the response,
@@ -711,43 +723,109 @@ func (a *attempt) violatedAtCommit(ctx context.Context, err error) (result, atte
 }
 
 // storeOutside stores st as the key's final error when the call's
-// transaction could not carry it (fn ended it, or its COMMIT failed): after
-// a ROLLBACK, in a statement of its own, unless another call stored a
-// result for the key first. Then that result is the call's answer too:
-// every caller of a key gets the same one.
+// transaction could not carry it (fn ended it, or its COMMIT failed): in a
+// transaction of its own, unless another call stored a result for the key
+// first. Then that result is the call's answer too: every caller of a key
+// gets the same one.
 func (a *attempt) storeOutside(ctx context.Context, st *grpcstatus.Status) (result, attemptNext, error) {
-	a.rollback(ctx) // end a transaction fn may have begun
+	return a.storeOutsideOn(ctx, a.conn, st)
+}
+
+// storeOutsideOn is storeOutside on conn, or on a connection of its own
+// when conn is nil (the attempt's is gone). On the attempt's connection it
+// is one round trip that also ends whatever transaction is open and
+// releases the session's lock, after the row is written, so that
+// duplicates wait until it is there, and so that a pooler never gets the
+// connection back with the lock held.
+func (a *attempt) storeOutsideOn(ctx context.Context, conn *pgx.Conn, st *grpcstatus.Status) (result, attemptNext, error) {
 	row, err := a.keyRow(nil, st, false)
 	if err != nil {
 		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
 	}
 	row.started = time.Time{} // outside the call's transaction: no guard
+	if conn == nil {
+		pc, err := a.s.db.Acquire(ctx)
+		if err != nil {
+			err = a.s.finishError("store the call's final error", err)
+			return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
+		}
+		defer pc.Release()
+		conn = pc.Conn()
+	}
+	own := conn == a.conn
 	b := &pgx.Batch{}
+	if own && conn.PgConn().TxStatus() == 'E' {
+		// On its own: PostgreSQL prepares nothing in an aborted
+		// transaction. Only a handler that ended the call's transaction
+		// leaves one here, so behind a pooler the connection already
+		// changed hands at its COMMIT.
+		if _, err := conn.Exec(ctx, "ROLLBACK"); err != nil {
+			err = a.s.finishError("store the call's final error", err)
+			return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
+		}
+	} else if own {
+		b.Queue("ROLLBACK") // a transaction fn may have begun, or the call's
+	}
+	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
 	b.Queue(a.st.deleteExpiredKey, a.call.Scope, a.key)
 	b.Queue(a.st.insertIfAbsent, row.args()...)
 	b.Queue(a.st.lookup, a.call.Scope, a.key)
-	br := a.conn.SendBatch(ctx, b)
-	var tag pgconn.CommandTag
-	_, err = br.Exec()
-	if err == nil {
-		tag, err = br.Exec()
+	if own && a.session {
+		// The transaction holds the key from here to its COMMIT, when the
+		// row becomes visible, so that the session can let go of it first.
+		b.Queue(a.st.holdXact, a.call.Scope, a.key)
+		b.Queue(a.st.unlock, a.call.Scope, a.key)
 	}
-	var rec *record
-	if err == nil {
-		rec, err = scanRecord(br.QueryRow(), nil)
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
+	b.Queue("COMMIT")
+	tag, rec, err := readStoreOutside(conn.SendBatch(ctx, b), b.QueuedQueries[0].SQL == "ROLLBACK", own && a.session)
 	switch {
 	case err != nil:
 		err = a.s.finishError("store the call's final error", err)
 		return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
-	case tag.RowsAffected() == 0 && rec != nil:
+	case own:
+		a.open, a.session = false, false
+	}
+	if tag.RowsAffected() == 0 && rec != nil {
 		res, err := a.replay(*rec)
 		return res, attemptDone, err
 	}
 	return result{Result: Result{Outcome: OutcomeExecuted}}, attemptDone, Final(st.Err())
+}
+
+// readStoreOutside reads the results of storeOutsideOn's batch, in the
+// order it queued them: the INSERT's tag and the key's row after it.
+func readStoreOutside(br pgx.BatchResults, rolledBack, unlocked bool) (tag pgconn.CommandTag, rec *record, err error) {
+	exec := func() error { _, err := br.Exec(); return err }
+	if rolledBack {
+		err = exec() // ROLLBACK
+	}
+	if err == nil {
+		err = exec() // BEGIN
+	}
+	if err == nil {
+		err = exec() // the expired row's DELETE
+	}
+	if err == nil {
+		tag, err = br.Exec()
+	}
+	if err == nil {
+		rec, err = scanRecord(br.QueryRow(), nil)
+	}
+	if err == nil && unlocked {
+		if err = exec(); err == nil { // the transaction's hold on the key
+			err = exec() // the session's, released
+		}
+	}
+	if err == nil {
+		var commit pgconn.CommandTag
+		if commit, err = br.Exec(); err == nil && commit.String() != "COMMIT" {
+			err = fmt.Errorf("storing the call's final error rolled back: COMMIT returned %s", commit)
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return tag, rec, err
 }
 
 // keyRow is a key's row as the INSERT writes it: its fields are the

@@ -83,11 +83,11 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 			if merr := replayMetadata(ctx, res.metadata); merr != nil {
 				res.Response, err = nil, status.Errorf(codes.Internal, "%v", merr)
 			}
-		case rec != nil && (res.Outcome == OutcomeExecuted || res.Outcome == OutcomeReleased):
+		case rec != nil && res.ownAnswer:
 			// This run's answer: its headers and trailers go with it. Any
-			// other outcome (a replay of another call's row, an error of
-			// the engine's) is not this run's, and must not carry what
-			// its rolled-back handler set.
+			// other (a replay of another call's row, an error of the
+			// engine's) is not this run's, and must not carry what its
+			// rolled-back handler set.
 			rec.flush()
 		}
 		err = unwrapFinal(err) // the client gets the status the handler returned

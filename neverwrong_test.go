@@ -77,15 +77,63 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 	for name, tc := range map[string]struct {
 		commit     func(ctx context.Context, tx pgx.Tx) error
 		ledgerRows int
+		pool       func(*pgxpool.Config)
 	}{
-		"through tx": {func(ctx context.Context, tx pgx.Tx) error {
+		"through tx": {commit: func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); COMMIT`)
 			return err
-		}, 0},
-		"through tx.Conn()": {func(ctx context.Context, tx pgx.Tx) error {
+		}},
+		"through tx, after a comment ended by a carriage return": {commit: func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "INSERT INTO ledger (note) VALUES ('x'); --\rCOMMIT")
+			return err
+		}},
+		"through tx, standard_conforming_strings off": {commit: func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SET LOCAL standard_conforming_strings = off`); err == nil {
+				return errors.New("standard_conforming_strings was not refused")
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); SELECT '\'' ; COMMIT; --'`)
+			return err
+		}},
+		"through tx, by the name of a statement prepared on the connection": {
+			commit: func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, "finish_batch")
+				return err
+			},
+			pool: func(cfg *pgxpool.Config) {
+				cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+					_, err := c.Prepare(ctx, "finish_batch", "COMMIT")
+					return err
+				}
+			},
+		},
+		"through tx, made by a query rewriter": {commit: func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`, rewriteTo(`INSERT INTO ledger (note) VALUES ('x'); COMMIT`))
+			return err
+		}},
+		"through tx.Conn()": {commit: func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Conn().Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); COMMIT`)
 			return err
-		}, 1},
+		}, ledgerRows: 1},
+		"through the Conn of the call's rows": {commit: func(ctx context.Context, tx pgx.Tx) error {
+			rows, err := tx.Query(ctx, `SELECT 1`)
+			if err != nil {
+				return err
+			}
+			conn := rows.Conn()
+			rows.Close()
+			_, err = conn.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); COMMIT`)
+			return err
+		}, ledgerRows: 1},
+		"through the Conn of rows handed to a batch's callback": {commit: func(ctx context.Context, tx pgx.Tx) error {
+			var conn *pgx.Conn
+			b := &pgx.Batch{}
+			b.Queue(`SELECT 1`).Query(func(rows pgx.Rows) error { conn = rows.Conn(); return nil })
+			if err := tx.SendBatch(ctx, b).Close(); err != nil {
+				return err
+			}
+			_, err := conn.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); COMMIT`)
+			return err
+		}, ledgerRows: 1},
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
@@ -97,6 +145,9 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 						tries.Add(1)
 					}
 				}}
+				if tc.pool != nil {
+					tc.pool(cfg)
+				}
 			})
 			store := migratedStore(t, db, idempotency.WithInProgressWait(10*time.Second))
 			createLedger(t, db)
@@ -137,6 +188,13 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 			require.Equal(t, tc.ledgerRows, db.Count(t, `SELECT count(*) FROM ledger`))
 		})
 	}
+}
+
+// rewriteTo is a query rewriter that replaces a statement's SQL with sql.
+type rewriteTo string
+
+func (r rewriteTo) RewriteQuery(_ context.Context, _ *pgx.Conn, _ string, args []any) (string, []any, error) {
+	return string(r), args, nil
 }
 
 // withdraw is a handler that reads an account's balance and writes it back
@@ -629,6 +687,14 @@ func TestPermanentErrorsAreNotUnavailable(t *testing.T) {
 				_, err := tx.Exec(ctx, `SET TRANSACTION READ ONLY`)
 				return nil, err
 			}, "SET TRANSACTION", true},
+			"transaction_read_only spelled U&": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Exec(ctx, `SET LOCAL U&"transaction_read_only" = on`)
+				return nil, err
+			}, `SET U&"..."`, true},
+			"DEALLOCATE ALL": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Exec(ctx, `DEALLOCATE ALL`)
+				return nil, err
+			}, "DEALLOCATE", true},
 			"transaction_read_only through set_config": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 				_, err := tx.Exec(ctx, `SELECT set_config('transaction_read_only', 'on', true)`)
 				return wrapperspb.String("read only"), err
@@ -729,4 +795,125 @@ func TestMessageThatCanNeverCommitIsDeadLettered(t *testing.T) {
 		require.Equal(t, idempotency.DeadLetter, idempotency.DispositionOf(o, err), "delivery %d", delivery)
 	}
 	require.Equal(t, 1, runs)
+}
+
+// What a review of the engine found, each kept as a test: ways around the
+// checks of the call's transaction, and answers that were not one.
+
+// A savepoint spelled U&"idempotency_call" would shadow the engine's, so
+// that a final error rolled back only to it: refused, nothing committed.
+func TestShadowSavepointIsRefused(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('must roll back')`); err != nil {
+			return nil, err
+		}
+		_, _ = tx.Exec(ctx, `SAVEPOINT U&"idempotency_call"`)
+		return nil, idempotency.Final(status.Error(codes.NotFound, "no such order"))
+	})
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// SQL-standard function bodies (BEGIN ATOMIC ... END) hold semicolons and
+// an END that end no transaction: allowed.
+func TestBeginAtomicBodyIsAllowed(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	res, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		_, err := tx.Exec(ctx, `CREATE FUNCTION answer() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT CASE WHEN true THEN 42 END; END`)
+		return nil, err
+	})
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+	require.Equal(t, 42, db.Count(t, `SELECT answer()`))
+}
+
+// tx.Conn() called by a goroutine the handler left behind, once the call is
+// over and its connection serves another call: the other call's writes are
+// not committed by it; that call fails with Unavailable, and its retry
+// runs.
+func TestStaleConnCannotReachAnotherCall(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 1) // one connection: the next call gets the same one
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	ctx := context.Background()
+	var kept pgx.Tx
+	_, err := store.Execute(ctx, idempotency.Call{Key: "a", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		kept = tx
+		return wrapperspb.String("a"), nil
+	})
+	require.NoError(t, err)
+	var staleErr error
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('b')`); err != nil {
+			return nil, err
+		}
+		if kept != nil {
+			_, staleErr = kept.Conn().Exec(context.Background(), `COMMIT`) // the left-behind goroutine
+			kept = nil
+		}
+		return wrapperspb.String("b"), nil
+	}
+	_, err = store.Execute(ctx, idempotency.Call{Key: "b", Method: "m"}, fn)
+	require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+	require.Error(t, staleErr, "the stale COMMIT went nowhere")
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM ledger`), "nothing of b committed")
+	res, err := store.Execute(ctx, idempotency.Call{Key: "b", Method: "m"}, fn)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+}
+
+// A handler that commits on tx.Conn() and then closes it: the engine cannot
+// know whether its writes committed, so the key keeps an error (stored on
+// another connection) and the handler never runs again.
+func TestConnCommittedThenClosedRunsOnce(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	var runs atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		c := tx.Conn()
+		if _, err := c.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); COMMIT`); err != nil {
+			return nil, err
+		}
+		return wrapperspb.String("x"), c.Close(ctx)
+	}
+	for i := 0; i < 2; i++ {
+		_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, fn)
+		require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+		require.True(t, idempotency.IsFinal(err))
+	}
+	require.EqualValues(t, 1, runs.Load())
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// An error the engine stores for a call (its handler ended the transaction
+// on tx.Conn()) is one answer: the first caller gets none of the headers
+// its handler set, as no replay does.
+func TestStoredEngineErrorIsOneAnswer(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		_ = grpc.SetHeader(ctx, metadata.Pairs("x-charge-id", "ch_123"))
+		_ = grpc.SetTrailer(ctx, metadata.Pairs("x-receipt", "r_1"))
+		_, err := idempotency.MustTxFromContext(ctx).Conn().Exec(ctx, `COMMIT`)
+		return wrapperspb.String("ok"), err
+	}})
+	var answers [2][2]metadata.MD
+	for i := range answers {
+		ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+		err := e.conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, grpc.Header(&answers[i][0]), grpc.Trailer(&answers[i][1]))
+		require.Equal(t, codes.Internal, status.Code(err))
+	}
+	for i := range answers {
+		require.Empty(t, answers[i][0].Get("x-charge-id"), "call %d", i)
+		require.Empty(t, answers[i][1].Get("x-receipt"), "call %d", i)
+	}
 }

@@ -2,10 +2,12 @@ package idempotency_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -48,20 +50,34 @@ func bouncedServer(t *testing.T, handler func(ctx context.Context, schema string
 	return db, srv
 }
 
+// pgbouncerURL is the PgBouncer the tests use.
+func pgbouncerURL() string {
+	if url := os.Getenv(pgbouncerURLEnv); url != "" {
+		return url
+	}
+	return defaultPgbouncerURL
+}
+
 // bouncedPool is a pool through PgBouncer; mode, when set, replaces the
 // URL's query mode.
 func bouncedPool(t *testing.T, mode string) *pgxpool.Pool {
 	t.Helper()
-	url := os.Getenv(pgbouncerURLEnv)
-	if url == "" {
-		url = defaultPgbouncerURL
-	}
+	return bouncedPoolWith(t, func(cfg *pgxpool.Config) {
+		if mode != "" {
+			cfg.ConnConfig.DefaultQueryExecMode = map[string]pgx.QueryExecMode{"describe_exec": pgx.QueryExecModeDescribeExec, "exec": pgx.QueryExecModeExec}[mode]
+		}
+	})
+}
+
+// bouncedPoolWith is a pool through PgBouncer, its configuration adjusted
+// by tweak.
+func bouncedPoolWith(t *testing.T, tweak func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	url := pgbouncerURL()
 	cfg, err := pgxpool.ParseConfig(url)
 	require.NoError(t, err)
 	cfg.MaxConns = 16
-	if mode != "" {
-		cfg.ConnConfig.DefaultQueryExecMode = map[string]pgx.QueryExecMode{"describe_exec": pgx.QueryExecModeDescribeExec, "exec": pgx.QueryExecModeExec}[mode]
-	}
+	tweak(cfg)
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
@@ -248,4 +264,70 @@ func TestDescribeExecBehindAPoolerIsRefused(t *testing.T) {
 	res, err = store.Execute(ctx, call, run)
 	require.NoError(t, err, "no pooler in between")
 	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+}
+
+// Through PgBouncer at SERIALIZABLE, every way a call can fail (a panic
+// after tx.Conn(), a deferred constraint at COMMIT, the caller's deadline
+// mid-statement, a plain error after tx.Conn(), a transaction the handler
+// made read-only while another client waits for a server connection)
+// releases the key's session lock in the round trip that ends the
+// transaction: the key is free again, and its retry runs.
+func TestThroughPgBouncerEveryFailureReleasesTheKey(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE deferred (id int, CONSTRAINT u UNIQUE (id) DEFERRABLE INITIALLY DEFERRED)`)
+	require.NoError(t, err)
+	// Another client of PgBouncer, taking whichever server connection PgBouncer
+	// released last when the engine asks whether it is on a standby.
+	other, err := pgx.Connect(ctx, pgbouncerURL())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close(context.Background()) })
+	var grab atomic.Bool
+	pool := bouncedPoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(_ context.Context, _ *pgx.Conn, statements []string) {
+			if strings.Contains(statements[0], "pg_is_in_recovery") && grab.CompareAndSwap(true, false) {
+				_, _ = other.Exec(context.Background(), "BEGIN")
+			}
+		}}
+	})
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable),
+		idempotency.WithIsolation(pgx.Serializable), idempotency.WithInProgressWait(300*time.Millisecond))
+	require.NoError(t, err)
+	table := pgx.Identifier{db.Schema, "deferred"}.Sanitize()
+	for name, fn := range map[string]idempotency.Func{
+		"panic after tx.Conn()": func(ctx context.Context, tx pgx.Tx) (proto.Message, error) { tx.Conn(); panic("boom") },
+		"deferred constraint": func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			_, err := tx.Exec(ctx, `INSERT INTO `+table+` VALUES (1), (1)`)
+			return wrapperspb.String("x"), err
+		},
+		"deadline mid-statement": func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			_, err := tx.Exec(ctx, `SELECT pg_sleep(5)`)
+			return nil, err
+		},
+		"error after tx.Conn()": func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			tx.Conn()
+			return nil, errors.New("plain")
+		},
+		"made read-only": func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			_, err := tx.Exec(ctx, `SELECT set_config('transaction_read_only', 'on', true)`)
+			grab.Store(true)
+			return wrapperspb.String("x"), err
+		},
+	} {
+		key := "fail-" + strings.ReplaceAll(name, " ", "-")
+		func() {
+			defer func() { _ = recover() }()
+			ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			defer cancel()
+			_, _ = store.Execute(ctx, idempotency.Call{Key: key, Method: "m"}, fn)
+		}()
+		_, _ = other.Exec(ctx, "ROLLBACK")
+		// A dead session releases its locks once its backend notices; no
+		// live one may keep one.
+		require.Eventually(t, func() bool { return heldKeyLocks(t, db, "", []string{key}) == 0 }, 10*time.Second, 10*time.Millisecond, "%s: the key's lock outlived the call", name)
+		res, err := store.Execute(ctx, idempotency.Call{Key: key + "-again", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return wrapperspb.String("ok"), nil })
+		require.NoError(t, err, name)
+		require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, name)
+	}
 }

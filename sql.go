@@ -8,6 +8,7 @@ import (
 type statements struct {
 	lock, lookup, probe              string
 	lockSession, holdSession, unlock string
+	holdXact                         string
 	savepoint, rollbackToSavepoint   string
 	sameTransaction                  string
 	insert, insertIfAbsent           string
@@ -53,7 +54,11 @@ pg_catalog.current_setting('transaction_isolation'), pg_catalog.current_setting(
 		// connection is ever left holding it.
 		lockSession: r.Replace(`SELECT pg_catalog.pg_try_advisory_lock({{lock_key}})`),
 		holdSession: r.Replace(`SELECT pg_catalog.pg_advisory_lock({{lock_key}})`),
-		unlock:      r.Replace(`SELECT pg_catalog.pg_advisory_unlock({{lock_key}})`),
+		// For a transaction that must hold the key until its COMMIT once the
+		// session lets go of it; only taken while the session holds the key,
+		// so it never waits.
+		holdXact: r.Replace(`SELECT pg_catalog.pg_advisory_xact_lock({{lock_key}})`),
+		unlock:   r.Replace(`SELECT pg_catalog.pg_advisory_unlock({{lock_key}})`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
 		// is taken and released within the statement). Its snapshot is

@@ -48,4 +48,9 @@ const (
 type result struct {
 	Result
 	metadata []byte
+	// ownAnswer: this run of the handler is the call's answer (its result
+	// was stored, or it failed and released the key), so what it set
+	// (headers, trailers) goes to the client. Otherwise the answer is a
+	// stored row or the engine's own error, which carry none of it.
+	ownAnswer bool
 }

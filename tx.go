@@ -98,11 +98,21 @@ var ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempot
 
 // allow refuses SQL that would end or reshape the call's transaction. The
 // first refusal decides the call's outcome, whatever the handler does next.
-func (t *callTx) allow(sql string) error {
-	what := txControl(sql)
+// Its caller holds t.use.
+func (t *callTx) allow(ctx context.Context, sql string) error {
+	what, preparedName := txControl(sql)
+	if preparedName != "" {
+		what = t.preparedStatement(ctx, preparedName)
+	}
 	if what == "" {
 		return nil
 	}
+	return t.refuse(what)
+}
+
+// refuse answers a statement that would end or reshape the call's
+// transaction, what, and makes the call fail.
+func (t *callTx) refuse(what string) error {
 	err := fmt.Errorf("%w: %s refused; it would end or change the call's transaction, which commits with the call's result "+
 		"(nested transactions: tx.Begin; the isolation level: the store's or the method's setting)", ErrTxOwned, what)
 	t.state.Lock()
@@ -113,6 +123,25 @@ func (t *callTx) allow(sql string) error {
 			"Nothing it wrote was committed; the key is kept with this error so that the call does not run again"
 	}
 	return err
+}
+
+// preparedStatement checks the statement prepared on the connection under
+// name, which pgx runs when given its name as SQL: what txControl refuses
+// of its SQL, "" when it may run (or when no statement has that name, and
+// PostgreSQL will read name as SQL).
+func (t *callTx) preparedStatement(ctx context.Context, name string) string {
+	var sql string
+	err := t.conn.QueryRow(ctx, `SELECT statement FROM pg_catalog.pg_prepared_statements WHERE name = $1`, pgx.QueryExecModeSimpleProtocol, name).Scan(&sql)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return ""
+	case err != nil:
+		return "the prepared statement " + name + " (its SQL could not be checked: " + err.Error() + ")"
+	}
+	if what, _ := txControl(sql); what != "" {
+		return what + " (as the prepared statement " + name + ")"
+	}
+	return ""
 }
 
 // track keeps the closer of a result handed to the handler.
@@ -182,10 +211,20 @@ func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 // (one statement), so that duplicates keep waiting even if the handler
 // ends the transaction there; the engine then stores the call's error
 // before it lets them in. If that statement fails (the transaction already
-// aborted), the call fails with codes.Internal, stored.
+// aborted), the call fails with codes.Internal, stored. The connection is
+// closed when the call ends, rather than returned to the pool, so that
+// nothing the handler kept of it can reach a later call: a call that uses
+// Conn costs a new connection afterwards. The Conn of the call's rows
+// (pgx.Rows.Conn) is this one.
+//
+// Conn called once the call is over (by a goroutine the handler left
+// behind) cannot be refused, and the connection may be serving another call
+// by then: it closes the connection's socket first, so that nothing sent on
+// it reaches that call (which fails with Unavailable, nothing committed).
 func (t *callTx) Conn() *pgx.Conn {
 	done, ok := t.use()
 	if !ok {
+		_ = t.conn.PgConn().Conn().Close()
 		return t.conn
 	}
 	defer done()
@@ -193,14 +232,20 @@ func (t *callTx) Conn() *pgx.Conn {
 	return t.conn
 }
 
-// holdKey takes the key's lock for the session, once.
+// holdKey takes the key's lock for the session, once, as the handler gets
+// the connection itself; the attempt then closes the connection when it
+// ends (see attempt.release). Its caller holds t.use.
 func (t *callTx) holdKey() {
 	t.state.Lock()
 	defer t.state.Unlock()
-	if t.attempt == nil || t.attempt.session || t.refused != "" {
+	a := t.attempt
+	if a == nil {
 		return
 	}
-	a := t.attempt
+	a.rawConn = true
+	if a.session || t.refused != "" {
+		return
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), a.s.opts.finishTimeout)
 	defer cancel()
 	if _, err := t.conn.Exec(ctx, a.st.holdSession, a.call.Scope, a.key); err != nil {
@@ -222,10 +267,10 @@ func (t *callTx) exec(ctx context.Context, closed *atomic.Bool, sql string, args
 		return pgconn.CommandTag{}, pgx.ErrTxClosed
 	}
 	defer done()
-	if err := t.allow(sql); err != nil {
+	if err := t.allow(ctx, sql); err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	return t.conn.Exec(ctx, sql, args...)
+	return t.conn.Exec(ctx, sql, t.checkRewriters(args)...)
 }
 
 func (t *callTx) query(ctx context.Context, closed *atomic.Bool, sql string, args []any) (pgx.Rows, error) {
@@ -235,14 +280,90 @@ func (t *callTx) query(ctx context.Context, closed *atomic.Bool, sql string, arg
 		return nil, pgx.ErrTxClosed
 	}
 	defer done()
-	if err := t.allow(sql); err != nil {
+	if err := t.allow(ctx, sql); err != nil {
 		return nil, err
 	}
-	rows, err := t.conn.Query(ctx, sql, args...)
-	if rows != nil {
-		t.track(rows.Close)
+	rows, err := t.conn.Query(ctx, sql, t.checkRewriters(args)...)
+	if rows == nil {
+		return nil, err
 	}
-	return rows, err
+	t.track(rows.Close)
+	return &callRows{Rows: rows, tx: t}, err
+}
+
+// callRows are rows of the call's transaction: their Conn is the
+// transaction's, with what that takes (see callTx.Conn). While the rows are
+// open the connection is busy with them and can take no lock, and cannot
+// run anything the handler sends on it either; so the key is held as soon
+// as they are done.
+type callRows struct {
+	pgx.Rows
+	tx   *callTx
+	hold atomic.Bool // Conn was called while the rows were open
+}
+
+func (r *callRows) Conn() *pgx.Conn {
+	if r.tx.conn.PgConn().IsBusy() {
+		r.hold.Store(true)
+		return r.tx.conn
+	}
+	return r.tx.Conn()
+}
+
+func (r *callRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.done() // pgx closes the rows after the last one
+	return false
+}
+
+func (r *callRows) Close() {
+	r.Rows.Close()
+	r.done()
+}
+
+func (r *callRows) done() {
+	if r.hold.Swap(false) {
+		r.tx.Conn()
+	}
+}
+
+// checkRewriters wraps the query rewriters among a statement's leading
+// options (pgx.NamedArgs, say), so that the SQL they produce is checked as
+// the SQL they were given is.
+func (t *callTx) checkRewriters(args []any) []any {
+	copied := false
+	for i := 0; i < len(args); i++ {
+		switch arg := args[i].(type) {
+		case pgx.QueryExecMode:
+			continue
+		case pgx.QueryRewriter:
+			if !copied { // the caller's slice stays as it was
+				args, copied = append([]any(nil), args...), true
+			}
+			args[i] = checkedRewriter{inner: arg, tx: t}
+			continue
+		}
+		break
+	}
+	return args
+}
+
+// checkedRewriter checks the SQL a query rewriter makes.
+type checkedRewriter struct {
+	inner pgx.QueryRewriter
+	tx    *callTx
+}
+
+func (r checkedRewriter) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
+	sql, args, err := r.inner.RewriteQuery(ctx, conn, sql, args)
+	if err == nil {
+		if what, _ := txControl(sql); what != "" {
+			err = r.tx.refuse(what)
+		}
+	}
+	return sql, args, err
 }
 
 func (t *callTx) queryRow(ctx context.Context, closed *atomic.Bool, sql string, args []any) pgx.Row {
@@ -257,14 +378,36 @@ func (t *callTx) sendBatch(ctx context.Context, closed *atomic.Bool, b *pgx.Batc
 		return closedBatch{pgx.ErrTxClosed}
 	}
 	defer done()
+	callbacks := false
 	for _, q := range b.QueuedQueries {
-		if err := t.allow(q.SQL); err != nil {
+		if err := t.allow(ctx, q.SQL); err != nil {
 			return closedBatch{err}
 		}
+		callbacks = callbacks || q.Fn != nil
+	}
+	if callbacks {
+		// pgx hands the callbacks (QueuedQuery's Query, QueryRow, Exec)
+		// rows whose Conn is the connection itself.
+		t.holdKey()
 	}
 	br := t.conn.SendBatch(ctx, b)
 	t.track(func() { _ = br.Close() })
-	return br
+	return &callBatch{BatchResults: br, tx: t}
+}
+
+// callBatch is the results of a batch sent through the call's
+// transaction: its rows are the call's (see callRows).
+type callBatch struct {
+	pgx.BatchResults
+	tx *callTx
+}
+
+func (b *callBatch) Query() (pgx.Rows, error) {
+	rows, err := b.BatchResults.Query()
+	if rows == nil {
+		return nil, err
+	}
+	return &callRows{Rows: rows, tx: b.tx}, err
 }
 
 func (t *callTx) prepare(ctx context.Context, closed *atomic.Bool, name, sql string) (*pgconn.StatementDescription, error) {
@@ -274,7 +417,7 @@ func (t *callTx) prepare(ctx context.Context, closed *atomic.Bool, name, sql str
 		return nil, pgx.ErrTxClosed
 	}
 	defer done()
-	if err := t.allow(sql); err != nil {
+	if err := t.allow(ctx, sql); err != nil {
 		return nil, err
 	}
 	return t.conn.Prepare(ctx, name, sql)

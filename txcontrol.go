@@ -13,19 +13,43 @@ const reservedPrefix = "idempotency_"
 // there is none. Refused: BEGIN, START TRANSACTION, COMMIT, END, ABORT,
 // ROLLBACK (but not ROLLBACK TO SAVEPOINT), PREPARE TRANSACTION, SET
 // TRANSACTION, SET SESSION CHARACTERISTICS, SET of the settings behind
-// those two, and savepoint statements naming the engine's own savepoints.
+// those two and of standard_conforming_strings (which changes how SQL
+// reads), DEALLOCATE (which would pull the connection's prepared statements
+// from under pgx), and savepoint statements naming the engine's own
+// savepoints; an identifier written U&"..." where one of those names could
+// hide.
 //
-// It reads SQL as PostgreSQL does with standard_conforming_strings on (the
-// default since 9.1): quoted strings and identifiers, E'...' strings, dollar
-// quoting and nested comments hide what they contain. DO blocks and
-// procedures need no check: PostgreSQL refuses to commit inside them while
-// a transaction block is open.
-func txControl(sql string) string {
-	l := sqlLexer{s: sql}
+// It reads SQL as PostgreSQL's lexer does, both with
+// standard_conforming_strings on (the default since 9.1) and off, and
+// refuses what either reading finds: quoted strings and identifiers,
+// E'...' strings, dollar quoting and nested comments hide what they
+// contain, and a CREATE FUNCTION or PROCEDURE's BEGIN ATOMIC body is one
+// statement, as psql reads it. DO blocks and procedures need no check:
+// PostgreSQL refuses to commit inside them while a transaction block is
+// open.
+//
+// preparedName is set when sql may be nothing but the name of a statement
+// prepared on the connection (pgx runs a prepared statement given its
+// name), whose own SQL the caller must check.
+func txControl(sql string) (what, preparedName string) {
+	if what = scanTxControl(sql, false); what == "" {
+		what = scanTxControl(sql, true)
+	}
+	if what == "" && maybeStatementName(sql) {
+		preparedName = sql
+	}
+	return what, preparedName
+}
+
+// scanTxControl is txControl for one reading of backslashes in quoted
+// strings.
+func scanTxControl(sql string, backslashQuotes bool) string {
+	l := sqlLexer{s: sql, backslashQuotes: backslashQuotes}
 	for {
+		start := l.i
 		first := l.word()
 		switch first {
-		case "begin", "commit", "end", "abort":
+		case "begin", "commit", "end", "abort", "deallocate":
 			return strings.ToUpper(first)
 		case "start":
 			if l.word() == "transaction" {
@@ -34,7 +58,7 @@ func txControl(sql string) string {
 		case "rollback":
 			switch l.word() {
 			case "to":
-				if n := l.savepointName(); strings.HasPrefix(n, reservedPrefix) {
+				if n := l.savepointName(); reserved(n) {
 					return "ROLLBACK TO SAVEPOINT " + n
 				}
 			case "prepared":
@@ -43,11 +67,11 @@ func txControl(sql string) string {
 				return "ROLLBACK"
 			}
 		case "release":
-			if n := l.savepointName(); strings.HasPrefix(n, reservedPrefix) {
+			if n := l.savepointName(); reserved(n) {
 				return "RELEASE SAVEPOINT " + n
 			}
 		case "savepoint":
-			if n := l.ident(); strings.HasPrefix(n, reservedPrefix) {
+			if n := l.ident(); reserved(n) {
 				return "SAVEPOINT " + n
 			}
 		case "prepare":
@@ -59,9 +83,41 @@ func txControl(sql string) string {
 				return "SET " + what
 			}
 		}
+		l.i = start
 		if !l.nextStatement() {
 			return ""
 		}
+	}
+}
+
+// unicodeIdent stands for an identifier written U&"...", whose escapes
+// could spell any name.
+const unicodeIdent = "U&\"...\""
+
+// reserved reports whether a savepoint name is, or could be, one of the
+// engine's.
+func reserved(name string) bool {
+	return strings.HasPrefix(name, reservedPrefix) || name == unicodeIdent
+}
+
+// maybeStatementName reports whether sql could be the name of a prepared
+// statement rather than SQL: one word that no SQL statement starts with.
+func maybeStatementName(sql string) bool {
+	l := sqlLexer{s: sql}
+	w := l.word()
+	l.skipSpace()
+	return w != "" && l.i == len(sql) && !sqlCommands[w]
+}
+
+// sqlCommands are the words SQL statements start with.
+var sqlCommands = map[string]bool{}
+
+func init() {
+	for _, w := range strings.Fields(`abort alter analyze begin call checkpoint close cluster comment commit copy create
+deallocate declare delete discard do drop end execute explain fetch grant import insert listen load lock merge move
+notify prepare reassign refresh reindex release reset revoke rollback savepoint security select set show start table
+truncate unlisten update vacuum values with`) {
+		sqlCommands[w] = true
 	}
 }
 
@@ -69,6 +125,9 @@ func txControl(sql string) string {
 type sqlLexer struct {
 	s string
 	i int
+	// backslashQuotes reads a backslash in a plain quoted string as an
+	// escape, as with standard_conforming_strings off.
+	backslashQuotes bool
 }
 
 // skipSpace skips whitespace and comments.
@@ -78,7 +137,8 @@ func (l *sqlLexer) skipSpace() {
 		case c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v':
 			l.i++
 		case c == '-' && strings.HasPrefix(l.s[l.i:], "--"):
-			if n := strings.IndexByte(l.s[l.i:], '\n'); n >= 0 {
+			// PostgreSQL ends a comment at a carriage return too.
+			if n := strings.IndexAny(l.s[l.i:], "\n\r"); n >= 0 {
 				l.i += n + 1
 			} else {
 				l.i = len(l.s)
@@ -123,9 +183,14 @@ func (l *sqlLexer) word() string {
 }
 
 // ident reads an identifier, bare (lower-cased, as PostgreSQL folds it) or
-// double-quoted (as written).
+// double-quoted (as written); unicodeIdent for one written U&"...".
 func (l *sqlLexer) ident() string {
 	l.skipSpace()
+	if rest := l.s[l.i:]; len(rest) >= 3 && (rest[0] == 'u' || rest[0] == 'U') && rest[1] == '&' && rest[2] == '"' {
+		l.i += 2
+		l.skipQuoted('"')
+		return unicodeIdent
+	}
 	if l.i < len(l.s) && l.s[l.i] == '"' {
 		start := l.i
 		l.skipQuoted('"')
@@ -161,7 +226,7 @@ func (l *sqlLexer) setTarget() string {
 	switch {
 	case name == "transaction":
 		return "TRANSACTION"
-	case transactionSettings[name]:
+	case transactionSettings[name], name == "standard_conforming_strings", name == unicodeIdent:
 		return name
 	}
 	return ""
@@ -176,20 +241,34 @@ var transactionSettings = map[string]bool{
 	"default_transaction_isolation": true, "default_transaction_read_only": true, "default_transaction_deferrable": true,
 }
 
-// nextStatement moves past the end of the current statement, its first
-// top-level semicolon; false when there is none.
+// nextStatement moves from the start of a statement past its end, its
+// first semicolon outside parentheses and outside the BEGIN ... END body of
+// a CREATE [OR REPLACE] FUNCTION or PROCEDURE (counting CASE ... END in
+// it, as psql does); false when there is none.
 func (l *sqlLexer) nextStatement() bool {
+	var leading []string // the statement's first words, for CREATE ... FUNCTION
+	parens, begins := 0, 0
 	for l.i < len(l.s) {
 		c := l.s[l.i]
 		switch {
-		case c == ';':
+		case c == ';' && parens == 0 && begins == 0:
 			l.i++
 			return true
+		case c == '(':
+			parens++
+			l.i++
+		case c == ')':
+			parens = max(parens-1, 0)
+			l.i++
 		case c == '\'':
-			l.skipQuoted('\'')
+			if l.backslashQuotes {
+				l.skipEscapeString()
+			} else {
+				l.skipQuoted('\'')
+			}
 		case c == '"':
 			l.skipQuoted('"')
-		case (c == 'e' || c == 'E') && l.i+1 < len(l.s) && l.s[l.i+1] == '\'' && (l.i == 0 || !isIdentByte(l.s[l.i-1], true)):
+		case (c == 'e' || c == 'E') && l.i+1 < len(l.s) && l.s[l.i+1] == '\'':
 			l.i++
 			l.skipEscapeString()
 		case c == '$':
@@ -199,14 +278,37 @@ func (l *sqlLexer) nextStatement() bool {
 		case isIdentByte(c, false):
 			// A whole word, so that the E of a word like "type" never
 			// starts an escape string.
+			start := l.i
 			for l.i < len(l.s) && isIdentByte(l.s[l.i], true) {
 				l.i++
+			}
+			word := strings.ToLower(l.s[start:l.i])
+			if len(leading) < 4 {
+				leading = append(leading, word)
+			}
+			if parens == 0 && definesRoutine(leading) {
+				switch {
+				case word == "begin":
+					begins++
+				case word == "case" && begins > 0:
+					begins++
+				case word == "end" && begins > 0:
+					begins--
+				}
 			}
 		default:
 			l.i++
 		}
 	}
 	return false
+}
+
+// definesRoutine reports whether a statement's first words are CREATE [OR
+// REPLACE] FUNCTION or PROCEDURE, whose body may be BEGIN ATOMIC ... END.
+func definesRoutine(w []string) bool {
+	routine := func(s string) bool { return s == "function" || s == "procedure" }
+	return len(w) >= 2 && w[0] == "create" &&
+		(routine(w[1]) || (len(w) >= 4 && w[1] == "or" && w[2] == "replace" && routine(w[3])))
 }
 
 // skipQuoted skips a string or identifier quoted with q, in which a doubled

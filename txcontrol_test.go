@@ -38,7 +38,7 @@ func TestUnitTxControlFindsStatementsThatEndTheTransaction(t *testing.T) {
 		`ROLLBACK TO "idempotency_call"`:                          "ROLLBACK TO SAVEPOINT idempotency_call",
 	}
 	for sql, want := range refused {
-		if got := txControl(sql); got != want {
+		if got, _ := txControl(sql); got != want {
 			t.Errorf("txControl(%q) = %q, want %q", sql, got, want)
 		}
 	}
@@ -69,9 +69,22 @@ func TestUnitTxControlFindsStatementsThatEndTheTransaction(t *testing.T) {
 		"WITH x AS (SELECT 1) SELECT * FROM x",
 		"(SELECT 1)",
 		"typecommit",
+		"CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END",
+		"CREATE OR REPLACE PROCEDURE p() LANGUAGE sql BEGIN ATOMIC INSERT INTO t VALUES (CASE WHEN true THEN 1 END); SELECT 2; END",
+		"CREATE FUNCTION f() RETURNS int LANGUAGE plpgsql AS $$ BEGIN COMMIT; END $$",
 	} {
-		if got := txControl(sql); got != "" {
+		if got, _ := txControl(sql); got != "" {
 			t.Errorf("txControl(%q) = %q, want none", sql, got)
+		}
+	}
+}
+
+// A single word that starts no SQL statement may be the name of a prepared
+// statement, which pgx runs when given its name: the caller checks it.
+func TestUnitTxControlNamesPreparedStatements(t *testing.T) {
+	for sql, name := range map[string]string{"finish_batch": "finish_batch", " stmt_1 ": " stmt_1 ", "commit": "", "select": "", "SELECT 1": "", "a b": ""} {
+		if _, got := txControl(sql); got != name {
+			t.Errorf("txControl(%q) names prepared statement %q, want %q", sql, got, name)
 		}
 	}
 }
