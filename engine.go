@@ -65,7 +65,7 @@ func (s *Store) execute(ctx context.Context, call Call, tp *transport, fn Func) 
 	if err != nil {
 		return result{Result: Result{Outcome: outcomeOf(err)}}, err
 	}
-	w := waiter{deadline: time.Now().Add(s.opts.inProgressWait), trace: tp.trace}
+	w := waiter{wait0: s.opts.inProgressWait, trace: tp.trace}
 	probe := call.Retry
 	for conflicts := 0; ; {
 		if probe {
@@ -853,9 +853,10 @@ func (r *keyRow) args() []any {
 
 // waiter paces a duplicate's wait for the key's holder: it sleeps, holding
 // no connection, 2 ms at first, twice as long each time up to 50 ms, with
-// jitter, until the deadline.
+// jitter, for up to the in-progress wait counted from its first sleep.
 type waiter struct {
-	deadline time.Time
+	wait0    time.Duration // the in-progress wait
+	deadline time.Time     // set by the first sleep
 	pause    time.Duration
 	trace    *callTrace
 }
@@ -863,6 +864,9 @@ type waiter struct {
 var errWaitOver = errors.New("in-progress wait is over")
 
 func (w *waiter) wait(ctx context.Context) error {
+	if w.deadline.IsZero() {
+		w.deadline = time.Now().Add(w.wait0)
+	}
 	w.pause = min(max(2*w.pause, 2*time.Millisecond), 50*time.Millisecond)
 	left := time.Until(w.deadline)
 	if left <= 0 {
