@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -19,7 +20,10 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 	var tag pgconn.CommandTag
 	st, err := s.statements(ctx)
 	if err == nil {
-		tag, err = s.db.Exec(ctx, st.deleteExpired, limit)
+		err = s.readCommitted(ctx, func(tx pgx.Tx) (err error) {
+			tag, err = tx.Exec(ctx, st.deleteExpired, limit)
+			return err
+		})
 	}
 	if err != nil {
 		err = fmt.Errorf("idempotency: delete expired keys: %w", err)

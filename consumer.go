@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc/codes"
+	grpcstatus "google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -65,6 +66,11 @@ func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx conte
 	}
 	if err := ValidateKey(m.ID); err != nil {
 		return OutcomeRejected, keyError(err, "ID", "message ID")
+	}
+	if err := validateText("Message.Scope", m.Scope, MaxScopeLen); err != nil {
+		// The consumer's setting, not the message's fault: fix it, and the
+		// message comes back.
+		return OutcomeMisconfigured, grpcstatus.Errorf(codes.Internal, "%s (the consumer's configuration; the message is good)", grpcstatus.Convert(err).Message())
 	}
 	call := Call{Scope: m.Scope, Key: m.ID, Method: messageMethod, Fingerprint: messageFingerprint(m.Body), TTL: m.TTL, Retry: m.Redelivered}
 	res, err := s.execute(ctx, call, tp, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {

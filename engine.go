@@ -442,14 +442,42 @@ func (a *attempt) run(ctx context.Context, fn Func) handled {
 	start := time.Now()
 	var h handled
 	func() {
-		// Closed as soon as fn returns (or panics): a goroutine fn left
-		// behind must not write into what follows.
-		defer htx.close()
+		defer func() {
+			p := recover()
+			// Closed as soon as fn returns (or panics): a goroutine fn left
+			// behind must not write into what follows.
+			htx.close()
+			if p != nil {
+				a.settlePanic(ctx)
+				panic(p) // from here, so that the panic's trace shows fn's frames
+			}
+		}()
 		h.resp, h.err = fn(withCall(ctx, htx, a.call.Key), htx)
 	}()
 	a.tp.trace.since(phaseHandler, start)
 	h.refused = htx.refusal()
 	return h
+}
+
+// settlePanic ends a call whose fn panicked: its writes roll back and the
+// key is released, as for an error, unless fn had the connection itself
+// (tx.Conn()) and ended the transaction there, or lost the connection: its
+// writes may have committed, so the key keeps an error and fn never runs
+// again. The panic then goes on.
+func (a *attempt) settlePanic(ctx context.Context) {
+	if !a.rawConn {
+		return
+	}
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
+	defer cancel()
+	if a.conn.IsClosed() {
+		a.session = false
+		_, _, _ = a.storeOutsideOn(fctx, nil, grpcstatus.New(codes.Internal, errLostRawConn))
+		return
+	}
+	if ended, err := a.handlerEndedTx(fctx, true); err == nil && ended {
+		_, _, _ = a.storeOutside(fctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+	}
 }
 
 // finish decides the call's outcome from what fn did, and commits it: fn's
@@ -639,7 +667,13 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message, final *grpcsta
 	}
 	if took := time.Since(start); took >= a.call.TTL/2 {
 		// Best effort: a failure leaves the TTL counted from the insert.
-		_, _ = a.conn.Exec(ctx, a.st.extend, a.call.Scope, a.key, a.call.TTL.Microseconds())
+		// At READ COMMITTED, for SERIALIZABLE's conflict tracking to leave
+		// it alone.
+		b := &pgx.Batch{}
+		b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
+		b.Queue(a.st.extend, a.call.Scope, a.key, a.call.TTL.Microseconds())
+		b.Queue("COMMIT")
+		_, _ = sendAll(ctx, a.conn, b)
 	}
 	return result{Result: Result{Response: resp, Outcome: OutcomeExecuted}, metadata: row.metadata, ownAnswer: true}, attemptDone, returned
 }

@@ -46,7 +46,10 @@ const HeaderReplayed = "Idempotency-Replayed"
 //
 // POST and PATCH are protected by default; other methods pass through, as
 // RFC 9110 makes them idempotent ([WithHTTPMethods] changes that; give a
-// route its own middleware for its own settings). On a protected method:
+// route its own middleware for its own settings). So does a request that
+// is already inside an idempotent call: the middleware mounted twice (on a
+// router group and on its route) protects it once, with the outer one's
+// settings. On a protected method:
 //
 //	no key (when required)            400, problem+json
 //	invalid key                       400
@@ -79,7 +82,9 @@ func HTTPMiddleware(store *Store, opts ...HTTPOption) func(http.Handler) http.Ha
 	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if !o.methods[r.Method] {
+			if _, inCall := TxFromContext(r.Context()); !o.methods[r.Method] || inCall {
+				// A request already inside an idempotent call (the
+				// middleware mounted twice) is protected by the outer one.
 				next.ServeHTTP(w, r)
 				return
 			}

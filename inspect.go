@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -56,8 +57,15 @@ var namespaces = []struct {
 	transport Transport
 }{{"", TransportGRPC}, {namespaceHTTP, TransportHTTP}, {namespaceMessage, TransportMessage}}
 
-// storedKeys returns key as each transport stores it.
+// storedKeys returns the stored keys key may name: key as each transport
+// stores it, in the order of namespaces; or key alone when it is one
+// already ("http KEY", "message KEY": no client's key has a space).
 func storedKeys(key string) []string {
+	for _, ns := range namespaces[1:] {
+		if strings.HasPrefix(key, ns.prefix) {
+			return []string{key}
+		}
+	}
 	keys := make([]string, len(namespaces))
 	for i, ns := range namespaces {
 		keys[i] = ns.prefix + key
@@ -65,32 +73,56 @@ func storedKeys(key string) []string {
 	return keys
 }
 
+// transportOf splits a stored key into its transport and the key.
+func transportOf(stored string) (Transport, string) {
+	for _, ns := range namespaces[1:] {
+		if key, ok := strings.CutPrefix(stored, ns.prefix); ok {
+			return ns.transport, key
+		}
+	}
+	return TransportGRPC, stored
+}
+
 // Inspect returns the record of one key. Keys of different transports
 // never collide in the table; a key used by more than one (an HTTP
-// request's and a message's, say) is looked for among gRPC calls first,
-// then HTTP requests, then messages.
+// request's and a gRPC call's, say) is looked for among gRPC calls and
+// Execute's first, then HTTP requests, then messages. To name one
+// transport's, prefix the key with its namespace: "http KEY" or
+// "message KEY". A key whose call is still running has no record yet:
+// Inspect then returns [ErrInProgress]; one with no record and no call,
+// [ErrKeyNotFound].
 func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) {
 	rec := Record{Scope: scope, Key: key}
 	st, err := s.statements(ctx)
 	if err != nil {
 		return rec, fmt.Errorf("idempotency: inspect key: %w", err)
 	}
+	keys := storedKeys(key)
 	var stored string
 	var responseType *string
 	var status []byte
-	err = s.db.QueryRow(ctx, st.inspect, scope, storedKeys(key)).Scan(&stored, &rec.Method, &rec.State, &rec.CreatedAt, &rec.ExpiresAt, &rec.Expired,
-		&responseType, &rec.Response, &status, &rec.Fingerprint, &rec.Metadata)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return rec, ErrKeyNotFound
+	err = s.readCommitted(ctx, func(tx pgx.Tx) error {
+		err := tx.QueryRow(ctx, st.inspect, scope, keys).Scan(&stored, &rec.Method, &rec.State, &rec.CreatedAt, &rec.ExpiresAt, &rec.Expired,
+			&responseType, &rec.Response, &status, &rec.Fingerprint, &rec.Metadata)
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return err
+		}
+		var free bool
+		if err := tx.QueryRow(ctx, st.lockForget, scope, keys).Scan(&free); err != nil {
+			return err
+		}
+		if !free {
+			return inProgress("the key's call is still running; nothing is stored for it yet", s.opts.retryDelay)
+		}
+		return ErrKeyNotFound
+	})
+	if errors.Is(err, ErrKeyNotFound) || errors.Is(err, ErrInProgress) {
+		return rec, err
 	}
 	if err != nil {
 		return rec, fmt.Errorf("idempotency: inspect key: %w", err)
 	}
-	for _, ns := range namespaces {
-		if stored == ns.prefix+key {
-			rec.Transport = ns.transport
-		}
-	}
+	rec.Transport, rec.Key = transportOf(stored)
 	if responseType != nil {
 		rec.ResponseType = *responseType
 	}
@@ -107,35 +139,45 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 // Forget deletes the record of one key, so that the next call with it runs
 // again: for an operator who knows the stored result must not be replayed
 // (a customer's charge that was refunded by hand, say). It deletes the
-// record Inspect shows. It refuses, with [ErrInProgress], while a call
-// holds the key, and returns [ErrKeyNotFound] when there is no record.
+// record Inspect shows (name a transport's key with its namespace, as for
+// Inspect). It refuses, with [ErrInProgress], while a call holds the key
+// (in any of the transports it may name), and returns [ErrKeyNotFound]
+// when there is no record.
 func (s *Store) Forget(ctx context.Context, scope, key string) error {
 	st, err := s.statements(ctx)
 	if err != nil {
 		return fmt.Errorf("idempotency: forget key: %w", err)
 	}
-	tx, err := s.db.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("idempotency: forget key: %w", err)
-	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
 	keys := storedKeys(key)
-	var locked bool
-	if err := tx.QueryRow(ctx, st.lockForget, scope, keys).Scan(&locked); err != nil {
-		return fmt.Errorf("idempotency: forget key: %w", err)
+	err = s.readCommitted(ctx, func(tx pgx.Tx) error {
+		var free bool
+		if err := tx.QueryRow(ctx, st.lockForget, scope, keys).Scan(&free); err != nil {
+			return err
+		}
+		if !free {
+			return inProgress("a call holds the key; forget it once the call is over", s.opts.retryDelay)
+		}
+		tag, err := tx.Exec(ctx, st.forget, scope, keys)
+		if err == nil && tag.RowsAffected() == 0 {
+			err = ErrKeyNotFound
+		}
+		return err
+	})
+	if err != nil && !errors.Is(err, ErrKeyNotFound) && !errors.Is(err, ErrInProgress) {
+		err = fmt.Errorf("idempotency: forget key: %w", err)
 	}
-	if !locked {
-		return inProgress("a call holds the key; forget it once the call is over", s.opts.retryDelay)
-	}
-	tag, err := tx.Exec(ctx, st.forget, scope, keys)
+	return err
+}
+
+// readCommitted runs fn in a READ COMMITTED transaction of its own, so that
+// the engine's reads of the key table never count in SERIALIZABLE's
+// conflict tracking, whatever the database's default. fn's error rolls it
+// back.
+func (s *Store) readCommitted(ctx context.Context, fn func(tx pgx.Tx) error) error {
+	pc, err := s.db.Acquire(ctx)
 	if err != nil {
-		return fmt.Errorf("idempotency: forget key: %w", err)
+		return err
 	}
-	if tag.RowsAffected() == 0 {
-		return ErrKeyNotFound
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("idempotency: forget key: %w", err)
-	}
-	return nil
+	defer pc.Release()
+	return pgx.BeginTxFunc(ctx, pc.Conn(), pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, fn)
 }

@@ -53,7 +53,9 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 	}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (_ any, err error) {
 		pol := policyFor(info.FullMethod)
-		if pol.mode == modePassThrough && pol.err == nil {
+		_, inCall := TxFromContext(ctx)
+		if (pol.mode == modePassThrough && pol.err == nil) || inCall {
+			// The interceptor chained twice protects a call once.
 			return handler(ctx, req)
 		}
 		key, err := o.callKey(ctx, pol, req)

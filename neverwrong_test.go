@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -916,4 +917,217 @@ func TestStoredEngineErrorIsOneAnswer(t *testing.T) {
 		require.Empty(t, answers[i][0].Get("x-charge-id"), "call %d", i)
 		require.Empty(t, answers[i][1].Get("x-receipt"), "call %d", i)
 	}
+}
+
+// A handler that commits on tx.Conn() and then panics (behind a recovery
+// middleware): its writes may have committed, so the key keeps an error
+// and the handler never runs again; the panic goes on.
+func TestPanicAfterACommitOnConnRunsOnce(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	var runs atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if runs.Add(1) == 1 {
+			_, _ = tx.Conn().Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); COMMIT`)
+			panic("a bug")
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
+		return wrapperspb.String("x"), err
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	require.PanicsWithValue(t, "a bug", func() { _, _ = store.Execute(context.Background(), call, fn) })
+	_, err := store.Execute(context.Background(), call, fn)
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.EqualValues(t, 1, runs.Load())
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// The middleware mounted twice (on a router group and on its route), and
+// the interceptor chained twice, protect a call once: the inner one does
+// not answer "in progress" for the outer one's own key.
+func TestProtectionNestedInItselfRunsTheHandlerOnce(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	store := migratedStore(t, db, idempotency.WithInProgressWait(50*time.Millisecond))
+	var runs atomic.Int64
+	mw := idempotency.HTTPMiddleware(store)
+	srv := httptest.NewServer(mw(mw(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { runs.Add(1); w.WriteHeader(http.StatusCreated) }))))
+	t.Cleanup(srv.Close)
+	for i := 0; i < 2; i++ {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/x", strings.NewReader("b"))
+		require.NoError(t, err)
+		req.Header.Set(idempotency.HeaderKey, "k")
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusCreated, resp.StatusCode, "attempt %d", i)
+	}
+	require.EqualValues(t, 1, runs.Load())
+
+	var grpcRuns atomic.Int64
+	icpt := idempotency.UnaryServerInterceptor(store)
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(icpt, icpt))
+	gs.RegisterService(ledgerDesc(), &ledger{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		grpcRuns.Add(1)
+		return keyedLedger(ctx, req)
+	}})
+	conn := dial(t, serve(t, gs))
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "g")
+	first := invoke(ctx, conn, methodCharge, "x")
+	require.NoError(t, first.err)
+	again := invoke(ctx, conn, methodCharge, "x")
+	require.NoError(t, again.err)
+	require.True(t, again.replayed)
+	require.EqualValues(t, 1, grpcRuns.Load())
+}
+
+// Inspect and Forget reach each transport's key when named with its
+// namespace, and tell a key whose call is running from a key never used.
+func TestInspectAndForgetNameEachTransportsKey(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, nil)
+	ctx := context.Background()
+	require.Equal(t, http.StatusCreated, e.post("x", "charge 1").status)
+	runs := 0
+	fn := func(context.Context, pgx.Tx) (proto.Message, error) { runs++; return wrapperspb.String("ok"), nil }
+	_, err := e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
+	require.NoError(t, err)
+
+	rec, err := e.store.Inspect(ctx, "", "x")
+	require.NoError(t, err)
+	require.Equal(t, idempotency.TransportGRPC, rec.Transport)
+	rec, err = e.store.Inspect(ctx, "", "http x")
+	require.NoError(t, err)
+	require.Equal(t, idempotency.TransportHTTP, rec.Transport)
+	require.Equal(t, "x", rec.Key)
+	require.Equal(t, "POST /v1/charges", rec.Method)
+
+	require.NoError(t, e.store.Forget(ctx, "", "http x"), "the HTTP charge")
+	_, err = e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
+	require.NoError(t, err)
+	require.Equal(t, 1, runs, "the gRPC key was left alone")
+	require.Equal(t, http.StatusCreated, e.post("x", "charge 1").status)
+	require.Equal(t, 2, e.ledgerRows(), "the forgotten HTTP key ran again")
+
+	holding, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.store.Execute(ctx, idempotency.Call{Key: "running", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			close(holding)
+			<-release
+			return nil, nil
+		})
+		done <- err
+	}()
+	await(t, holding, "the call to hold its key")
+	_, err = e.store.Inspect(ctx, "", "running")
+	require.ErrorIs(t, err, idempotency.ErrInProgress, "running, not never used")
+	close(release)
+	require.NoError(t, await(t, done, "the call"))
+	_, err = e.store.Inspect(ctx, "", "never")
+	require.ErrorIs(t, err, idempotency.ErrKeyNotFound)
+}
+
+// Migration 003 moves the HTTP and message rows of older versions into
+// their namespaces, the errors the engine stored for HTTP requests too,
+// and leaves Store.Execute's alone; a downgrade and an upgrade again never
+// make it fail.
+func TestMigrationMovesOlderRowsIntoTheirNamespaces(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+		switch body, _ := io.ReadAll(r.Body); string(body) {
+		case "end":
+			_, _ = idempotency.MustTxFromContext(r.Context()).Conn().Exec(r.Context(), `COMMIT`)
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	ctx := context.Background()
+	store := e.store
+	var runs atomic.Int64
+	direct := idempotency.Call{Key: "d", Method: "POST /v1/orders"}
+	fn := func(context.Context, pgx.Tx) (proto.Message, error) { runs.Add(1); return wrapperspb.Bytes([]byte("{}")), nil }
+	_, err := store.Execute(ctx, direct, fn)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, e.post("ok", "fine").status)
+	require.Equal(t, http.StatusInternalServerError, e.post("ended", "end").status, "an error the engine stored")
+	_, err = store.ProcessMessage(ctx, idempotency.Message{ID: "m"}, func(context.Context, pgx.Tx) error { return nil })
+	require.NoError(t, err)
+
+	ms, err := store.Migrations()
+	require.NoError(t, err)
+	downgrade := func() { // as the older version's table looks
+		_, err := e.db.Pool.Exec(ctx, ms[2].Down)
+		require.NoError(t, err)
+		_, err = e.db.Pool.Exec(ctx, `DELETE FROM idempotency_keys_migrations WHERE version = 3`)
+		require.NoError(t, err)
+	}
+	for round := 0; round < 2; round++ {
+		downgrade()
+		require.NoError(t, store.Migrate(ctx), "round %d", round)
+		require.Equal(t, http.StatusCreated, e.post("ok", "fine").status)
+		require.Equal(t, http.StatusInternalServerError, e.post("ended", "end").status)
+		o, err := store.ProcessMessage(ctx, idempotency.Message{ID: "m", Redelivered: true}, func(context.Context, pgx.Tx) error { return errors.New("ran") })
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, o)
+		res, err := store.Execute(ctx, direct, fn)
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "Execute's row stays in its namespace")
+	}
+	require.EqualValues(t, 2, e.runs.Load(), "each HTTP request ran once")
+	require.EqualValues(t, 1, runs.Load())
+
+	// A downgrade, then the older version writes the bare key again: the
+	// upgrade leaves the row it cannot move, instead of failing.
+	downgrade()
+	_, err = e.db.Pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, response_type, response, metadata, expires_at)
+VALUES ('', 'taken', 'POST /v1/charges', '\x00', 'succeeded', 'google.protobuf.BytesValue', '', '\x08c901', now() + interval '1 hour'),
+       ('', 'http taken', 'POST /v1/charges', '\x00', 'succeeded', 'google.protobuf.BytesValue', '', '\x08c901', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+}
+
+// The engine's own reads and writes of the key table outside calls (the
+// cleaner, Inspect, Forget) never fail a SERIALIZABLE call.
+func TestCleanerNeverFailsSerializableCalls(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewConfigured(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_isolation"] = "serializable"
+	})
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE acct (id int PRIMARY KEY, bal int); INSERT INTO acct VALUES (1, 0)`)
+	require.NoError(t, err)
+	_, err = store.Execute(ctx, idempotency.Call{Key: "warm", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err)
+	_, err = store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		var b int
+		if err := tx.QueryRow(ctx, `SELECT bal FROM acct WHERE id = 1`).Scan(&b); err != nil {
+			return nil, err
+		}
+		if _, err := db.Pool.Exec(ctx, `UPDATE acct SET bal = bal + 1 WHERE id = 1`); err != nil {
+			return nil, err
+		}
+		if _, err := store.DeleteExpired(ctx, 100); err != nil {
+			return nil, err
+		}
+		if _, err := store.Inspect(ctx, "", "warm"); err != nil {
+			return nil, err
+		}
+		return wrapperspb.String("ok"), nil
+	})
+	require.NoError(t, err)
+}
+
+// A consumer whose scope PostgreSQL cannot store is misconfigured: its
+// messages are good, and come back once it is fixed.
+func TestBadConsumerScopeRedeliversGoodMessages(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, testdb.New(t, 2))
+	o, err := store.ProcessMessage(context.Background(), idempotency.Message{Scope: strings.Repeat("s", idempotency.MaxScopeLen+1), ID: "m-1", Body: []byte("good")},
+		func(context.Context, pgx.Tx) error { return nil })
+	require.Equal(t, idempotency.OutcomeMisconfigured, o)
+	require.Equal(t, codes.Internal, status.Code(err))
+	require.Equal(t, idempotency.Redeliver, idempotency.DispositionOf(o, err))
 }

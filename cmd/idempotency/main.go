@@ -167,6 +167,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 type inspected struct {
 	Scope        string          `json:"scope"`
 	Key          string          `json:"key"`
+	Transport    string          `json:"transport"`
 	Method       string          `json:"method"`
 	State        string          `json:"state"`
 	CreatedAt    time.Time       `json:"created_at"`
@@ -183,7 +184,7 @@ type inspected struct {
 // linked into this command, else as hex.
 func recordJSON(rec idempotency.Record) inspected {
 	out := inspected{
-		Scope: rec.Scope, Key: rec.Key, Method: rec.Method, State: rec.State,
+		Scope: rec.Scope, Key: rec.Key, Transport: string(rec.Transport), Method: rec.Method, State: rec.State,
 		CreatedAt: rec.CreatedAt, ExpiresAt: rec.ExpiresAt, Expired: rec.Expired,
 		ResponseType: rec.ResponseType, Fingerprint: hex.EncodeToString(rec.Fingerprint),
 	}
