@@ -1047,7 +1047,10 @@ func TestMigrationMovesOlderRowsIntoTheirNamespaces(t *testing.T) {
 	store := e.store
 	var runs atomic.Int64
 	direct := idempotency.Call{Key: "d", Method: "POST /v1/orders"}
-	fn := func(context.Context, pgx.Tx) (proto.Message, error) { runs.Add(1); return wrapperspb.Bytes([]byte("{}")), nil }
+	fn := func(context.Context, pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		return wrapperspb.Bytes([]byte("{}")), nil
+	}
 	_, err := store.Execute(ctx, direct, fn)
 	require.NoError(t, err)
 	require.Equal(t, http.StatusCreated, e.post("ok", "fine").status)
