@@ -111,21 +111,25 @@ type clientOptions struct {
 // backoffJitter is the relative jitter of every retry delay: ±20%.
 const backoffJitter = 0.2
 
-func evaluateClientOptions(opts []ClientOption) *clientOptions {
-	o := &clientOptions{
+func defaultClientOptions() clientOptions {
+	return clientOptions{
 		unknownMethodKeys: true,
 		retryMax:          5,
 		backoffBase:       50 * time.Millisecond,
 		backoffMax:        2 * time.Second,
 		perAttemptTimeout: 10 * time.Second,
 	}
+}
+
+func evaluateClientOptions(opts []ClientOption) *clientOptions {
+	o := defaultClientOptions()
 	for _, opt := range opts {
-		opt(o)
+		opt(&o)
 	}
 	if err := o.validate(); err != nil {
 		panic(err.Error())
 	}
-	return o
+	return &o
 }
 
 func (o *clientOptions) validate() error {

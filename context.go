@@ -10,14 +10,17 @@ import (
 // of a call (a gRPC handler, a message handler), never the client side. The
 // client side chooses a key with [WithOutgoingKey].
 
-type (
-	txKey      struct{}
-	callKeyKey struct{}
-)
+// runningCall is what a context holds of the call running in it.
+type runningCall struct {
+	tx  pgx.Tx
+	key string
+}
+
+type runningCallKey struct{}
 
 // withCall returns ctx carrying the transaction and key of a running call.
 func withCall(ctx context.Context, tx pgx.Tx, key string) context.Context {
-	return context.WithValue(context.WithValue(ctx, txKey{}, tx), callKeyKey{}, key)
+	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, key: key})
 }
 
 // TxFromContext returns the transaction of the idempotent call running in
@@ -25,8 +28,8 @@ func withCall(ctx context.Context, tx pgx.Tx, key string) context.Context {
 // with the stored response. The transaction's Commit and Rollback return
 // [ErrTxOwned]; nested transactions (savepoints) work as usual.
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
-	tx, ok := ctx.Value(txKey{}).(pgx.Tx)
-	return tx, ok
+	c, ok := ctx.Value(runningCallKey{}).(runningCall)
+	return c.tx, ok
 }
 
 // MustTxFromContext is [TxFromContext] for code that only runs inside an
@@ -49,6 +52,6 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 //
 // It does not read keys set for outgoing calls with [WithOutgoingKey].
 func CallKeyFromContext(ctx context.Context) (string, bool) {
-	k, ok := ctx.Value(callKeyKey{}).(string)
-	return k, ok
+	c, ok := ctx.Value(runningCallKey{}).(runningCall)
+	return c.key, ok
 }

@@ -187,7 +187,7 @@ func validateCall(call *Call) error {
 // replay, or the end of the wait); false sends the call to an attempt.
 func (c *callRun) probe(ctx context.Context, w *waiter) (res result, found bool, err error) {
 	for {
-		start := time.Now()
+		start := c.tp.trace.now()
 		rec, free, err := c.probeOnce(ctx)
 		c.tp.trace.since(phaseClaim, start)
 		switch {
@@ -265,7 +265,7 @@ func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, er
 	a := &attempt{callRun: c, pc: pc, conn: pc.Conn()}
 	defer a.release(ctx)
 
-	start := time.Now()
+	start := c.tp.trace.now()
 	cl, err := a.claim(ctx)
 	c.tp.trace.since(phaseClaim, start)
 	switch {
@@ -283,7 +283,7 @@ func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, er
 		return a.readOnly(ctx, "the call's transaction is read-only", false)
 	}
 	h := a.run(ctx, fn)
-	defer c.tp.trace.since(phaseCommit, time.Now())
+	defer c.tp.trace.since(phaseCommit, c.tp.trace.now())
 	return a.finish(ctx, h, cl.rec != nil)
 }
 
@@ -314,6 +314,10 @@ type attempt struct {
 // is one the handler had raw (tx.Conn()), so that nothing it kept of the
 // call can reach a later one.
 func (a *attempt) release(ctx context.Context) {
+	if !a.open && !a.session && !a.rawConn {
+		a.pc.Release() // the common case: committed, nothing left to do
+		return
+	}
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
 	defer cancel()
 	if a.open || a.session {
@@ -378,7 +382,7 @@ func (a *attempt) claim(ctx context.Context) (claimed, error) {
 	b.Queue(a.st.savepoint)
 	a.open = true
 	br := a.conn.SendBatch(ctx, b)
-	cl, level, err := a.readClaim(br)
+	cl, snapshotLevel, err := a.readClaim(br)
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
@@ -388,7 +392,6 @@ func (a *attempt) claim(ctx context.Context) (claimed, error) {
 	if a.snapshot && !a.session {
 		cl.locked = false // another call held the key when the session asked for it
 	}
-	snapshotLevel := level == "repeatable read" || level == "serializable"
 	if a.inherited {
 		a.s.defaultSnapshot.Store(snapshotLevel)
 	}
@@ -397,8 +400,9 @@ func (a *attempt) claim(ctx context.Context) (claimed, error) {
 }
 
 // readClaim reads the claim's results, in the order claim queued them.
-func (a *attempt) readClaim(br pgx.BatchResults) (cl claimed, level string, err error) {
-	var readOnly string
+// snapshotLevel reports the transaction's level is REPEATABLE READ or
+// SERIALIZABLE.
+func (a *attempt) readClaim(br pgx.BatchResults) (cl claimed, snapshotLevel bool, err error) {
 	exec := func() error { _, err := br.Exec(); return err }
 	if a.snapshot {
 		if err = exec(); err == nil { // BEGIN ISOLATION LEVEL READ COMMITTED
@@ -415,7 +419,7 @@ func (a *attempt) readClaim(br pgx.BatchResults) (cl claimed, level string, err 
 		err = exec() // BEGIN
 	}
 	if err == nil {
-		err = br.QueryRow().Scan(&cl.locked, &a.started, &level, &readOnly)
+		err = br.QueryRow().Scan(&cl.locked, &a.started, &snapshotLevel, &cl.readOnly)
 	}
 	if err == nil && !a.snapshot {
 		cl.rec, err = scanRecord(br.QueryRow(), nil)
@@ -423,8 +427,7 @@ func (a *attempt) readClaim(br pgx.BatchResults) (cl claimed, level string, err 
 	if err == nil {
 		err = exec() // SAVEPOINT
 	}
-	cl.readOnly = readOnly == "on"
-	return cl, level, err
+	return cl, snapshotLevel, err
 }
 
 // handled is what fn did.
@@ -439,7 +442,7 @@ type handled struct {
 // run runs fn on the call's transaction, which is dead once fn returns.
 func (a *attempt) run(ctx context.Context, fn Func) handled {
 	htx := &callTx{conn: a.conn, attempt: a}
-	start := time.Now()
+	start := a.tp.trace.now()
 	var h handled
 	func() {
 		defer func() {
@@ -907,7 +910,7 @@ func (w *waiter) wait(ctx context.Context) error {
 		return errWaitOver
 	}
 	d := min(time.Duration(float64(w.pause)*(0.75+0.5*rand.Float64())), left)
-	defer w.trace.since(phaseWait, time.Now())
+	defer w.trace.since(phaseWait, w.trace.now())
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

@@ -2,9 +2,15 @@ package idempotency_test
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"fmt"
+	"io"
 	"log"
 	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
@@ -15,8 +21,11 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // A server that keeps idempotency keys in its own PostgreSQL database.
@@ -148,24 +157,145 @@ func ExampleCallKeyFromContext() {
 // The engine without gRPC: apply each message of an at-least-once stream
 // once, in the same transaction as its business write.
 func ExampleStore_ProcessMessage() {
-	var store *idempotency.Store // idempotency.NewStore(pool)
 	ctx := context.Background()
+	pool, done := exampleDB(ctx)
+	defer done()
+	store, err := idempotency.NewStore(pool)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := store.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE orders (id int PRIMARY KEY, status text); INSERT INTO orders VALUES (1001, 'new')`); err != nil {
+		log.Fatal(err)
+	}
 	msgID, body := "order-1001-paid", []byte(`{"order":1001}`)
 
-	outcome, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "orders/billing", ID: msgID, Body: body},
-		func(ctx context.Context, tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, `UPDATE orders SET status = 'paid' WHERE id = 1001`)
-			return err
-		})
-	switch {
-	case idempotency.IsFinal(err):
-		fmt.Println("final outcome stored (a poison message, say); acknowledge or terminate")
-	case err != nil:
-		fmt.Println("not processed; negatively acknowledge so it comes back")
-	case outcome == idempotency.OutcomeReplayed:
-		fmt.Println("already processed; acknowledge")
-	default:
-		fmt.Println("processed; acknowledge")
+	for delivery := 1; delivery <= 2; delivery++ { // at least once: a redelivery
+		outcome, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "orders/billing", ID: msgID, Body: body},
+			func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, `UPDATE orders SET status = 'paid' WHERE id = 1001`)
+				return err
+			})
+		fmt.Printf("delivery %d: %s, %s\n", delivery, outcome, idempotency.DispositionOf(outcome, err))
+	}
+	// Output:
+	// delivery 1: executed, ack
+	// delivery 2: replayed, ack
+}
+
+// The engine itself, for a transport of the application's own: Func runs at
+// most once per key, its writes and its result committed together.
+func ExampleStore_Execute() {
+	ctx := context.Background()
+	pool, done := exampleDB(ctx)
+	defer done()
+	store, err := idempotency.NewStore(pool)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := store.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE charges (id bigserial PRIMARY KEY, cents int NOT NULL)`); err != nil {
+		log.Fatal(err)
+	}
+	charge := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		var id int64
+		err := tx.QueryRow(ctx, `INSERT INTO charges (cents) VALUES (100) RETURNING id`).Scan(&id)
+		return wrapperspb.String(fmt.Sprint("charge ", id)), err
+	}
+	call := idempotency.Call{Scope: "tenant-1", Key: "order-1001", Method: "charge"}
+	for i := 0; i < 2; i++ {
+		res, err := store.Execute(ctx, call, charge)
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Println(res.Outcome, res.Response.(*wrapperspb.StringValue).GetValue())
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM charges`).Scan(&n); err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("charges:", n)
+	// Output:
+	// executed charge 1
+	// replayed charge 1
+	// charges: 1
+}
+
+// The same guarantee for net/http: a retry with the same Idempotency-Key
+// gets the first response, byte for byte.
+func ExampleHTTPMiddleware() {
+	ctx := context.Background()
+	pool, done := exampleDB(ctx)
+	defer done()
+	store, err := idempotency.NewStore(pool)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := store.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	created := 0
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/charges", idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		created++ // writes go through idempotency.MustTxFromContext(r.Context())
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"charge":%d}`, created)
+	})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	for i := 0; i < 2; i++ {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/charges", strings.NewReader(`{"cents":100}`))
+		if err != nil {
+			log.Fatal(err)
+		}
+		req.Header.Set("Idempotency-Key", "order-1001")
+		resp, err := srv.Client().Do(req)
+		if err != nil {
+			log.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		fmt.Println(resp.StatusCode, resp.Header.Get("Idempotency-Replayed"), string(body))
+	}
+	// Output:
+	// 201  {"charge":1}
+	// 201 true {"charge":1}
+}
+
+// exampleDB opens a pool on a schema of its own in the test database (the
+// local server, or DATABASE_URL), and a function that drops it again: the
+// examples that print their output run against the real PostgreSQL.
+func exampleDB(ctx context.Context) (*pgxpool.Pool, func()) {
+	admin, err := pgxpool.New(ctx, testdb.URL())
+	if err != nil {
+		log.Fatal(err)
+	}
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	schema := pgx.Identifier{"example_" + hex.EncodeToString(b[:])}
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema.Sanitize()); err != nil {
+		log.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig(testdb.URL())
+	if err != nil {
+		log.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema[0]
+	cfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		log.Fatal(err)
+	}
+	return pool, func() {
+		pool.Close()
+		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema.Sanitize()+" CASCADE")
+		admin.Close()
 	}
 }
 

@@ -127,6 +127,10 @@ func (o *httpOptions) validate() error {
 	switch {
 	case o.err != nil:
 		return o.err
+	case o.scope == nil:
+		return errors.New("idempotency: WithHTTPScope: function is nil")
+	case o.stored == nil:
+		return errors.New("idempotency: WithHTTPStoredStatus: function is nil")
 	case o.ttl <= 0:
 		return fmt.Errorf("idempotency: WithHTTPTTL: must be positive, got %v", o.ttl)
 	case o.maxRequest <= 0:
@@ -206,13 +210,7 @@ func WithHTTPMethods(methods ...string) HTTPOption {
 // one scope shared by every caller; see [WithScope] for why that is only
 // safe when all callers trust each other.
 func WithHTTPScope(f func(r *http.Request) (string, error)) HTTPOption {
-	return func(o *httpOptions) {
-		if f == nil {
-			o.err = errors.New("idempotency: WithHTTPScope: function is nil")
-			return
-		}
-		o.scope = f
-	}
+	return func(o *httpOptions) { o.scope = f }
 }
 
 // WithHTTPKeyRequired decides whether a protected request without a key is
@@ -231,13 +229,7 @@ func WithHTTPTTL(ttl time.Duration) HTTPOption {
 // handler's response with a status is stored and replayed (true) or
 // releases the key, its writes rolled back (false). f must not be nil.
 func WithHTTPStoredStatus(f func(status int) bool) HTTPOption {
-	return func(o *httpOptions) {
-		if f == nil {
-			o.err = errors.New("idempotency: WithHTTPStoredStatus: function is nil")
-			return
-		}
-		o.stored = f
-	}
+	return func(o *httpOptions) { o.stored = f }
 }
 
 // WithHTTPReplayedHeaders adds response headers a replay carries, to

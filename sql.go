@@ -42,7 +42,7 @@ func renderStatements(ident string) statements {
 		// unless the key was locked before the transaction began) and
 		// whether it can write at all.
 		lock: r.Replace(`SELECT pg_catalog.pg_try_advisory_xact_lock({{lock_key}}), pg_catalog.now(),
-pg_catalog.current_setting('transaction_isolation'), pg_catalog.current_setting('transaction_read_only')`),
+pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'), pg_catalog.current_setting('transaction_read_only')::bool`),
 		lookup: r.Replace(`SELECT ` + columns + ` FROM {{table}} WHERE scope = $1 AND key = $2`),
 		// The same lock held by the session, across the end of a
 		// transaction: taken before a REPEATABLE READ or SERIALIZABLE

@@ -56,7 +56,7 @@ func NewStore(db DB, opts ...StoreOption) (*Store, error) {
 	if db == nil {
 		return nil, errors.New("idempotency: NewStore: db is nil")
 	}
-	o := defaultStoreOptions
+	o := defaultStoreOptions()
 	for _, opt := range opts {
 		opt(&o)
 	}
@@ -144,6 +144,10 @@ func (s *Store) forgetTable() {
 // an error.
 type StoreOption func(*storeOptions)
 
+// storeOptions, like the options of every constructor, start from their
+// defaults (defaultStoreOptions); each option sets a field, or records an
+// error when what it was given cannot be kept as it is, and validate checks
+// the result once, naming the option at fault.
 type storeOptions struct {
 	schema, table  string
 	inProgressWait time.Duration
@@ -154,11 +158,13 @@ type storeOptions struct {
 	err            error // the first invalid option that cannot wait for validate
 }
 
-var defaultStoreOptions = storeOptions{
-	table:          DefaultTable,
-	inProgressWait: 2 * time.Second,
-	retryDelay:     500 * time.Millisecond,
-	finishTimeout:  10 * time.Second,
+func defaultStoreOptions() storeOptions {
+	return storeOptions{
+		table:          DefaultTable,
+		inProgressWait: 2 * time.Second,
+		retryDelay:     500 * time.Millisecond,
+		finishTimeout:  10 * time.Second,
+	}
 }
 
 func (o storeOptions) validate() error {

@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 )
@@ -88,8 +87,8 @@ type TraceCleanerBatchData struct {
 // none.
 func WithTracer(t Tracer) StoreOption {
 	return func(o *storeOptions) {
-		if t == nil {
-			o.err = errors.New("idempotency: WithTracer: tracer is nil")
+		if t == nil { // nil is how the options say "no tracer"
+			o.err = fmt.Errorf("idempotency: WithTracer: tracer is nil")
 			return
 		}
 		o.tracer = t
@@ -190,6 +189,15 @@ const (
 	phaseHandler
 	phaseCommit
 )
+
+// now is when a traced phase starts: the zero time, without reading the
+// clock, when there is no tracer.
+func (t *callTrace) now() time.Time {
+	if t == nil {
+		return time.Time{}
+	}
+	return time.Now()
+}
 
 // since adds the time since start to the phase's duration.
 func (t *callTrace) since(p phase, start time.Time) {

@@ -47,7 +47,9 @@ type callTx struct {
 	state      sync.Mutex // guards what follows, for handlers that share tx between goroutines
 	savepoints int        // nested transactions started, for unique savepoint names
 	refused    string     // why the call must fail, "" while nothing was refused
-	results    []func()   // closers of the rows and batch results handed out
+	// The rows and batch results handed out, closed when the call ends.
+	rows    []pgx.Rows
+	batches []pgx.BatchResults
 }
 
 var _ pgx.Tx = (*callTx)(nil)
@@ -62,8 +64,11 @@ func (t *callTx) close() {
 	t.state.Lock()
 	defer t.state.Unlock()
 	leftOpen := !t.conn.IsClosed() && t.conn.PgConn().IsBusy()
-	for _, c := range t.results {
-		c()
+	for _, r := range t.rows {
+		r.Close()
+	}
+	for _, b := range t.batches {
+		_ = b.Close()
 	}
 	if leftOpen && t.refused == "" {
 		t.refused = "idempotency: the handler returned while the rows of one of its queries (or the results of a batch) were still open; " +
@@ -100,7 +105,7 @@ var ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempot
 // first refusal decides the call's outcome, whatever the handler does next.
 // Its caller holds t.use.
 func (t *callTx) allow(ctx context.Context, sql string) error {
-	what, preparedName := txControl(sql)
+	what, preparedName := checkedSQL(sql)
 	if preparedName != "" {
 		what = t.preparedStatement(ctx, preparedName)
 	}
@@ -125,6 +130,35 @@ func (t *callTx) refuse(what string) error {
 	return err
 }
 
+// checkedSQL is txControl, remembered for the statements a process sends
+// again and again (most handlers' SQL is constant), up to a bound, so that
+// SQL built afresh for each call cannot grow it.
+func checkedSQL(sql string) (what, preparedName string) {
+	if v, ok := checked.Load(sql); ok {
+		c := v.(sqlVerdict)
+		return c.what, c.preparedName
+	}
+	what, preparedName = txControl(sql)
+	if checkedCount.Load() < maxChecked && len(sql) <= maxCheckedLen {
+		if _, loaded := checked.LoadOrStore(sql, sqlVerdict{what, preparedName}); !loaded {
+			checkedCount.Add(1)
+		}
+	}
+	return what, preparedName
+}
+
+type sqlVerdict struct{ what, preparedName string }
+
+var (
+	checked      sync.Map // SQL text -> sqlVerdict
+	checkedCount atomic.Int64
+)
+
+const (
+	maxChecked    = 4096
+	maxCheckedLen = 4096
+)
+
 // preparedStatement checks the statement prepared on the connection under
 // name, which pgx runs when given its name as SQL: what txControl refuses
 // of its SQL, "" when it may run (or when no statement has that name, and
@@ -144,10 +178,17 @@ func (t *callTx) preparedStatement(ctx context.Context, name string) string {
 	return ""
 }
 
-// track keeps the closer of a result handed to the handler.
-func (t *callTx) track(closer func()) {
+// trackRows and trackBatch keep a result handed to the handler, to close
+// it when the call ends.
+func (t *callTx) trackRows(rows pgx.Rows) {
 	t.state.Lock()
-	t.results = append(t.results, closer)
+	t.rows = append(t.rows, rows)
+	t.state.Unlock()
+}
+
+func (t *callTx) trackBatch(br pgx.BatchResults) {
+	t.state.Lock()
+	t.batches = append(t.batches, br)
 	t.state.Unlock()
 }
 
@@ -287,7 +328,7 @@ func (t *callTx) query(ctx context.Context, closed *atomic.Bool, sql string, arg
 	if rows == nil {
 		return nil, err
 	}
-	t.track(rows.Close)
+	t.trackRows(rows)
 	return &callRows{Rows: rows, tx: t}, err
 }
 
@@ -391,7 +432,7 @@ func (t *callTx) sendBatch(ctx context.Context, closed *atomic.Bool, b *pgx.Batc
 		t.holdKey()
 	}
 	br := t.conn.SendBatch(ctx, b)
-	t.track(func() { _ = br.Close() })
+	t.trackBatch(br)
 	return &callBatch{BatchResults: br, tx: t}
 }
 
