@@ -42,14 +42,15 @@ func TestShort(t *testing.T) {
 
 	for _, v := range []string{"fresh", "floor", "plain", "fresh/payments", "floor/payments", "plain/payments",
 		"engine:execute", "engine:floor", "engine:plain", "engine:execute/payments", "engine:floor/payments", "engine:plain/payments",
-		"replay", "unmarked-replay", "no-db", "contended", "no-key", "http-fresh", "http-plain", "fresh-5k", "fresh-5k+cleaner"} {
+		"replay", "unmarked-replay", "proxy-resend", "no-db", "contended", "no-key", "http-fresh", "http-plain", "fresh-5k", "fresh-5k+cleaner"} {
 		require.Regexp(t, `(?m)^`+regexp.QuoteMeta(v)+`\s+\d+\s`, stdout.String(), "throughput row of %s", v)
 	}
 	require.Contains(t, stdout.String(), targetsTitle)
 	require.Regexp(t, `(?m)^http\s+http-fresh / http-plain\s`, stdout.String(), "ratio row of the HTTP pair")
 	for _, goal := range []string{"fresh throughput >= 0.90x floor, payments handler", "WAL bytes per fresh call <= floor's + 15%, trivial handler",
 		"round trips per fresh first attempt == plain's", "replay (x-retry-attempt: 1): one round trip per call",
-		"fresh / plain throughput, HTTP beside gRPC, trivial handler"} {
+		"fresh / plain throughput, HTTP beside gRPC, trivial handler",
+		"proxy resend of a finished key (idempotency-key-new: true, no retry marker): replayed, the handler never runs"} {
 		require.Contains(t, stdout.String(), goal)
 	}
 

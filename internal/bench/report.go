@@ -406,6 +406,17 @@ func (r *report) targets(byName map[string]*variant, sums map[string]summary, cf
 			"%.2f transaction blocks, %.2f rollbacks, %.3f durable commits (%s); its one SELECT counts as %.2f "+
 				"single-statement read-only transaction in pg_stat_database%s", begins, rollbacks, c, src, perCall("replay", "commits"), other)
 	}
+	if v := byName["proxy-resend"]; v != nil {
+		var calls, executed, replayed int64
+		for _, r := range v.Slots {
+			calls += r.Calls - r.Errors
+			executed += r.DB.Outcomes[idempotency.OutcomeExecuted]
+			replayed += r.DB.Outcomes[idempotency.OutcomeReplayed]
+		}
+		addStatus("proxy resend of a finished key (idempotency-key-new: true, no retry marker): replayed, the handler never runs",
+			met(executed == 0 && replayed == calls), "%d calls: %d replayed, %d executed; %.2f round trips per call", calls, replayed, executed,
+			perCall("proxy-resend", "round_trips"))
+	}
 	// No goal for HTTP: its fresh/plain ratio is shown beside gRPC's, to
 	// tell the middleware's cost from the interceptor's.
 	if byName["http-fresh"] != nil && byName["http-plain"] != nil {

@@ -246,7 +246,7 @@ type server struct {
 // outcomeCounts counts the engine's outcomes, through the library's own
 // hook or Execute's result, so each variant can be checked to do what it
 // claims.
-type outcomeCounts [8]atomic.Int64
+type outcomeCounts [16]atomic.Int64
 
 func (o *outcomeCounts) add(oc idempotency.Outcome) {
 	if int(oc) >= 0 && int(oc) < len(o) {
@@ -254,7 +254,7 @@ func (o *outcomeCounts) add(oc idempotency.Outcome) {
 	}
 }
 
-func (o *outcomeCounts) read() (c [8]int64) {
+func (o *outcomeCounts) read() (c [16]int64) {
 	if o == nil {
 		return c
 	}

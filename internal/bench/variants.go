@@ -43,6 +43,9 @@ type variant struct {
 	handler  *handler // nil for the no-database method
 	keys     keyUse
 	retry    bool // mark each call as a retry attempt (x-retry-attempt: 1)
+	// resend sends each call as a proxy resends a first attempt of a
+	// client of the previous release: idempotency-key-new, no retry marker.
+	resend bool
 	cleaner  bool // run the expiry cleaner during the variant's runs
 	probe    bool // list the round trips of single calls
 	outcomes *outcomeCounts
@@ -104,18 +107,20 @@ func (b *bench) variants() []*variant {
 		About: "interceptor, every call repeats the client's finished key, marked as a retry (x-retry-attempt: 1)"}
 	unmarked := &variant{Name: "unmarked-replay", server: b.idem, handler: fresh.handler, keys: replayKey, probe: true,
 		About: "the same without the retry marker: the claim finds the result, in a transaction that rolls back"}
+	resend := &variant{Name: "proxy-resend", server: b.idem, handler: fresh.handler, keys: replayKey, resend: true, probe: true,
+		About: "a finished key resent as first sent, idempotency-key-new: true and no retry marker (a mesh's retry): must replay, never run"}
 	noDB := &variant{Name: "no-db", server: b.plain, method: methodEcho, probe: true,
 		About: "no interceptor; a handler that touches no database"}
 	contended := &variant{Name: "contended", server: b.idem, handler: fresh.handler, keys: sharedKey,
 		About: fmt.Sprintf("interceptor; %d groups of clients send the same new key at once", min(b.cfg.ContendedKeys, b.cfg.Clients))}
 	noKeyV := &variant{Name: "no-key", server: b.idem, method: methodEcho, probe: true,
 		About: "interceptor, no key: the call passes through to the no-database handler"}
-	byScenario["replay"] = []*variant{replay, unmarked, plain, noDB, fresh}
+	byScenario["replay"] = []*variant{replay, unmarked, resend, plain, noDB, fresh}
 	byScenario["contended"] = []*variant{contended, plain, fresh}
 	byScenario["nokey"] = []*variant{noKeyV, noDB}
 	// A round runs the variants in this order, so that each variant is
 	// measured right next to its main baselines.
-	order := append(append(grpcOrder, engineOrder...), replay, unmarked, noDB, noKeyV, contended)
+	order := append(append(grpcOrder, engineOrder...), replay, unmarked, resend, noDB, noKeyV, contended)
 	if b.preloaded != nil {
 		n := humanCount(b.cfg.Preload)
 		pre := &variant{Name: "fresh-" + n, server: b.preloaded, handler: fresh.handler, keys: freshKey, probe: true,
@@ -235,6 +240,11 @@ func (c *client) call(ctx context.Context, v *variant, kind string) error {
 		// As go-grpc-middleware's retry interceptor marks a second attempt.
 		ctx = metadata.AppendToOutgoingContext(ctx, retry.AttemptMetadataKey, "1")
 	}
+	if v.resend {
+		// What the client interceptor of the previous release sent with the
+		// keys it generated, and a proxy sends again on its retry.
+		ctx = metadata.AppendToOutgoingContext(ctx, "idempotency-key-new", "true")
+	}
 	return c.conns[v.server].Invoke(ctx, v.method, req, c.resp)
 }
 
@@ -302,7 +312,7 @@ type dbWork struct {
 	}
 	// WAL is the WAL written, by record type (pg_walinspect); cluster-wide.
 	WAL      map[string]walRecord
-	Outcomes [8]int64 // by idempotency.Outcome
+	Outcomes [16]int64 // by idempotency.Outcome
 }
 
 // runSlot runs v on every client for d. Measured runs are bracketed by
@@ -313,7 +323,7 @@ func (b *bench) runSlot(ctx context.Context, v *variant, d time.Duration, measur
 	var pg0 pgCounters
 	var tr0 traceCounts
 	var w0 wireCounts
-	var out0 [8]int64
+	var out0 [16]int64
 	var cpu0 time.Duration
 	if measure {
 		var err error
