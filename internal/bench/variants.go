@@ -33,19 +33,19 @@ const (
 
 // variant is one kind of call, measured once per round.
 type variant struct {
-	Name     string       `json:"name"`
-	About    string       `json:"about"`
-	Slots    []slotResult `json:"rounds"`
-	Probe    []probeShape `json:"probe,omitempty"`
-	server   *server      // nil for the engine-only and HTTP variants
-	url      string       // the HTTP variants' route
-	method   string
-	handler  *handler // nil for the no-database method
-	keys     keyUse
-	retry    bool // mark each call as a retry attempt (x-retry-attempt: 1)
+	Name    string       `json:"name"`
+	About   string       `json:"about"`
+	Slots   []slotResult `json:"rounds"`
+	Probe   []probeShape `json:"probe,omitempty"`
+	server  *server      // nil for the engine-only and HTTP variants
+	url     string       // the HTTP variants' route
+	method  string
+	handler *handler // nil for the no-database method
+	keys    keyUse
+	retry   bool // mark each call as a retry attempt (x-retry-attempt: 1)
 	// resend sends each call as a proxy resends a first attempt of a
 	// client of the previous release: idempotency-key-new, no retry marker.
-	resend bool
+	resend   bool
 	cleaner  bool // run the expiry cleaner during the variant's runs
 	probe    bool // list the round trips of single calls
 	outcomes *outcomeCounts
