@@ -54,7 +54,7 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 	case code == sqlUndefinedTable:
 		s.forgetTable()
 		return s.misconfigured(op, pgErr, "the key table %s does not exist: run Store.Migrate, or apply Store.Migrations() with your migration tool", s.ident.Sanitize())
-	case code == "42703" || code == "42804" || code == "23502":
+	case code == sqlUndefinedColumn || code == sqlDatatypeMismatch || code == sqlNotNullViolation:
 		return s.misconfigured(op, pgErr, "the key table %s is not at this version's schema: run Store.Migrate, or apply the missing Store.Migrations()", s.ident.Sanitize())
 	case code == sqlInsufficientPrivilege:
 		return s.misconfigured(op, pgErr, "the database role may not use the key table %s: grant it SELECT, INSERT, UPDATE and DELETE", s.ident.Sanitize())
@@ -111,16 +111,23 @@ func outcomeOf(err error) Outcome {
 
 // SQLSTATEs the engine tells apart, named once.
 const (
-	sqlUniqueViolation       = "23505"
-	sqlDivisionByZero        = "22012" // the INSERT's guard (see insertRow)
-	sqlInvalidSavepoint      = "3B001"
-	sqlReadOnlyTransaction   = "25006"
-	sqlSerializationFailure  = "40001"
-	sqlDeadlockDetected      = "40P01"
-	sqlUndefinedTable        = "42P01"
-	sqlInsufficientPrivilege = "42501"
-	sqlInvalidCatalogName    = "3D000" // the database does not exist
-	sqlInvalidStatementName  = "26000" // a prepared statement that does not exist
+	sqlUniqueViolation          = "23505"
+	sqlDivisionByZero           = "22012" // the INSERT's guard (see insertRow)
+	sqlInvalidSavepoint         = "3B001"
+	sqlReadOnlyTransaction      = "25006"
+	sqlSerializationFailure     = "40001"
+	sqlDeadlockDetected         = "40P01"
+	sqlUndefinedTable           = "42P01"
+	sqlInsufficientPrivilege    = "42501"
+	sqlInvalidCatalogName       = "3D000" // the database does not exist
+	sqlInvalidStatementName     = "26000" // a prepared statement that does not exist
+	sqlUndefinedColumn          = "42703"
+	sqlDatatypeMismatch         = "42804"
+	sqlNotNullViolation         = "23502"
+	sqlQueryCanceled            = "57014"
+	sqlIdleInTransactionTimeout = "25P03"
+	sqlTransactionTimeout       = "25P04"
+	sqlLockNotAvailable         = "55P03"
 )
 
 // sqlState returns the SQLSTATE of a PostgreSQL error, or "".
@@ -146,10 +153,10 @@ func transientCode(code string) bool {
 		return true
 	}
 	switch code {
-	case "57014", // query_canceled: statement_timeout on an overloaded server
-		"25P03",                // idle_in_transaction_session_timeout
-		"25P04",                // transaction_timeout
-		"55P03",                // lock_not_available: lock_timeout
+	case sqlQueryCanceled, // statement_timeout on an overloaded server
+		sqlIdleInTransactionTimeout,
+		sqlTransactionTimeout,
+		sqlLockNotAvailable,    // lock_timeout
 		sqlReadOnlyTransaction: // a standby, during failover (the engine tells a read-only primary apart)
 		return true
 	}
