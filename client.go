@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 )
 
 // WithOutgoingKey returns a context whose outgoing calls use key as their
@@ -31,8 +32,10 @@ func WithOutgoingKey(ctx context.Context, key string) context.Context {
 type outgoingKey struct{}
 
 // CaptureKey is a call option that stores the idempotency key a call used in
-// *dst (empty when the call carried none), so the application can log it or
-// retry the same logical call later with [WithOutgoingKey].
+// *dst, so the application can log it or retry the same logical call later
+// with [WithOutgoingKey]: the key in the metadata, or, for a method whose
+// request carries its key (the option's key_field), that field's value;
+// empty when the call carried none.
 func CaptureKey(dst *string) grpc.CallOption { return captureKey{dst: dst} }
 
 type captureKey struct {
@@ -181,6 +184,9 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 		for _, opt := range opts {
 			if c, ok := opt.(captureKey); ok && c.dst != nil {
 				*c.dst = key
+				if key == "" {
+					*c.dst = requestKey(method, req)
+				}
 			}
 		}
 		if key == "" {
@@ -200,6 +206,17 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 		}
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
+}
+
+// requestKey is the key a request carries in its method's key_field, ""
+// when the method has none or the request is not a proto message.
+func requestKey(method string, req any) string {
+	pol := policyFor(method)
+	m, ok := req.(proto.Message)
+	if pol.keyField == nil || !ok {
+		return ""
+	}
+	return pol.keyFromField(m)
 }
 
 // keyFor picks the key of a call; "" means the call needs none.

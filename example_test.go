@@ -50,7 +50,7 @@ func ExampleUnaryServerInterceptor() {
 		// After authentication, so that the scope can name the caller.
 		idempotency.UnaryServerInterceptor(store,
 			idempotency.WithScope(callerFromContext),
-			idempotency.WithKeyRequired(true), // for methods the .proto does not annotate
+			idempotency.WithKeyRequired(), // for methods the .proto does not annotate
 		),
 	))
 	// paymentsv1.RegisterPaymentServiceServer(srv, payments.NewServer(pool))

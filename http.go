@@ -28,9 +28,9 @@ import (
 // (draft-ietf-httpapi-idempotency-key-header).
 const HeaderKey = "Idempotency-Key"
 
-// HeaderReplayed is the response header set to "true" on a replayed
+// ReplayedHeader is the response header set to "true" on a replayed
 // response, like the gRPC trailer [ReplayedTrailer].
-const HeaderReplayed = "Idempotency-Replayed"
+const ReplayedHeader = "Idempotency-Replayed"
 
 // HTTPMiddleware returns net/http middleware (the func(http.Handler)
 // http.Handler shape of chi and most routers) that runs each request
@@ -213,11 +213,13 @@ func WithHTTPScope(f func(r *http.Request) (string, error)) HTTPOption {
 	return func(o *httpOptions) { o.scope = f }
 }
 
-// WithHTTPKeyRequired decides whether a protected request without a key is
-// refused with 400 (true) or passes through unprotected (false). Defaults
-// to true.
-func WithHTTPKeyRequired(required bool) HTTPOption {
-	return func(o *httpOptions) { o.keyRequired = required }
+// WithHTTPKeyOptional lets a protected request without a key pass through
+// unprotected. Without it, the default, such a request is refused with
+// 400: the middleware protects only the methods and routes it is mounted
+// on, so a request there without a key is a client's mistake (the server
+// interceptor's default is the other way round; see [WithKeyRequired]).
+func WithHTTPKeyOptional() HTTPOption {
+	return func(o *httpOptions) { o.keyRequired = false }
 }
 
 // WithHTTPTTL sets how long finished keys are kept. Defaults to 24 hours.
@@ -505,7 +507,7 @@ func (rr *responseRecorder) writeTo(w http.ResponseWriter, allowed []string, rep
 		}
 	}
 	if replayed {
-		h.Set(HeaderReplayed, "true")
+		h.Set(ReplayedHeader, "true")
 	}
 	h.Set("Content-Length", strconv.Itoa(rr.body.Len()))
 	w.WriteHeader(rr.statusCode())

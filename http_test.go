@@ -123,12 +123,12 @@ func TestHTTPReplayIsByteIdentical(t *testing.T) {
 	e := newHTTPEnv(t, nil)
 	first := e.post("k-1", "charge 100")
 	require.Equal(t, http.StatusCreated, first.status)
-	require.Empty(t, first.header.Get(idempotency.HeaderReplayed))
+	require.Empty(t, first.header.Get(idempotency.ReplayedHeader))
 	for _, key := range []string{"k-1", `"k-1"`} { // a bare token, and the draft's structured-field string
 		again := e.post(key, "charge 100")
 		require.Equal(t, first.status, again.status, key)
 		require.Equal(t, first.body, again.body, "%s: the body, byte for byte", key)
-		require.Equal(t, "true", again.header.Get(idempotency.HeaderReplayed))
+		require.Equal(t, "true", again.header.Get(idempotency.ReplayedHeader))
 		require.Equal(t, first.header.Get("Content-Type"), again.header.Get("Content-Type"))
 		require.Equal(t, first.header.Get("Location"), again.header.Get("Location"))
 		require.Empty(t, again.header.Get("X-Served-At"), "headers outside the allow-list belong to the first response")
@@ -139,7 +139,7 @@ func TestHTTPReplayIsByteIdentical(t *testing.T) {
 	// Methods RFC 9110 makes idempotent pass through.
 	get := e.send(http.MethodGet, "k-1", "")
 	require.Equal(t, http.StatusBadRequest, get.status, "GET reached the handler, which wants a body")
-	require.Empty(t, get.header.Get(idempotency.HeaderReplayed))
+	require.Empty(t, get.header.Get(idempotency.ReplayedHeader))
 }
 
 func TestHTTPErrorsAreProblemDetails(t *testing.T) {
@@ -198,7 +198,7 @@ func TestHTTPConcurrentDuplicates(t *testing.T) {
 			e = newHTTPEnvWithStore(t, func(w http.ResponseWriter, r *http.Request) {
 				e.charge(w, r)
 				time.Sleep(time.Second)
-			}, []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithRetryDelay(1500 * time.Millisecond)})
+			}, []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithSuggestedRetryDelay(1500 * time.Millisecond)})
 			const n = 200
 			replies := make([]httpReply, n)
 			var wg sync.WaitGroup
@@ -209,7 +209,7 @@ func TestHTTPConcurrentDuplicates(t *testing.T) {
 			var created, replayed, conflicts int
 			for _, r := range replies {
 				switch {
-				case r.status == http.StatusCreated && r.header.Get(idempotency.HeaderReplayed) == "":
+				case r.status == http.StatusCreated && r.header.Get(idempotency.ReplayedHeader) == "":
 					created++
 				case r.status == http.StatusCreated:
 					replayed++
@@ -277,7 +277,7 @@ func TestHTTPStoredStatuses(t *testing.T) {
 		again := e.post(key, tc.body)
 		require.Equal(t, tc.status, first.status, tc.body)
 		require.Equal(t, tc.status, again.status, tc.body)
-		require.Equal(t, tc.stored, again.header.Get(idempotency.HeaderReplayed) == "true", "%s stored", tc.body)
+		require.Equal(t, tc.stored, again.header.Get(idempotency.ReplayedHeader) == "true", "%s stored", tc.body)
 		require.Equal(t, tc.stored, first.body == again.body, tc.body)
 		rows := e.db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, tc.body)
 		if tc.commits {
@@ -343,7 +343,7 @@ func TestHTTPResponseWriterMatrix(t *testing.T) {
 			require.Equal(t, first.body, again.body)
 			require.Equal(t, first.header.Get("Content-Type"), again.header.Get("Content-Type"))
 			require.Equal(t, first.header.Get("Location"), again.header.Get("Location"))
-			require.Equal(t, "true", again.header.Get(idempotency.HeaderReplayed))
+			require.Equal(t, "true", again.header.Get(idempotency.ReplayedHeader))
 			require.EqualValues(t, 1, e.runs.Load())
 		})
 	}

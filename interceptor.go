@@ -173,9 +173,14 @@ func WithScope(f func(ctx context.Context) (string, error)) ServerOption {
 
 // WithKeyRequired makes calls without an idempotency key fail with
 // codes.InvalidArgument ([ErrMissingKey]) instead of passing through, for
-// methods whose descriptor does not decide. Defaults to false.
-func WithKeyRequired(required bool) ServerOption {
-	return func(o *serverOptions) { o.requireKey = required }
+// methods whose descriptor does not decide (the (idempotency.v1.method)
+// option's mode decides for the methods it annotates). Without it, the
+// default, such calls pass through unprotected, so that a service can take
+// keys method by method; the HTTP middleware's default is the other way
+// round (see [WithHTTPKeyOptional]), as it protects only the methods it is
+// told to.
+func WithKeyRequired() ServerOption {
+	return func(o *serverOptions) { o.requireKey = true }
 }
 
 // WithTTL sets how long finished keys are kept; a retry after that runs the

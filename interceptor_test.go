@@ -65,7 +65,7 @@ func TestConcurrentDuplicatesExecuteOnce(t *testing.T) {
 			t.Parallel()
 			var e *env
 			e = newEnv(t, envConfig{
-				storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithRetryDelay(123 * time.Millisecond)},
+				storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithSuggestedRetryDelay(123 * time.Millisecond)},
 				handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 					resp, err := e.insertLedger(ctx, req)
 					time.Sleep(tc.handler)
@@ -585,7 +585,7 @@ func TestCallsWithoutKey(t *testing.T) {
 	require.Equal(t, "no tx", r.resp.GetValue(), "a call without a key passes through untouched")
 	require.Equal(t, 0, optional.keyRows())
 
-	required := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired(true)}})
+	required := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired()}})
 	r = required.call(context.Background(), methodCharge, "", "x")
 	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
 	require.ErrorContains(t, r.err, "required")

@@ -593,7 +593,7 @@ func TestHTTPReplayKeepsContentEncodingAndNoCookie(t *testing.T) {
 		resp.Body.Close()
 		require.NoError(t, err)
 		require.Equal(t, `{"charged":true}`, string(body), "attempt %d", i)
-		require.Equal(t, i == 1, resp.Header.Get(idempotency.HeaderReplayed) == "true")
+		require.Equal(t, i == 1, resp.Header.Get(idempotency.ReplayedHeader) == "true")
 		if i == 1 {
 			require.Empty(t, resp.Cookies(), "the first caller's cookie is not replayed")
 		}

@@ -17,14 +17,14 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 	t.Parallel()
 	var pool *pgxpool.Pool // NewStore does not touch the database
 	for name, opt := range map[string]StoreOption{
-		"WithTable":          WithTable("", ""),
-		"WithTable ":         WithTable("", strings.Repeat("t", 64)),
-		"WithTable  ":        WithTable("a\x00b", "t"),
-		"WithTable   ":       WithTable("", strings.Repeat("t", 49)), // fits alone, not with "_expires_at_idx"
-		"WithInProgressWait": WithInProgressWait(0),
-		"WithRetryDelay":     WithRetryDelay(-time.Second),
-		"WithFinishTimeout":  WithFinishTimeout(0),
-		"WithIsolation":      WithIsolation("snapshot"),
+		"WithTable":               WithTable("", ""),
+		"WithTable ":              WithTable("", strings.Repeat("t", 64)),
+		"WithTable  ":             WithTable("a\x00b", "t"),
+		"WithTable   ":            WithTable("", strings.Repeat("t", 49)), // fits alone, not with "_expires_at_idx"
+		"WithInProgressWait":      WithInProgressWait(0),
+		"WithSuggestedRetryDelay": WithSuggestedRetryDelay(-time.Second),
+		"WithFinishTimeout":       WithFinishTimeout(0),
+		"WithIsolation":           WithIsolation("snapshot"),
 	} {
 		_, err := NewStore(pool, opt)
 		require.ErrorContains(t, err, strings.TrimSpace(name))

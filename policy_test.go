@@ -244,7 +244,7 @@ func TestPolicyDefaultsForUnannotatedMethods(t *testing.T) {
 	_, _, err := send(loose.client.Unannotated, "", &testingv1.Request{Body: "u"})
 	require.NoError(t, err, "without WithKeyRequired an unannotated method passes through")
 
-	strict := newPolicyEnv(t, idempotency.WithKeyRequired(true), idempotency.WithTTL(time.Hour))
+	strict := newPolicyEnv(t, idempotency.WithKeyRequired(), idempotency.WithTTL(time.Hour))
 	_, _, err = send(strict.client.Unannotated, "", &testingv1.Request{Body: "u"})
 	require.Equal(t, idempotency.MetadataKey, badRequestField(t, err))
 	_, _, err = send(strict.client.Optional, "", &testingv1.Request{Body: "u"})
@@ -276,4 +276,12 @@ func TestClientFollowsProtoOptions(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, want, len(sent) == 1, "%s: generated key %v", method, sent)
 	}
+
+	// A request that carries its own key: CaptureKey reports that key.
+	var captured string
+	req := &testingv1.Request{Meta: &testingv1.Meta{RequestId: "req-7"}}
+	err := icpt(context.Background(), svc+"NaturalKey", req, &testingv1.Response{}, nil,
+		func(context.Context, string, any, any, *grpc.ClientConn, ...grpc.CallOption) error { return nil }, idempotency.CaptureKey(&captured))
+	require.NoError(t, err)
+	require.Equal(t, "req-7", captured)
 }

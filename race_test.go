@@ -43,7 +43,7 @@ func TestConcurrentDuplicatesExecuteOnceAndAgreeByteForByte(t *testing.T) {
 	srv := startReplica(t, schemaPool(t, db.Schema, 16, nil), replicaConfig{
 		// Duplicates give up on the running call after 5ms with Aborted and
 		// come back through the client's retries.
-		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Millisecond), idempotency.WithRetryDelay(5 * time.Millisecond)},
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Millisecond), idempotency.WithSuggestedRetryDelay(5 * time.Millisecond)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			key := metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey)[0]
 			mu.Lock()

@@ -197,7 +197,7 @@ func (o storeOptions) validate() error {
 	case o.inProgressWait < time.Millisecond:
 		return fmt.Errorf("idempotency: WithInProgressWait: must be at least 1ms, got %v", o.inProgressWait)
 	case o.retryDelay < 0:
-		return fmt.Errorf("idempotency: WithRetryDelay: must not be negative, got %v", o.retryDelay)
+		return fmt.Errorf("idempotency: WithSuggestedRetryDelay: must not be negative, got %v", o.retryDelay)
 	case o.finishTimeout <= 0:
 		return fmt.Errorf("idempotency: WithFinishTimeout: must be positive, got %v", o.finishTimeout)
 	}
@@ -241,9 +241,12 @@ func WithInProgressWait(d time.Duration) StoreOption {
 	return func(o *storeOptions) { o.inProgressWait = d }
 }
 
-// WithRetryDelay sets the delay suggested to clients in the RetryInfo detail
-// of [ErrInProgress]. Defaults to 500 milliseconds.
-func WithRetryDelay(d time.Duration) StoreOption {
+// WithSuggestedRetryDelay sets the delay the server suggests to clients in
+// the RetryInfo detail of [ErrInProgress] (HTTP: Retry-After), which
+// [RetryDelay] reads on the client and the client chain waits at least.
+// It is not the client's own backoff ([WithRetryBackoff]). Defaults to 500
+// milliseconds.
+func WithSuggestedRetryDelay(d time.Duration) StoreOption {
 	return func(o *storeOptions) { o.retryDelay = d }
 }
 

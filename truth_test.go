@@ -195,7 +195,7 @@ func TestValidationFailureReleasesTheKey(t *testing.T) {
 // A key sent as binary metadata is not silently ignored.
 func TestBinaryKeyIsRefused(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired(true)}})
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired()}})
 	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey+"-bin", "k")
 	r := invoke(ctx, e.conn, methodCharge, "x")
 	require.Equal(t, codes.InvalidArgument, status.Code(r.err))

@@ -24,7 +24,7 @@ import (
 // in a busy replica's buffer time out too and are redelivered to the other.
 func TestRedeliveryAfterAckWait(t *testing.T) {
 	t.Parallel()
-	pool, store := newDB(t, idempotency.WithInProgressWait(150*time.Millisecond), idempotency.WithRetryDelay(100*time.Millisecond))
+	pool, store := newDB(t, idempotency.WithInProgressWait(150*time.Millisecond), idempotency.WithSuggestedRetryDelay(100*time.Millisecond))
 	_, js := connect(t)
 	const ackWait, slowFor = 500 * time.Millisecond, 1200 * time.Millisecond
 	stream, durable, subject := newStream(t, js, 0, ackWait)

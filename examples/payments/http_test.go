@@ -56,7 +56,7 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 	code, h, again := do(http.MethodPost, "/v1/charges", "order-1001", `{"account_id": "acct-1", "amount_cents": 100}`)
 	require.Equal(t, http.StatusOK, code)
 	require.Equal(t, first, again, "the replay, byte for byte")
-	require.Equal(t, "true", h.Get(idempotency.HeaderReplayed))
+	require.Equal(t, "true", h.Get(idempotency.ReplayedHeader))
 
 	code, _, body := do(http.MethodPost, "/v1/charges", "order-1001", `{"account_id": "acct-1", "amount_cents": 900}`)
 	require.Equal(t, http.StatusUnprocessableEntity, code, body)
@@ -69,7 +69,7 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 
 	code, h, body = do(http.MethodGet, "/v1/accounts/acct-1/balance", "", "")
 	require.Equal(t, http.StatusOK, code, body)
-	require.Empty(t, h.Get(idempotency.HeaderReplayed))
+	require.Empty(t, h.Get(idempotency.ReplayedHeader))
 	var bal map[string]any
 	require.NoError(t, json.Unmarshal([]byte(body), &bal))
 	require.Equal(t, map[string]any{"account_id": "acct-1", "balance_cents": "105", "charges": "2"}, bal)

@@ -1,9 +1,11 @@
 // Package schema holds the SQL migrations of the idempotency key table.
 //
-// The migrations are plain SQL files, up and down, with two placeholders, {{table}} (the
-// quoted, possibly schema-qualified table name) and {{expires_index}} (the
-// quoted name of the expiry index), so that teams running their own migration
-// tool can render and copy them.
+// The migrations are plain SQL files, up and down, with three placeholders:
+// {{table}} (the quoted, possibly schema-qualified table name),
+// {{expires_index}} (the quoted name of the expiry index) and
+// {{create_schema}} (a CREATE SCHEMA IF NOT EXISTS statement for a
+// schema-qualified table, empty otherwise), so that teams running their own
+// migration tool can render and copy them.
 package schema
 
 import (
@@ -45,9 +47,14 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 	if err != nil {
 		return nil, err
 	}
+	createSchema := ""
+	if len(ident) == 2 {
+		createSchema = "CREATE SCHEMA IF NOT EXISTS " + pgx.Identifier{ident[0]}.Sanitize() + ";\n"
+	}
 	r := strings.NewReplacer(
 		"{{table}}", ident.Sanitize(),
 		"{{expires_index}}", pgx.Identifier{ident[len(ident)-1] + ExpiresIndexSuffix}.Sanitize(),
+		"{{create_schema}}", createSchema,
 	)
 	byName := map[string]*Migration{}
 	for _, e := range entries {

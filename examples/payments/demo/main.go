@@ -42,8 +42,8 @@ import (
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+	"github.com/exactlyonce/idempotency/internal/dburl"
 	"github.com/exactlyonce/idempotency/internal/faultproxy"
-	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 type config struct {
@@ -71,7 +71,7 @@ func main() {
 	flag.DurationVar(&c.progress, "progress", 500*time.Millisecond, "interval of progress lines (0: none)")
 	flag.Parse()
 	if c.databaseURL == "" {
-		c.databaseURL = testdb.URL()
+		c.databaseURL = dburl.URL()
 	}
 
 	rep, err := run(context.Background(), c, os.Stdout)
@@ -166,7 +166,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	store, err := idempotency.NewStore(pool, idempotency.WithTracer(count),
 		// Short, so that duplicates sent at once show up as in-progress
 		// conflicts that the client retries, rather than only as waits.
-		idempotency.WithInProgressWait(10*time.Millisecond), idempotency.WithRetryDelay(25*time.Millisecond))
+		idempotency.WithInProgressWait(10*time.Millisecond), idempotency.WithSuggestedRetryDelay(25*time.Millisecond))
 	if err != nil {
 		return nil, err
 	}
@@ -482,7 +482,7 @@ The demo needs a real PostgreSQL database (it never falls back to memory).
 Point it at one with -database-url or the %s environment variable, e.g.
   DATABASE_URL=postgres://user:pass@host:5432/db go run ./examples/payments/demo
 or start the local server with: bash scripts/services.sh`,
-			cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database, err, testdb.EnvVar)
+			cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database, err, dburl.EnvVar)
 	}
 	var b [4]byte
 	_, _ = rand.Read(b[:])

@@ -3,7 +3,7 @@
 -- so a committed row is always finished ('succeeded' or 'failed'). ('running'
 -- was written by the first engine, and seen only inside the claiming
 -- transaction.)
-CREATE TABLE IF NOT EXISTS {{table}} (
+{{create_schema}}CREATE TABLE IF NOT EXISTS {{table}} (
     scope         text        NOT NULL,
     key           text        NOT NULL,
     method        text        NOT NULL,
