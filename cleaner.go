@@ -26,7 +26,7 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 		})
 	}
 	if err != nil {
-		err = fmt.Errorf("idempotency: delete expired keys: %w", err)
+		err = s.dbError(ctx, "delete expired keys", err)
 	}
 	if ct, ok := s.opts.tracer.(CleanerTracer); ok {
 		ct.TraceCleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: time.Since(start), Err: err})

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	statuspb "google.golang.org/genproto/googleapis/rpc/status"
 	grpcstatus "google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
 // ErrKeyNotFound is returned by [Store.Inspect] and [Store.Forget] for a key
@@ -48,6 +50,26 @@ type Record struct {
 	// headers and trailers, an HTTP response's status and headers), in its
 	// own encoding.
 	Metadata []byte
+}
+
+// HTTPResponse returns the response an HTTP request's record holds: its
+// status, the headers stored with it (those a replay carries) and its body.
+// ok is false for a record of another transport, or one without a response
+// (an error the engine stored, such as a handler that ended the
+// transaction; Status has it).
+func (r Record) HTTPResponse() (status int, header http.Header, body []byte, ok bool) {
+	if r.Transport != TransportHTTP || r.ResponseType != string(httpBodyType.Descriptor().FullName()) {
+		return 0, nil, nil, false
+	}
+	m := &wrapperspb.BytesValue{}
+	if err := proto.Unmarshal(r.Response, m); err != nil {
+		return 0, nil, nil, false
+	}
+	rr, err := decodeHTTPResponse(result{Result: Result{Response: m}, metadata: r.Metadata})
+	if err != nil {
+		return 0, nil, nil, false
+	}
+	return rr.statusCode(), rr.header, rr.body.Bytes(), true
 }
 
 // namespaces are the transports' namespaces of stored keys, in the order
@@ -95,7 +117,7 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 	rec := Record{Scope: scope, Key: key}
 	st, err := s.statements(ctx)
 	if err != nil {
-		return rec, fmt.Errorf("idempotency: inspect key: %w", err)
+		return rec, s.dbError(ctx, "inspect key", err)
 	}
 	keys := storedKeys(key)
 	var stored string
@@ -120,7 +142,7 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 		return rec, err
 	}
 	if err != nil {
-		return rec, fmt.Errorf("idempotency: inspect key: %w", err)
+		return rec, s.dbError(ctx, "inspect key", err)
 	}
 	rec.Transport, rec.Key = transportOf(stored)
 	if responseType != nil {
@@ -146,7 +168,7 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 func (s *Store) Forget(ctx context.Context, scope, key string) error {
 	st, err := s.statements(ctx)
 	if err != nil {
-		return fmt.Errorf("idempotency: forget key: %w", err)
+		return s.dbError(ctx, "forget key", err)
 	}
 	keys := storedKeys(key)
 	err = s.readCommitted(ctx, func(tx pgx.Tx) error {
@@ -164,7 +186,7 @@ func (s *Store) Forget(ctx context.Context, scope, key string) error {
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrKeyNotFound) && !errors.Is(err, ErrInProgress) {
-		err = fmt.Errorf("idempotency: forget key: %w", err)
+		err = s.dbError(ctx, "forget key", err)
 	}
 	return err
 }

@@ -9,39 +9,42 @@
 //	idempotency [flags] forget SCOPE KEY     delete one key's record (refused while in progress)
 //	idempotency [flags] cleanup              delete every expired key now
 //
-// Flags: -database-url (default $DATABASE_URL), -schema and -table (the
-// store's WithTable; default the connection's search_path and
-// "idempotency_keys"). The password of the database URL is never printed.
+// Flags: -database-url (default $DATABASE_URL, else the local test
+// database postgres://postgres:postgres@127.0.0.1:5432/test, like every
+// program of this repository), -schema and -table (the store's WithTable;
+// default the connection's search_path and "idempotency_keys"). The
+// password of the database URL is never printed.
 //
-// Run it with go run github.com/exactlyonce/idempotency/cmd/idempotency, or
-// go run ./cmd/idempotency in this repository.
+// The module is not published yet: run it from a clone, with
+// go run ./cmd/idempotency at the repository's root.
 package main
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"strings"
 	"time"
+	"unicode/utf8"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
-	_ "google.golang.org/protobuf/types/known/wrapperspb" // HTTP responses are stored as BytesValue
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/dburl"
 )
 
 func main() {
@@ -67,7 +70,7 @@ flags:
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idempotency", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	dbURL := fs.String("database-url", "", "PostgreSQL URL (default: $DATABASE_URL)")
+	dbURL := fs.String("database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else "+dburl.Redacted(dburl.Default)+")")
 	schema := fs.String("schema", "", "schema of the key table (default: the connection's search_path)")
 	table := fs.String("table", idempotency.DefaultTable, "name of the key table")
 	fs.Usage = func() {
@@ -86,10 +89,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	cmd, rest := fs.Arg(0), fs.Args()[1:]
 	if *dbURL == "" {
-		*dbURL = os.Getenv("DATABASE_URL")
+		*dbURL = dburl.URL()
 	}
 	fail := func(err error) int {
-		fmt.Fprintf(stderr, "idempotency %s: %s\n", cmd, redact(err.Error(), *dbURL))
+		fmt.Fprintf(stderr, "idempotency %s: %s\n", cmd, dburl.Scrub(message(cmd, err), *dbURL))
+		if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == "42P01" {
+			fmt.Fprintln(stderr, "idempotency migrate, with the same -database-url, -schema and -table, creates the table")
+		}
 		return 1
 	}
 	misuse := func(format string, a ...any) int {
@@ -111,9 +117,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	default:
 		return misuse("unknown command; run idempotency -h")
-	}
-	if *dbURL == "" {
-		return misuse("no database: set -database-url or DATABASE_URL")
 	}
 	pool, err := pgxpool.New(ctx, *dbURL)
 	if err != nil {
@@ -177,18 +180,38 @@ type inspected struct {
 	Response     json.RawMessage `json:"response,omitempty"`
 	ResponseHex  string          `json:"response_hex,omitempty"`
 	Status       json.RawMessage `json:"status,omitempty"`
+	HTTP         *httpJSON       `json:"http,omitempty"`
 	Fingerprint  string          `json:"fingerprint"`
 }
 
-// recordJSON renders a record: the response as JSON when its type is
-// linked into this command, else as hex.
+// httpJSON is the response an HTTP request's record replays.
+type httpJSON struct {
+	Status int         `json:"status"`
+	Header http.Header `json:"header,omitempty"`
+	// Body is the body as text when it is UTF-8, BodyBase64 otherwise.
+	Body       *string `json:"body,omitempty"`
+	BodyBase64 string  `json:"body_base64,omitempty"`
+}
+
+// recordJSON renders a record: an HTTP response as its status, headers
+// and body; another response as JSON when its type is linked into this
+// command, else as hex.
 func recordJSON(rec idempotency.Record) inspected {
 	out := inspected{
 		Scope: rec.Scope, Key: rec.Key, Transport: string(rec.Transport), Method: rec.Method, State: rec.State,
 		CreatedAt: rec.CreatedAt, ExpiresAt: rec.ExpiresAt, Expired: rec.Expired,
 		ResponseType: rec.ResponseType, Fingerprint: hex.EncodeToString(rec.Fingerprint),
 	}
-	if rec.ResponseType != "" {
+	if code, header, body, ok := rec.HTTPResponse(); ok {
+		out.ResponseType = ""
+		out.HTTP = &httpJSON{Status: code, Header: header}
+		if utf8.Valid(body) {
+			text := string(body)
+			out.HTTP.Body = &text
+		} else {
+			out.HTTP.BodyBase64 = base64.StdEncoding.EncodeToString(body)
+		}
+	} else if rec.ResponseType != "" {
 		out.ResponseHex = hex.EncodeToString(rec.Response)
 		if mt, err := protoregistry.GlobalTypes.FindMessageByName(protoreflect.FullName(rec.ResponseType)); err == nil {
 			m := mt.New().Interface()
@@ -222,15 +245,10 @@ func sqlCommand(args []string, schema, table string, stdout, stderr io.Writer) i
 		fmt.Fprintf(stderr, "idempotency sql: -down applies to -format plain only; -format %s writes both directions in its files\n", *format)
 		return 2
 	}
-	store, err := idempotency.NewStore(noDB{}, idempotency.WithTable(schema, table))
+	ms, err := idempotency.MigrationsFor(schema, table)
 	if err != nil {
-		fmt.Fprintln(stderr, "idempotency sql:", err)
+		fmt.Fprintln(stderr, "idempotency sql:", message("sql", err))
 		return 2
-	}
-	ms, err := store.Migrations()
-	if err != nil {
-		fmt.Fprintln(stderr, "idempotency sql:", err)
-		return 1
 	}
 	files := map[string]string{}
 	var order []string
@@ -272,6 +290,10 @@ func sqlCommand(args []string, schema, table string, stdout, stderr io.Writer) i
 			fmt.Fprintf(stdout, "-- file %s\n%s\n", name, files[name])
 			continue
 		}
+		if err := os.MkdirAll(*dir, 0o755); err != nil {
+			fmt.Fprintln(stderr, "idempotency sql:", err)
+			return 1
+		}
 		if err := os.WriteFile(filepath.Join(*dir, name), []byte(files[name]), 0o644); err != nil {
 			fmt.Fprintln(stderr, "idempotency sql:", err)
 			return 1
@@ -281,27 +303,12 @@ func sqlCommand(args []string, schema, table string, stdout, stderr io.Writer) i
 	return 0
 }
 
-// redact masks the password of url wherever it appears in s.
-func redact(s, rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil || u.User == nil {
-		return s
+// message is err's text without the prefixes the command's own already
+// says: "idempotency: " and the command's name.
+func message(cmd string, err error) string {
+	m := strings.TrimPrefix(err.Error(), "idempotency: ")
+	for _, p := range []string{cmd + " key: ", cmd + ": "} {
+		m = strings.TrimPrefix(m, p)
 	}
-	if p, ok := u.User.Password(); ok && p != "" {
-		s = strings.ReplaceAll(s, p, "xxxxx")
-	}
-	return s
+	return m
 }
-
-// noDB stands in for a database where none is needed: rendering the
-// migrations only needs the table's name.
-type noDB struct{}
-
-func (noDB) Acquire(context.Context) (*pgxpool.Conn, error) { return nil, errNoDB }
-func (noDB) Begin(context.Context) (pgx.Tx, error)          { return nil, errNoDB }
-func (noDB) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
-	return pgconn.CommandTag{}, errNoDB
-}
-func (noDB) QueryRow(context.Context, string, ...any) pgx.Row { return nil }
-
-var errNoDB = errors.New("no database")

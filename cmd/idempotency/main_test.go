@@ -3,7 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +24,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/dburl"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
@@ -114,7 +119,7 @@ func TestMigrateInspectForgetCleanup(t *testing.T) {
 	require.Contains(t, out, `forgot key "k-1"`)
 	_, errOut, code = command(t, nil, "", "-database-url", url, "inspect", "tenant-1", "k-1")
 	require.Equal(t, 1, code)
-	require.Contains(t, errOut, "no record of this key")
+	require.Equal(t, "idempotency inspect: no record of this key\n", errOut, "one prefix, the command's")
 	_, errOut, code = command(t, nil, "", "-database-url", url, "forget", "tenant-1", "k-1")
 	require.Equal(t, 1, code, errOut)
 
@@ -197,7 +202,7 @@ func TestPrintedSQLAppliedWithPsql(t *testing.T) {
 // goose, with the configured table.
 func TestSQLFilesForMigrationTools(t *testing.T) {
 	t.Parallel()
-	dir := t.TempDir()
+	dir := filepath.Join(t.TempDir(), "db", "migrations") // created, like a tool's output directory
 	_, errOut, code := command(t, nil, "", "-schema", "app", "-table", "keys", "sql", "-format", "golang-migrate", "-dir", dir)
 	require.Zero(t, code, errOut)
 	names, err := filepath.Glob(filepath.Join(dir, "*"))
@@ -210,7 +215,7 @@ func TestSQLFilesForMigrationTools(t *testing.T) {
 		"003_namespace_keys.down.sql", "003_namespace_keys.up.sql"}, base)
 	up, err := os.ReadFile(filepath.Join(dir, "001_create_keys.up.sql"))
 	require.NoError(t, err)
-	require.Contains(t, string(up), `CREATE TABLE IF NOT EXISTS "app"."keys"`)
+	require.Contains(t, string(up), "CREATE SCHEMA IF NOT EXISTS \"app\";\nCREATE TABLE IF NOT EXISTS \"app\".\"keys\"")
 
 	out, _, code := command(t, nil, "", "sql", "-format", "goose")
 	require.Zero(t, code)
@@ -238,4 +243,97 @@ func TestPasswordIsNeverPrinted(t *testing.T) {
 	require.Equal(t, 2, code)
 	_, _, code = command(t, nil, "", "inspect", "only-one")
 	require.Equal(t, 2, code)
+}
+
+// A table in a schema of its own: migrate and the printed SQL create the
+// schema when it is absent.
+func TestSchemaOfTheTableIsCreated(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	ctx := context.Background()
+	for _, via := range []string{"migrate", "psql"} {
+		schema := db.Schema + "_" + via
+		t.Cleanup(func() {
+			_, _ = db.Pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		})
+		if via == "migrate" {
+			_, errOut, code := command(t, nil, "", "-database-url", testdb.URL(), "-schema", schema, "migrate")
+			require.Zero(t, code, errOut)
+		} else {
+			up, errOut, code := command(t, nil, "", "-schema", schema, "sql")
+			require.Zero(t, code, errOut)
+			cmd := exec.Command("psql", "-v", "ON_ERROR_STOP=1", "-q", testdb.URL())
+			cmd.Stdin = strings.NewReader(up)
+			out, err := cmd.CombinedOutput()
+			require.NoError(t, err, string(out))
+		}
+		store, err := idempotency.NewStore(db.Pool, idempotency.WithTable(schema, idempotency.DefaultTable))
+		require.NoError(t, err)
+		res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			return wrapperspb.String("ok"), nil
+		})
+		require.NoError(t, err, via)
+		require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, via)
+	}
+}
+
+// The database defaults to the one every program here uses.
+func TestDefaultDatabase(t *testing.T) {
+	t.Parallel()
+	_, errOut, code := command(t, []string{"DATABASE_URL="}, "", "-h")
+	require.Zero(t, code)
+	require.Contains(t, errOut, "else "+dburl.Redacted(dburl.Default))
+}
+
+// inspect shows an HTTP request's record as the response it replays:
+// status, headers and body.
+func TestInspectHTTPKey(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+	h := idempotency.HTTPMiddleware(store, idempotency.WithHTTPScope(func(*http.Request) (string, error) { return "tenant-1", nil }))(
+		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("Location", "/v1/charges/ch_1")
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, `{"id":"ch_1"}`)
+		}))
+	req := httptest.NewRequest(http.MethodPost, "/v1/charges", strings.NewReader(`{"amount":100}`))
+	req.Header.Set(idempotency.HeaderKey, "order-1")
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, req)
+	require.Equal(t, http.StatusCreated, rec.Code)
+
+	out, errOut, code := command(t, nil, "", "-database-url", schemaURL(db.Schema), "inspect", "tenant-1", "order-1")
+	require.Zero(t, code, errOut)
+	var got struct {
+		Transport string `json:"transport"`
+		HTTP      struct {
+			Status int                 `json:"status"`
+			Header map[string][]string `json:"header"`
+			Body   string              `json:"body"`
+		} `json:"http"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &got), out)
+	require.Equal(t, "http", got.Transport)
+	require.Equal(t, http.StatusCreated, got.HTTP.Status)
+	require.Equal(t, []string{"application/json"}, got.HTTP.Header["Content-Type"])
+	require.Equal(t, []string{"/v1/charges/ch_1"}, got.HTTP.Header["Location"])
+	require.Equal(t, `{"id":"ch_1"}`, got.HTTP.Body)
+}
+
+// A missing table says how to create it.
+func TestMissingTableSaysMigrate(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 1)
+	for _, args := range [][]string{{"inspect", "s", "k"}, {"forget", "s", "k"}, {"cleanup"}} {
+		_, errOut, code := command(t, nil, "", append([]string{"-database-url", schemaURL(db.Schema)}, args...)...)
+		require.Equal(t, 1, code, args)
+		require.Contains(t, errOut, `the key table "idempotency_keys" does not exist`, args)
+		require.Contains(t, errOut, "idempotency migrate, with the same -database-url, -schema and -table, creates the table", args)
+		require.NotContains(t, errOut, "idempotency: ", "%v: one prefix", args)
+	}
 }

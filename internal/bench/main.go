@@ -24,7 +24,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/exactlyonce/idempotency"
-	"github.com/exactlyonce/idempotency/internal/testdb"
+	"github.com/exactlyonce/idempotency/internal/dburl"
 	testingv1 "github.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1"
 )
 
@@ -80,7 +80,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var scenarios, handlers string
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.URL, "url", testdb.URL(), "PostgreSQL URL; the tool works in a schema of its own there. On a shared server, give it a database of its own so its commit counts are its alone")
+	fs.StringVar(&c.URL, "url", dburl.URL(), "PostgreSQL URL; the tool works in a schema of its own there. On a shared server, give it a database of its own so its commit counts are its alone")
 	fs.DurationVar(&c.Duration, "duration", 5*time.Second, "length of each measured run of a variant")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "unmeasured run of each variant before the first round")
 	fs.IntVar(&c.Rounds, "rounds", 6, "rounds; each runs every variant once, in turn")

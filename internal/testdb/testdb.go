@@ -1,9 +1,9 @@
 // Package testdb gives each test its own schema in a real PostgreSQL.
 //
 // The database is named by the DATABASE_URL environment variable and
-// defaults to DefaultURL, the local server that .ci/run starts. A database
-// that cannot be reached fails the test with instructions; it is never
-// skipped.
+// defaults to the local server that scripts/services.sh starts (see package
+// dburl). A database that cannot be reached fails the test with
+// instructions; it is never skipped.
 package testdb
 
 import (
@@ -19,22 +19,16 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"
+
+	"github.com/exactlyonce/idempotency/internal/dburl"
 )
 
 // EnvVar names the environment variable holding the database URL.
-const EnvVar = "DATABASE_URL"
+const EnvVar = dburl.EnvVar
 
-// DefaultURL is used when EnvVar is unset: the local PostgreSQL on its
-// standard port, database "test".
-const DefaultURL = "postgres://postgres:postgres@127.0.0.1:5432/test?sslmode=disable"
-
-// URL returns the database URL the tests and examples use.
-func URL() string {
-	if u := os.Getenv(EnvVar); u != "" {
-		return u
-	}
-	return DefaultURL
-}
+// URL returns the database URL the tests use: $DATABASE_URL, else the
+// local test database.
+func URL() string { return dburl.URL() }
 
 var (
 	adminOnce sync.Once
@@ -55,7 +49,7 @@ func Admin(t testing.TB) *pgxpool.Pool {
 		}
 	})
 	if adminErr != nil {
-		t.Fatalf("no PostgreSQL at %s (set %s to point the tests at one; `bash .ci/run` starts the local server): %v", redact(URL()), EnvVar, adminErr)
+		t.Fatalf("no PostgreSQL at %s (set %s to point the tests at one; `bash scripts/services.sh`, from the repository's root, starts the local one): %v", redact(URL()), EnvVar, adminErr)
 	}
 	return admin
 }

@@ -18,7 +18,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/url"
 	"os"
 	"os/signal"
 	"syscall"
@@ -35,7 +34,7 @@ import (
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
 	"github.com/exactlyonce/idempotency/idempotencyotel"
-	"github.com/exactlyonce/idempotency/internal/testdb"
+	"github.com/exactlyonce/idempotency/internal/dburl"
 )
 
 func main() {
@@ -76,7 +75,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "address to serve gRPC on")
 	fs.StringVar(&c.httpAddr, "http-addr", "127.0.0.1:8080", "address to serve the same service as JSON over HTTP on (POST /v1/charges, GET /v1/accounts/{account_id}/balance); empty disables it")
 	fs.StringVar(&c.metricsAddr, "metrics-addr", "127.0.0.1:9464", "address to serve Prometheus metrics on, at GET /metrics; empty disables it")
-	fs.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else the local test database: "+redactURL(testdb.URL())+")")
+	fs.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else "+dburl.Redacted(dburl.Default)+")")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -85,18 +84,9 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 		return c, errors.New("empty -addr")
 	}
 	if c.databaseURL == "" {
-		c.databaseURL = testdb.URL()
+		c.databaseURL = dburl.URL()
 	}
 	return c, nil
-}
-
-// redactURL masks the password of a database URL, for showing it.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	return u.Redacted()
 }
 
 // listeners are where the server serves; http and metrics may be nil.

@@ -24,11 +24,12 @@ import (
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/natsconsumer"
+	"github.com/exactlyonce/idempotency/internal/dburl"
 )
 
 func main() {
 	natsURL := flag.String("nats-url", envOr("NATS_URL", nats.DefaultURL), "NATS server (env NATS_URL)")
-	databaseURL := flag.String("database-url", envOr("DATABASE_URL", "postgres://postgres:postgres@127.0.0.1:5432/test?sslmode=disable"), "PostgreSQL (env DATABASE_URL)")
+	databaseURL := flag.String("database-url", dburl.URL(), "PostgreSQL (default: $DATABASE_URL, else "+dburl.Redacted(dburl.Default)+")")
 	stream := flag.String("stream", "CREDITS", "JetStream stream")
 	subject := flag.String("subject", "credits.>", "subjects of the stream, when it has to be created")
 	durable := flag.String("durable", "credits-applier", "durable consumer name; consumers with the same name share the work")
