@@ -70,7 +70,7 @@ flags:
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("idempotency", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	dbURL := fs.String("database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else "+dburl.Redacted(dburl.Default)+")")
+	dbURL := fs.String("database-url", "", dburl.Usage())
 	schema := fs.String("schema", "", "schema of the key table (default: the connection's search_path)")
 	table := fs.String("table", idempotency.DefaultTable, "name of the key table")
 	fs.Usage = func() {

@@ -80,7 +80,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	var scenarios, handlers string
 	fs := flag.NewFlagSet("bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&c.URL, "url", dburl.URL(), "PostgreSQL URL; the tool works in a schema of its own there. On a shared server, give it a database of its own so its commit counts are its alone")
+	fs.StringVar(&c.URL, "url", "", dburl.Usage()+"; the tool works in a schema of its own there. On a shared server, give it a database of its own so its commit counts are its alone")
 	fs.DurationVar(&c.Duration, "duration", 5*time.Second, "length of each measured run of a variant")
 	fs.DurationVar(&c.Warmup, "warmup", time.Second, "unmeasured run of each variant before the first round")
 	fs.IntVar(&c.Rounds, "rounds", 6, "rounds; each runs every variant once, in turn")
@@ -108,6 +108,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 			return c, err
 		}
 		return c, usageError{err}
+	}
+	if c.URL == "" {
+		c.URL = dburl.URL()
 	}
 	if fs.NArg() > 0 {
 		return c, usageError{fmt.Errorf("unexpected arguments: %q", fs.Args())}

@@ -46,3 +46,13 @@ func Scrub(s, raw string) string {
 	}
 	return s
 }
+
+// Usage is the help text of a program's database URL flag: where the URL
+// comes from, and the one it will use, its password masked.
+func Usage() string {
+	s := "PostgreSQL URL (default: $" + EnvVar + ", else " + Redacted(Default) + ")"
+	if u := os.Getenv(EnvVar); u != "" {
+		s += "; $" + EnvVar + " is " + Redacted(u)
+	}
+	return s
+}

@@ -60,7 +60,7 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else the local test database; its password is never shown)")
+	flag.StringVar(&c.databaseURL, "database-url", "", dburl.Usage())
 	flag.IntVar(&c.charges, "charges", 300, "logical charges to make")
 	flag.IntVar(&c.clients, "clients", 8, "concurrent clients")
 	flag.IntVar(&c.accounts, "accounts", 5, "accounts to spread the charges over")

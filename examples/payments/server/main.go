@@ -75,7 +75,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "address to serve gRPC on")
 	fs.StringVar(&c.httpAddr, "http-addr", "127.0.0.1:8080", "address to serve the same service as JSON over HTTP on (POST /v1/charges, GET /v1/accounts/{account_id}/balance); empty disables it")
 	fs.StringVar(&c.metricsAddr, "metrics-addr", "127.0.0.1:9464", "address to serve Prometheus metrics on, at GET /metrics; empty disables it")
-	fs.StringVar(&c.databaseURL, "database-url", "", "PostgreSQL URL (default: $DATABASE_URL, else "+dburl.Redacted(dburl.Default)+")")
+	fs.StringVar(&c.databaseURL, "database-url", "", dburl.Usage())
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}

@@ -29,12 +29,15 @@ import (
 
 func main() {
 	natsURL := flag.String("nats-url", envOr("NATS_URL", nats.DefaultURL), "NATS server (env NATS_URL)")
-	databaseURL := flag.String("database-url", dburl.URL(), "PostgreSQL (default: $DATABASE_URL, else "+dburl.Redacted(dburl.Default)+")")
+	databaseURL := flag.String("database-url", "", dburl.Usage())
 	stream := flag.String("stream", "CREDITS", "JetStream stream")
 	subject := flag.String("subject", "credits.>", "subjects of the stream, when it has to be created")
 	durable := flag.String("durable", "credits-applier", "durable consumer name; consumers with the same name share the work")
 	ackWait := flag.Duration("ack-wait", 30*time.Second, "redeliver a message not acknowledged within this time")
 	flag.Parse()
+	if *databaseURL == "" {
+		*databaseURL = dburl.URL()
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
