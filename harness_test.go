@@ -484,3 +484,15 @@ func createLedger(t testing.TB, db *testdb.DB) {
 	_, err := db.Pool.Exec(context.Background(), `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL)`)
 	require.NoError(t, err)
 }
+
+// heldKeyLocks counts the advisory locks that backends hold on the keys of
+// scope in db's key table: a lock's 64-bit key is the hash the engine
+// computes (see renderStatements), split by pg_locks into classid and objid.
+func heldKeyLocks(t testing.TB, db *testdb.DB, scope string, keys []string) int {
+	t.Helper()
+	table := pgx.Identifier{db.Schema, idempotency.DefaultTable}.Sanitize()
+	return db.Count(t, `SELECT count(*) FROM pg_locks l
+JOIN (SELECT hashtextextended(k, hashtextextended($1, $2::regclass::oid::bigint)) AS h FROM unnest($3::text[]) k) key
+ON l.locktype = 'advisory' AND l.objsubid = 1 AND l.classid::bigint = (key.h >> 32) & 4294967295 AND l.objid::bigint = key.h & 4294967295`,
+		scope, table, keys)
+}

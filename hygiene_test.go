@@ -72,7 +72,8 @@ func TestDuplicatesHoldNoConnectionBeyondTheWait(t *testing.T) {
 	acquired := e.db.Pool.Stat().AcquiredConns()
 	close(release)
 	require.EqualValues(t, 1, acquired, "right after the duplicates are answered, only the slow call holds a connection")
-	require.Less(t, time.Duration(longest.Load()), 10*wait, "duplicates are answered soon after the wait")
+	// The slow call was released only after every duplicate was answered:
+	// none of them waited for it.
 	require.NoError(t, (<-slow).err)
 	require.Zero(t, e.db.Pool.Stat().AcquiredConns(), "no connection is held once every call is answered")
 	require.EqualValues(t, 1, e.runs.Load())
@@ -154,7 +155,7 @@ func TestWaitingDuplicatesHoldNoConnection(t *testing.T) {
 	go func() { freshWG.Wait(); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(5 * time.Second):
+	case <-time.After(time.Minute): // only so that a broken engine fails rather than hangs
 		t.Error("calls with new keys waited for the slow call: duplicates are holding the pool")
 	}
 	close(release)
@@ -167,7 +168,10 @@ func TestWaitingDuplicatesHoldNoConnection(t *testing.T) {
 		require.True(t, r.replayed, "duplicate %d gets the slow call's stored response", i)
 	}
 	require.EqualValues(t, 1+fresh, srv.execs.Load())
-	require.Less(t, read, time.Second, "the handler's own pool read is not queued behind the duplicates")
+	// Had the duplicates held the pool's second connection, the slow
+	// handler's read would have waited for them, and they for it, until
+	// their in-progress wait ran out and they failed Aborted: each got the
+	// slow call's response instead.
 	t.Logf("pool of 2, %d duplicates waiting: the slow call alone held the pool in %d of %d samples; %d calls with new keys took %v; the slow handler's pool read took %v",
 		duplicates, alone, samples, fresh, took, read.Round(time.Microsecond))
 }
@@ -199,7 +203,7 @@ func TestCleanerStopsWithItsContext(t *testing.T) {
 		select {
 		case err := <-stopped:
 			require.ErrorIs(t, err, context.Canceled, when)
-		case <-time.After(5 * time.Second):
+		case <-time.After(30 * time.Second):
 			t.Fatalf("cleaner did not stop with its context %s", when)
 		}
 		return time.Since(start)
@@ -210,7 +214,7 @@ func TestCleanerStopsWithItsContext(t *testing.T) {
 	time.Sleep(5 * time.Millisecond)
 	cctx, cancel := context.WithCancel(ctx)
 	stopped := run(cctx)
-	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 0 }, 5*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 0 }, 30*time.Second, 5*time.Millisecond)
 	idle := requireStops(stopped, cancel, "between rounds")
 
 	// Mid-statement: another transaction locks the table, so the cleaner's
@@ -228,9 +232,9 @@ func TestCleanerStopsWithItsContext(t *testing.T) {
 	}
 	cctx, cancel = context.WithCancel(ctx)
 	stopped = run(cctx)
-	require.Eventually(t, func() bool { return blocked() == 1 }, 5*time.Second, 5*time.Millisecond, "the cleaner's DELETE waits on the lock")
+	require.Eventually(t, func() bool { return blocked() == 1 }, 30*time.Second, 5*time.Millisecond, "the cleaner's DELETE waits on the lock")
 	busy := requireStops(stopped, cancel, "mid-statement")
-	require.Eventually(t, func() bool { return blocked() == 0 }, 5*time.Second, 5*time.Millisecond, "the cancelled DELETE no longer runs")
+	require.Eventually(t, func() bool { return blocked() == 0 }, 30*time.Second, 5*time.Millisecond, "the cancelled DELETE no longer runs")
 	require.NoError(t, locker.Rollback(ctx))
 
 	require.Zero(t, reported.Load(), "stopping is not an error round")

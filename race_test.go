@@ -199,7 +199,7 @@ func (g *commitGate) roundTrip(ctx context.Context, _ *pgx.Conn, statements []st
 			close(r.commitStarting)
 			select {
 			case <-r.loserAtDB:
-			case <-time.After(5 * time.Second):
+			case <-time.After(30 * time.Second):
 				r.timedOut.Store(true)
 			}
 			time.Sleep(r.jitter)

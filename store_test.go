@@ -79,12 +79,12 @@ func TestDeleteExpiredAndCleaner(t *testing.T) {
 	cctx, cancel := context.WithCancel(ctx)
 	stopped := make(chan error, 1)
 	go func() { stopped <- store.RunCleaner(cctx, 10*time.Millisecond, 1, nil) }()
-	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 1 }, 5*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 1 }, 30*time.Second, 10*time.Millisecond)
 	cancel()
 	select {
 	case err := <-stopped:
 		require.ErrorIs(t, err, context.Canceled)
-	case <-time.After(5 * time.Second):
+	case <-time.After(30 * time.Second):
 		t.Fatal("cleaner did not stop with its context")
 	}
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'long'`), "live keys are kept")

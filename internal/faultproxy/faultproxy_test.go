@@ -330,7 +330,7 @@ func TestCloseNoLeaks(t *testing.T) {
 	select {
 	case err := <-done:
 		require.NoError(t, err)
-	case <-time.After(5 * time.Second):
+	case <-time.After(30 * time.Second):
 		t.Fatal("Close did not return")
 	}
 	require.NoError(t, p.Close(), "Close must be idempotent")

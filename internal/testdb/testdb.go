@@ -12,6 +12,9 @@ import (
 	"encoding/hex"
 	"fmt"
 	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -146,4 +149,24 @@ func redact(u string) string {
 		return "(unparsable URL)"
 	}
 	return fmt.Sprintf("%s:%d/%s as %s", cfg.Host, cfg.Port, cfg.Database, cfg.User)
+}
+
+// PgBouncerEnvVar names the environment variable holding the URL of a
+// PgBouncer in transaction pooling mode in front of the test database.
+const PgBouncerEnvVar = "PGBOUNCER_URL"
+
+// PgBouncerURL returns $PGBOUNCER_URL, else the URL of the PgBouncer that
+// scripts/services.sh started for this checkout (it writes it to
+// .services/pgbouncer.url), else "" and how to get one.
+func PgBouncerURL() (url, hint string) {
+	if u := os.Getenv(PgBouncerEnvVar); u != "" {
+		return u, ""
+	}
+	_, file, _, _ := runtime.Caller(0)
+	path := filepath.Join(filepath.Dir(file), "..", "..", ".services", "pgbouncer.url")
+	if b, err := os.ReadFile(path); err == nil {
+		return strings.TrimSpace(string(b)), ""
+	}
+	return "", fmt.Sprintf("no PgBouncer: set %s, or run `bash scripts/services.sh` at the repository's root, which starts one for this checkout and writes its URL to %s",
+		PgBouncerEnvVar, path)
 }
