@@ -51,8 +51,8 @@
 // request was decided (NotFound, FailedPrecondition, ...:
 // [DefaultFinalCodes], changed with [WithFinalCodes]) is final: it is
 // stored with the key and replayed. Any other error releases the key, so a
-// retry runs again; InvalidArgument does too, so that the corrected request
-// can reuse its key.
+// retry runs again; InvalidArgument is not in DefaultFinalCodes and
+// releases the key too, so that the corrected request can reuse it.
 //
 // The transaction belongs to the call: a handler must not end it. SQL sent
 // through it that would (COMMIT, ROLLBACK, BEGIN, SET TRANSACTION) is

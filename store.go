@@ -21,8 +21,10 @@ const DefaultTTL = 24 * time.Hour
 const DefaultTable = "idempotency_keys"
 
 // DB is what a [Store] needs from PostgreSQL: a connection per call, and
-// plain statements and transactions for cleanup and inspection. A *pgxpool.Pool satisfies it and is what a
-// server should pass; every call that runs holds one connection for the
+// plain statements and transactions for cleanup and inspection. In
+// practice only a *pgxpool.Pool fits, since Acquire returns a
+// *pgxpool.Conn; pass one (a wrapper around a pool, for instrumentation,
+// fits too). Every call that runs holds one of its connections for the
 // length of its transaction, and a duplicate waiting for it holds none.
 type DB interface {
 	Acquire(ctx context.Context) (*pgxpool.Conn, error)

@@ -2,7 +2,7 @@
 // using the idempotency client interceptor and its retry chain, then prints
 // the account's balance.
 //
-//	go run ./examples/payments/client -account acct-1 -amount 250
+//	go -C examples/payments run ./client -account acct-1 -amount 250     (at the repository's root)
 //
 // Run it twice with the same -key to see the second charge replayed.
 package main

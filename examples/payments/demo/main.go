@@ -1,7 +1,7 @@
 // Command demo shows exactly-once charges over a network that loses
 // responses after the server committed them.
 //
-//	go run ./examples/payments/demo
+//	go -C examples/payments run ./demo     (at the repository's root)
 //
 // It starts two PaymentService replicas on one PostgreSQL database, each
 // behind a fault proxy that drops a share of responses after the server
@@ -479,9 +479,10 @@ func openDemoDB(ctx context.Context, c config, out io.Writer) (*pgxpool.Pool, fu
 		return nil, nil, fmt.Errorf(`cannot reach PostgreSQL at %s:%d/%s: %v
 
 The demo needs a real PostgreSQL database (it never falls back to memory).
-Point it at one with -database-url or the %s environment variable, e.g.
-  DATABASE_URL=postgres://user:pass@host:5432/db go run ./examples/payments/demo
-or start the local server with: bash scripts/services.sh`,
+Point it at one with -database-url or the %s environment variable, or
+start the local server. At the repository's root:
+  DATABASE_URL=postgres://user:pass@host:5432/db go -C examples/payments run ./demo
+  bash scripts/services.sh && go -C examples/payments run ./demo`,
 			cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database, err, dburl.EnvVar)
 	}
 	var b [4]byte

@@ -2,7 +2,7 @@
 // interceptor on PostgreSQL, over gRPC and, on the same store and business
 // code, as JSON over HTTP, with its metrics for Prometheus.
 //
-//	go run ./server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -metrics-addr 127.0.0.1:9464 -database-url "$DATABASE_URL"
+//	go -C examples/payments run ./server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -metrics-addr 127.0.0.1:9464 -database-url "$DATABASE_URL"
 //
 // It migrates its tables on start, registers gRPC server reflection (so
 // grpcurl can list and call it), logs one structured line per keyed call,

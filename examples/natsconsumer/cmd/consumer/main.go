@@ -1,7 +1,7 @@
 // Command consumer applies the credits of a JetStream stream to PostgreSQL,
 // each message exactly once, and logs what it did with every delivery.
 //
-//	go run ./cmd/consumer -stream CREDITS -durable credits-applier
+//	go -C examples/natsconsumer run ./cmd/consumer -stream CREDITS -durable credits-applier
 //
 // It creates the stream (when missing), the durable consumer, the key table
 // and the credit tables. Run several at once to share the work; stop one

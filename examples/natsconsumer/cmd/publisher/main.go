@@ -2,7 +2,7 @@
 // as asked, so that the consumer can be seen applying it once. Start the
 // consumer first: it creates the stream.
 //
-//	go run ./cmd/publisher -id order-42 -account acct-1 -amount-cents 2500 -times 3
+//	go -C examples/natsconsumer run ./cmd/publisher -id order-42 -account acct-1 -amount-cents 2500 -times 3
 //
 // Publishing the same -id again later, after the stream's duplicate window
 // (two minutes by default), stores a second copy; the consumer skips it.
