@@ -169,23 +169,28 @@ const (
 // The headline guarantee: 30% of responses are lost after the server
 // committed, the client retries through go-grpc-middleware's retry
 // interceptor, and every charge happens exactly once.
+//
+// The proxy loses a response by cutting its connection, which fails every
+// call in flight on it too, so under load a call can use up the chain's
+// retries; the application then retries it with the key it captured, as
+// the README says to.
 func TestDroppedResponsesWithRetryInterceptor(t *testing.T) {
 	t.Parallel()
 	f := newFaultyEnv(t, e2eDrop, 1)
-	var retries atomic.Int64
+	var retries, appRetries atomic.Int64
 	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
 		idempotency.WithRetryMax(30),
 		idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond),
 	)...))
 	runLogical(t, e2eCalls, e2eWorkers, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
-		return charge(ctx, conn, i, retry.WithOnRetryCallback(func(context.Context, uint, error) { retries.Add(1) }))
+		return chargeUntilDone(ctx, conn, i, &retries, &appRetries)
 	})
 	require.Empty(t, f.exactlyOnce(e2eCalls))
 	require.Equal(t, 1, f.rec.keysPerBody(), "every attempt of a logical call carries its one key")
 	st := f.proxy.Stats()
 	require.Positive(t, st.ResponsesDropped)
-	t.Logf("retry interceptor: %d logical calls, %d attempts at the server, %d client retries, %d responses dropped after commit, %d committed executions (%d handler runs incl. rolled back)",
-		e2eCalls, f.rec.attempts, retries.Load(), st.ResponsesDropped, f.execs.Load(), f.runs.Load())
+	t.Logf("retry interceptor: %d logical calls, %d attempts at the server, %d client retries, %d application retries, %d responses dropped after commit, %d committed executions (%d handler runs incl. rolled back)",
+		e2eCalls, f.rec.attempts, retries.Load(), appRetries.Load(), st.ResponsesDropped, f.execs.Load(), f.runs.Load())
 	require.EqualValues(t, e2eCalls, f.execs.Load(), "committed executions")
 }
 
@@ -244,25 +249,30 @@ func TestSameKeyFromTwoClientsAtOnce(t *testing.T) {
 	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
 		idempotency.WithRetryMax(30), idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond))...))
 	const n = 100
+	var retries, appRetries atomic.Int64
 	for i := 0; i < n; i++ {
-		ctx := idempotency.WithOutgoingKey(context.Background(), uuid.Must(uuid.NewV7()).String())
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		ctx = idempotency.WithOutgoingKey(ctx, uuid.Must(uuid.NewV7()).String())
 		var wg sync.WaitGroup
 		var got [2]*wrapperspb.StringValue
 		for g := range got {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				resp, err := charge(ctx, conn, i)
-				require.NoError(t, err)
+				resp, err := chargeUntilDone(ctx, conn, i, &retries, &appRetries)
+				if err != nil {
+					t.Errorf("charge %d: %v", i, err)
+				}
 				got[g] = resp
 			}()
 		}
 		wg.Wait()
+		cancel()
 		require.Equal(t, got[0].GetValue(), got[1].GetValue(), "both senders of one key get the same response")
 	}
 	require.Empty(t, f.exactlyOnce(n))
-	t.Logf("same key twice at once: %d keys, %d attempts at the server, %d dropped responses, %d committed executions",
-		n, f.rec.attempts, f.proxy.Stats().ResponsesDropped, f.execs.Load())
+	t.Logf("same key twice at once: %d keys, %d attempts at the server, %d client retries, %d application retries, %d dropped responses, %d committed executions",
+		n, f.rec.attempts, retries.Load(), appRetries.Load(), f.proxy.Stats().ResponsesDropped, f.execs.Load())
 	require.EqualValues(t, n, f.execs.Load())
 }
 
@@ -296,7 +306,13 @@ func TestPerAttemptKeysAreCaught(t *testing.T) {
 		naive,
 	))
 	const n = 100
-	runLogical(t, n, 4, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) { return charge(ctx, conn, i) })
+	runLogical(t, n, 4, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
+		resp, err := charge(ctx, conn, i)
+		for status.Code(err) == codes.Unavailable && ctx.Err() == nil { // the connection cuts took every retry
+			resp, err = charge(ctx, conn, i)
+		}
+		return resp, err
+	})
 	bad := f.exactlyOnce(n)
 	require.NotEmpty(t, bad, "a new key per retry must show up as double execution")
 	require.Greater(t, f.rec.keysPerBody(), 1)
