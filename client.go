@@ -48,7 +48,10 @@ type captureKey struct {
 // [MetadataKey], and keeps it for all of the call's attempts.
 //
 // The key is, in order: the "idempotency-key" already in the outgoing
-// metadata, the key set with [WithOutgoingKey], or a new UUIDv7. No key is
+// metadata, the key set with [WithOutgoingKey], the key [DownstreamKey]
+// derives for the method when ctx is inside a running call (a handler
+// calling another service: a re-run of the handler sends the same key), or
+// a new UUIDv7. No key is
 // generated for methods whose .proto says they need none: the
 // (idempotency.v1.method) option with MODE_DISABLED or a key_field (the
 // request carries its key), or idempotency_level NO_SIDE_EFFECTS or
@@ -246,6 +249,9 @@ func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, 
 	}
 	if len(md.Get(retry.AttemptMetadataKey)) > 0 {
 		return "", false, ErrChainOrder.with(method, nil)
+	}
+	if k, ok := DownstreamKey(ctx, method); ok {
+		return k, false, nil
 	}
 	k, err := uuid.NewV7()
 	if err != nil {

@@ -12,15 +12,17 @@ import (
 
 // runningCall is what a context holds of the call running in it.
 type runningCall struct {
-	tx  pgx.Tx
-	key string
+	tx         pgx.Tx
+	scope, key string
+	downstream *downstreamCalls // per run of the handler: a re-run counts from 0
 }
 
 type runningCallKey struct{}
 
-// withCall returns ctx carrying the transaction and key of a running call.
-func withCall(ctx context.Context, tx pgx.Tx, key string) context.Context {
-	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, key: key})
+// withCall returns ctx carrying the transaction, scope and key of a running
+// call, and new counters of its downstream calls.
+func withCall(ctx context.Context, tx pgx.Tx, scope, key string) context.Context {
+	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, scope: scope, key: key, downstream: &downstreamCalls{}})
 }
 
 // TxFromContext returns the transaction of the idempotent call running in
@@ -47,8 +49,10 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 // CallKeyFromContext returns the idempotency key of the call running in ctx
 // (the key the client sent, or the message's ID), on the server side. A
 // handler that calls another system (a payment provider, another service)
-// cannot take that system's effect into its transaction; it passes this key
-// along so the other system deduplicates the retries too.
+// cannot take that system's effect into its transaction; the key it sends
+// there is best derived from this one ([DownstreamKey], which the client
+// interceptor and [HTTPTransport] use), so that a re-run sends the same key and
+// the other system deduplicates too.
 //
 // It does not read keys set for outgoing calls with [WithOutgoingKey].
 func CallKeyFromContext(ctx context.Context) (string, bool) {

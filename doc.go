@@ -74,15 +74,45 @@
 // or deadlock of the handler's work is returned as codes.Aborted: nothing
 // committed, retry with the same key.
 //
-// A handler that calls another system (a payment provider, another
-// service) cannot take that system's effect into the transaction: it must
-// pass its key ([CallKeyFromContext]) downstream so that the other system
-// deduplicates too.
-//
 // Which methods need a key is written in the .proto files: the
 // (idempotency.v1.method) option of proto/idempotency/v1/idempotency.proto,
 // and protobuf's own idempotency_level (NO_SIDE_EFFECTS and IDEMPOTENT
 // methods need none).
+//
+// # Calling other systems
+//
+// A call that runs under a key (a gRPC call through [UnaryServerInterceptor],
+// a request through [HTTPMiddleware], a message through
+// [Store.ProcessMessage], any [Store.Execute]) may call other systems: a
+// payment provider, another service. Their effects cannot join the call's
+// transaction, so when the call runs again (its process died before the
+// commit, or a transient error released its key) they would happen again,
+// unless the second run sends them the keys the first run sent. A derived
+// key is that key: a function of the running call's scope and key, the
+// downstream target, and the ordinal of the call among the running call's
+// calls to that target (0 for the first). [UnaryClientInterceptor] and
+// [HTTPTransport] derive one for an outgoing call that has no key of its
+// own; [DownstreamKey] gives one to any other client. An explicit key
+// ([WithOutgoingKey], or the key already in the metadata or header) wins.
+//
+// The rule a handler must follow for this to hold: on a re-run, make the
+// same downstream calls, with the same requests, in the same order per
+// target. What breaks it: a call made only on some runs (after reading a
+// clock or a random number, say) shifts the ordinals of the later calls to
+// the same target, and those go out under keys the first run used for
+// other requests; a downstream service that checks the request, as this
+// package does, refuses them as reused keys, and one that does not may
+// answer with another call's result. Concurrent calls to one target take
+// their ordinals in whatever order they happen to start: give each a target
+// of its own (the item it is about) with [DownstreamKey], or an explicit key.
+// A downstream call the handler retries itself must keep its key: capture
+// it ([CaptureKey], or the header the request was sent with) and send it
+// again with [WithOutgoingKey], or the retry counts as the next call.
+//
+// The other way is an outbox: the handler writes the effect as a job in the
+// call's transaction (the job exists if and only if the call committed),
+// and a worker performs it under a key stored in the job, for example one
+// from [DownstreamKey]; the worker's retries send that key again.
 //
 // # Client
 //
