@@ -49,6 +49,16 @@ func (l *keyLog) intercept(ctx context.Context, req any, _ *grpc.UnaryServerInfo
 	return h(ctx, req)
 }
 
+// dialKeyed is a client connection to addr through interceptors.
+func dialKeyed(t *testing.T, addr string, interceptors ...grpc.UnaryClientInterceptor) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("passthrough:///"+addr,
+		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithChainUnaryInterceptor(interceptors...))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
 // requireDerived checks that keys are valid, distinct, derived, and reveal
 // none of secrets.
 func requireDerived(t *testing.T, keys []string, secrets ...string) {
@@ -74,11 +84,7 @@ func TestDownstreamCallsOfARerunSendTheSameKeys(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
 	inner := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{innerKeys.intercept}})
-	innerConn, err := grpc.NewClient("passthrough:///"+inner.addr,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(idempotency.WithRetryMax(0))...))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = innerConn.Close() })
+	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptors(idempotency.WithRetryMax(0))...)
 
 	var runs atomic.Int64
 	outer := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
@@ -127,11 +133,7 @@ func TestDownstreamExplicitKeysWin(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
 	inner := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{innerKeys.intercept}})
-	innerConn, err := grpc.NewClient("passthrough:///"+inner.addr,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptor()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = innerConn.Close() })
+	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptor())
 	call := func(ctx context.Context, body string) error {
 		return innerConn.Invoke(ctx, methodCharge, wrapperspb.String(body), &wrapperspb.StringValue{})
 	}
