@@ -22,16 +22,67 @@ import (
 
 	"github.com/exactlyonce/idempotency"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+	"github.com/exactlyonce/idempotency/examples/payments/provider"
 )
 
 // Server implements paymentsv1.PaymentServiceServer on PostgreSQL.
 type Server struct {
 	paymentsv1.UnimplementedPaymentServiceServer
-	pool *pgxpool.Pool
+	pool          *pgxpool.Pool
+	provider      *provider.Client
+	outbox        Outbox
+	afterProvider func(context.Context)
 }
 
-// NewServer returns a PaymentService on pool. Run [Migrate] first.
-func NewServer(pool *pgxpool.Pool) *Server { return &Server{pool: pool} }
+// Option configures a [Server].
+type Option func(*Server)
+
+// WithProvider makes Charge charge the payment provider through p, inside
+// the call and before it writes the ledger row: the row names the
+// provider's charge. The request to the provider carries a key derived
+// from the call's own, so a re-run of the call (after a crash before its
+// commit, or a released key) gets the provider's first charge back
+// instead of making a second.
+func WithProvider(p *provider.Client) Option { return func(s *Server) { s.provider = p } }
+
+// WithOutbox makes Charge leave the provider's charge to a worker: it
+// enqueues the charge in the call's own transaction, so the job exists if
+// and only if the call committed, with the key the worker must charge
+// under.
+func WithOutbox(o Outbox) Option { return func(s *Server) { s.outbox = o } }
+
+// WithAfterProvider runs hook after the provider answered and before the
+// ledger row is written and the call commits: the moment at which a crash
+// would lose the provider's answer. The demo and the crash tests die there.
+func WithAfterProvider(hook func(context.Context)) Option {
+	return func(s *Server) { s.afterProvider = hook }
+}
+
+// Outbox takes charges for the provider in a call's transaction.
+type Outbox interface {
+	// EnqueueCharge writes job in tx; it commits or rolls back with it.
+	EnqueueCharge(ctx context.Context, tx pgx.Tx, job ChargeJob) error
+}
+
+// ChargeJob is a charge the provider has still to make.
+type ChargeJob struct {
+	ChargeID    string `json:"charge_id"` // the ledger row's
+	AccountID   string `json:"account_id"`
+	AmountCents int64  `json:"amount_cents"`
+	// ProviderKey is the idempotency key to charge the provider with, derived
+	// from the call that enqueued the job; the worker sends it on every try.
+	ProviderKey string `json:"provider_key"`
+}
+
+// NewServer returns a PaymentService on pool. Run [Migrate] first. Without
+// [WithProvider] or [WithOutbox] charges stay in the ledger.
+func NewServer(pool *pgxpool.Pool, opts ...Option) *Server {
+	s := &Server{pool: pool}
+	for _, o := range opts {
+		o(s)
+	}
+	return s
+}
 
 // Migrate creates the idempotency key table and the service's own tables.
 func Migrate(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store) error {
@@ -49,12 +100,15 @@ CREATE TABLE IF NOT EXISTS ledger (
     amount_cents bigint NOT NULL CHECK (amount_cents > 0),
     created_at   timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE ledger ADD COLUMN IF NOT EXISTS provider_charge_id text UNIQUE;
 CREATE INDEX IF NOT EXISTS ledger_account_id_idx ON ledger (account_id);`)
 	return err
 }
 
 // Charge records the charge and raises the account's balance, both through
-// the idempotent call's transaction.
+// the idempotent call's transaction, and has the provider charge it: first,
+// inside the call ([WithProvider]), or after the commit, by a worker
+// ([WithOutbox]).
 func (s *Server) Charge(ctx context.Context, req *paymentsv1.ChargeRequest) (*paymentsv1.ChargeResponse, error) {
 	switch {
 	case req.GetAccountId() == "":
@@ -63,6 +117,17 @@ func (s *Server) Charge(ctx context.Context, req *paymentsv1.ChargeRequest) (*pa
 		return nil, status.Errorf(codes.InvalidArgument, "amount_cents must be positive, got %d", req.GetAmountCents())
 	}
 	tx := idempotency.MustTxFromContext(ctx)
+	var providerCharge *string
+	if s.provider != nil {
+		ch, err := s.provider.Charge(ctx, req.GetAccountId(), req.GetAmountCents())
+		if err != nil {
+			return nil, err
+		}
+		providerCharge = &ch.ID
+		if s.afterProvider != nil {
+			s.afterProvider(ctx)
+		}
+	}
 	resp := &paymentsv1.ChargeResponse{
 		ChargeId:    "ch_" + uuid.Must(uuid.NewV7()).String(),
 		AccountId:   req.GetAccountId(),
@@ -76,13 +141,45 @@ WITH account AS (
     ON CONFLICT (account_id) DO UPDATE SET balance_cents = accounts.balance_cents + EXCLUDED.balance_cents
     RETURNING balance_cents
 ), charge AS (
-    INSERT INTO ledger (charge_id, account_id, amount_cents) VALUES ($3, $1, $2)
+    INSERT INTO ledger (charge_id, account_id, amount_cents, provider_charge_id) VALUES ($3, $1, $2, $4)
 )
-SELECT balance_cents FROM account`, req.GetAccountId(), req.GetAmountCents(), resp.GetChargeId()).Scan(&resp.BalanceCents)
+SELECT balance_cents FROM account`, req.GetAccountId(), req.GetAmountCents(), resp.GetChargeId(), providerCharge).Scan(&resp.BalanceCents)
 	if err != nil {
 		return nil, fmt.Errorf("charge %s: %w", req.GetAccountId(), err)
 	}
+	if s.outbox != nil {
+		key, _ := idempotency.DownstreamKey(ctx, "provider charge")
+		job := ChargeJob{ChargeID: resp.GetChargeId(), AccountID: req.GetAccountId(), AmountCents: req.GetAmountCents(), ProviderKey: key}
+		if err := s.outbox.EnqueueCharge(ctx, tx, job); err != nil {
+			return nil, fmt.Errorf("enqueue the provider's charge: %w", err)
+		}
+	}
 	return resp, nil
+}
+
+// Settle records, once, the provider's charge of a ledger row that the
+// outbox's worker charged. Settling it again with the same charge is a
+// no-op; with another, an error.
+func Settle(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, chargeID, providerChargeID string) error {
+	var current *string
+	err := db.QueryRow(ctx, `
+WITH settled AS (
+    UPDATE ledger SET provider_charge_id = $2 WHERE charge_id = $1 AND provider_charge_id IS NULL
+    RETURNING provider_charge_id
+)
+SELECT coalesce((SELECT provider_charge_id FROM settled), (SELECT provider_charge_id FROM ledger WHERE charge_id = $1))`,
+		chargeID, providerChargeID).Scan(&current)
+	switch {
+	case err != nil:
+		return fmt.Errorf("settle %s: %w", chargeID, err)
+	case current == nil:
+		return fmt.Errorf("settle %s: no such ledger row", chargeID)
+	case *current != providerChargeID:
+		return fmt.Errorf("settle %s: the ledger names provider charge %s, the provider answered %s", chargeID, *current, providerChargeID)
+	}
+	return nil
 }
 
 // GetBalance reads the account's balance and number of charges.
@@ -100,10 +197,10 @@ func (s *Server) GetBalance(ctx context.Context, req *paymentsv1.GetBalanceReque
 }
 
 // NewGRPCServer returns a gRPC server with the idempotency interceptor and
-// the PaymentService registered.
-func NewGRPCServer(pool *pgxpool.Pool, store *idempotency.Store, opts ...idempotency.ServerOption) *grpc.Server {
+// svc registered.
+func NewGRPCServer(svc *Server, store *idempotency.Store, opts ...idempotency.ServerOption) *grpc.Server {
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store, opts...)))
-	paymentsv1.RegisterPaymentServiceServer(srv, NewServer(pool))
+	paymentsv1.RegisterPaymentServiceServer(srv, svc)
 	return srv
 }
 

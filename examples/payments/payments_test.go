@@ -35,7 +35,7 @@ func newService(t *testing.T) (paymentsv1.PaymentServiceClient, *testdb.DB) {
 // newServiceOn serves gRPC on an existing database and store.
 func newServiceOn(t *testing.T, db *testdb.DB, store *idempotency.Store) (paymentsv1.PaymentServiceClient, *testdb.DB) {
 	t.Helper()
-	srv := payments.NewGRPCServer(db.Pool, store)
+	srv := payments.NewGRPCServer(payments.NewServer(db.Pool), store)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	go func() { _ = srv.Serve(lis) }()
@@ -136,7 +136,7 @@ func TestChargeRequiresAKey(t *testing.T) {
 	store, err := idempotency.NewStore(db.Pool)
 	require.NoError(t, err)
 	require.NoError(t, payments.Migrate(context.Background(), db.Pool, store))
-	srv := payments.NewGRPCServer(db.Pool, store)
+	srv := payments.NewGRPCServer(payments.NewServer(db.Pool), store)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	go func() { _ = srv.Serve(lis) }()

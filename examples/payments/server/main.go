@@ -1,8 +1,13 @@
 // Command server runs the example PaymentService with the idempotency
 // interceptor on PostgreSQL, over gRPC and, on the same store and business
-// code, as JSON over HTTP, with its metrics for Prometheus.
+// code, as JSON over HTTP, with its metrics for Prometheus. Each charge is
+// charged at the example's payment provider too: inside the call, or with
+// -outbox by a River worker after the call committed.
 //
 //	go -C examples/payments run ./server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -metrics-addr 127.0.0.1:9464 -database-url "$DATABASE_URL"
+//
+// Without -provider-url it serves the provider itself, on -provider-addr
+// (its own HTTP server, key table and charges table, in the same database).
 //
 // It migrates its tables on start, registers gRPC server reflection (so
 // grpcurl can list and call it), logs one structured line per keyed call,
@@ -33,6 +38,8 @@ import (
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
+	"github.com/exactlyonce/idempotency/examples/payments/outbox"
+	"github.com/exactlyonce/idempotency/examples/payments/provider"
 	"github.com/exactlyonce/idempotency/idempotencyotel"
 	"github.com/exactlyonce/idempotency/internal/dburl"
 )
@@ -49,7 +56,7 @@ func main() {
 	for _, l := range []struct {
 		addr string
 		dst  *net.Listener
-	}{{cfg.addr, &lis.grpc}, {cfg.httpAddr, &lis.http}, {cfg.metricsAddr, &lis.metrics}} {
+	}{{cfg.addr, &lis.grpc}, {cfg.httpAddr, &lis.http}, {cfg.metricsAddr, &lis.metrics}, {cfg.providerAddr, &lis.provider}} {
 		if l.addr == "" {
 			continue
 		}
@@ -58,7 +65,7 @@ func main() {
 			os.Exit(1)
 		}
 	}
-	if err := run(ctx, lis, cfg.databaseURL, logger); err != nil {
+	if err := run(ctx, lis, cfg, logger); err != nil {
 		logger.Error("server stopped", "err", err)
 		os.Exit(1)
 	}
@@ -66,6 +73,8 @@ func main() {
 
 type config struct {
 	addr, httpAddr, metricsAddr, databaseURL string
+	providerURL, providerAddr               string
+	outbox                                  bool
 }
 
 // parseFlags reads the command line. The database URL's default comes
@@ -76,6 +85,9 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.StringVar(&c.httpAddr, "http-addr", "127.0.0.1:8080", "address to serve the same service as JSON over HTTP on (POST /v1/charges, GET /v1/accounts/{account_id}/balance); empty disables it")
 	fs.StringVar(&c.metricsAddr, "metrics-addr", "127.0.0.1:9464", "address to serve Prometheus metrics on, at GET /metrics; empty disables it")
 	fs.StringVar(&c.databaseURL, "database-url", "", dburl.Usage())
+	fs.StringVar(&c.providerURL, "provider-url", "", "base URL of the payment provider to charge; empty serves the example provider in this process on -provider-addr")
+	fs.StringVar(&c.providerAddr, "provider-addr", "127.0.0.1:8090", "address to serve the example provider on when -provider-url is empty; both empty keep charges in the ledger only")
+	fs.BoolVar(&c.outbox, "outbox", false, "charge the provider from a River worker after each call commits, instead of inside the call")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -86,16 +98,19 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	if c.databaseURL == "" {
 		c.databaseURL = dburl.URL()
 	}
+	if c.providerURL != "" {
+		c.providerAddr = ""
+	}
 	return c, nil
 }
 
-// listeners are where the server serves; http and metrics may be nil.
+// listeners are where the server serves; all but grpc may be nil.
 type listeners struct {
-	grpc, http, metrics net.Listener
+	grpc, http, metrics, provider net.Listener
 }
 
 // run serves until ctx is done, then stops gracefully.
-func run(ctx context.Context, lis listeners, dbURL string, logger *slog.Logger) error {
+func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) error {
 	defer lis.grpc.Close()
 	tracer := payments.LogTracer(logger)
 	var metricsHandler http.Handler
@@ -117,7 +132,7 @@ func run(ctx context.Context, lis listeners, dbURL string, logger *slog.Logger) 
 		metricsHandler = promhttp.HandlerFor(registry, promhttp.HandlerOpts{})
 	}
 
-	pool, err := pgxpool.New(ctx, dbURL)
+	pool, err := pgxpool.New(ctx, cfg.databaseURL)
 	if err != nil {
 		return fmt.Errorf("database: %w", err)
 	}
@@ -136,9 +151,14 @@ func run(ctx context.Context, lis listeners, dbURL string, logger *slog.Logger) 
 	}()
 	defer func() { <-cleaned }()
 
-	srv := payments.NewGRPCServer(pool, store)
+	svc, providerHandler, stopOutbox, err := chargePath(ctx, pool, cfg, lis, logger)
+	if err != nil {
+		return err
+	}
+	defer stopOutbox()
+	srv := payments.NewGRPCServer(svc, store)
 	reflection.Register(srv)
-	served := make(chan error, 3)
+	served := make(chan error, 4)
 	go func() { served <- srv.Serve(lis.grpc) }()
 	logger.Info("PaymentService listening", "grpc", lis.grpc.Addr().String())
 	var httpServers []*http.Server
@@ -147,8 +167,9 @@ func run(ctx context.Context, lis listeners, dbURL string, logger *slog.Logger) 
 		handler http.Handler
 		what    string
 	}{
-		{lis.http, payments.NewHTTPHandler(payments.NewServer(pool), store), "http"},
+		{lis.http, payments.NewHTTPHandler(svc, store), "http"},
 		{lis.metrics, metricsMux(metricsHandler), "metrics"},
+		{lis.provider, providerHandler, "provider"},
 	} {
 		if s.lis == nil {
 			continue
@@ -187,6 +208,50 @@ func run(ctx context.Context, lis listeners, dbURL string, logger *slog.Logger) 
 		}
 	}
 	return nil
+}
+
+// chargePath builds the PaymentService with its way to the provider: the
+// provider's own handler when this process serves it, and the outbox's
+// worker when -outbox; stop stops the worker.
+func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listeners, logger *slog.Logger) (svc *payments.Server, providerHandler http.Handler, stop func(), err error) {
+	stop = func() {}
+	url := cfg.providerURL
+	if lis.provider != nil {
+		pstore, err := provider.NewStore(pool, idempotency.WithTracer(payments.LogTracer(logger.With("service", "provider"))))
+		if err == nil {
+			err = provider.Migrate(ctx, pool, pstore)
+		}
+		if err != nil {
+			return nil, nil, stop, fmt.Errorf("provider: %w", err)
+		}
+		providerHandler = provider.NewHandler(pstore)
+		url = "http://" + lis.provider.Addr().String()
+	}
+	if url == "" {
+		return payments.NewServer(pool), nil, stop, nil
+	}
+	client := &provider.Client{BaseURL: url, Merchant: "payments-example"}
+	if !cfg.outbox {
+		return payments.NewServer(pool, payments.WithProvider(client)), providerHandler, stop, nil
+	}
+	if err := outbox.Migrate(ctx, pool); err != nil {
+		return nil, nil, stop, fmt.Errorf("outbox: %w", err)
+	}
+	ob, err := outbox.New(pool, outbox.Config{Provider: client})
+	if err == nil {
+		err = ob.Start(context.WithoutCancel(ctx))
+	}
+	if err != nil {
+		return nil, nil, stop, err
+	}
+	stop = func() {
+		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := ob.Stop(sctx); err != nil {
+			logger.Warn("outbox worker stopped", "err", err)
+		}
+	}
+	return payments.NewServer(pool, payments.WithOutbox(ob)), providerHandler, stop, nil
 }
 
 // metricsMux serves h at GET /metrics.

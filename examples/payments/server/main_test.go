@@ -21,6 +21,7 @@ import (
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
+	"github.com/exactlyonce/idempotency/examples/payments/provider"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
@@ -57,11 +58,13 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	require.NoError(t, err)
 	metricsLis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
+	providerLis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
 	var logs syncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
 	go func() {
-		stopped <- run(ctx, listeners{grpc: lis, http: httpLis, metrics: metricsLis}, url, slog.New(slog.NewTextHandler(&logs, nil)))
+		stopped <- run(ctx, listeners{grpc: lis, http: httpLis, metrics: metricsLis, provider: providerLis}, config{databaseURL: url}, slog.New(slog.NewTextHandler(&logs, nil)))
 	}()
 
 	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
@@ -103,6 +106,10 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	httpResp.Body.Close()
 	require.Equal(t, http.StatusOK, httpResp.StatusCode, string(httpBody))
 	require.Contains(t, string(httpBody), `"balance_cents":"50"`, "42 over gRPC, then 8 over HTTP, on one account")
+	n, err := provider.Count(context.Background(), db.Pool)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, n, "the provider this process serves charged each executed charge once")
+	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger JOIN provider_charges ON provider_charges.id = ledger.provider_charge_id`), "every ledger row names its provider charge")
 
 	// Prometheus scrapes the store's metrics (-metrics-addr).
 	metricsResp, err := http.Get("http://" + metricsLis.Addr().String() + "/metrics")
@@ -133,8 +140,54 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 		"outcome=replayed",
 		"level=WARN msg=call transport=grpc method=/payments.v1.PaymentService/Charge outcome=key_reused key=server-test-1 code=FailedPrecondition",
 		"shutting down",
+		"level=INFO msg=call service=provider transport=http method=\"POST /v1/charges\" outcome=executed key=dk1-",
 	} {
 		require.Contains(t, out, want)
+	}
+}
+
+// With -outbox the call commits a job, and the worker in the same process
+// charges the provider and settles the ledger row.
+func TestServerOutboxSettlesCharges(t *testing.T) {
+	db := testdb.New(t, 1)
+	sep := "?"
+	if strings.Contains(testdb.URL(), "?") {
+		sep = "&"
+	}
+	url := testdb.URL() + sep + "search_path=" + db.Schema
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	providerLis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	stopped := make(chan error, 1)
+	go func() {
+		stopped <- run(ctx, listeners{grpc: lis, provider: providerLis}, config{databaseURL: url, outbox: true}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	}()
+	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+	require.NoError(t, err)
+	defer conn.Close()
+	client := paymentsv1.NewPaymentServiceClient(conn)
+	callCtx := idempotency.WithOutgoingKey(context.Background(), "server-outbox-1")
+	var resp *paymentsv1.ChargeResponse
+	require.Eventually(t, func() bool {
+		resp, err = client.Charge(callCtx, &paymentsv1.ChargeRequest{AccountId: "acct", AmountCents: 42})
+		return err == nil
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Eventually(t, func() bool {
+		return db.Count(t, `SELECT count(*) FROM ledger WHERE charge_id = $1 AND provider_charge_id IS NOT NULL`, resp.GetChargeId()) == 1
+	}, 30*time.Second, 50*time.Millisecond, "the worker settles the row")
+	n, err := provider.Count(context.Background(), db.Pool)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	cancel()
+	select {
+	case err := <-stopped:
+		require.NoError(t, err, "graceful shutdown")
+	case <-time.After(15 * time.Second):
+		t.Fatal("server did not stop")
 	}
 }
 

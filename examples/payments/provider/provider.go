@@ -1,0 +1,176 @@
+// Package provider is a small payment provider for the payments example:
+// the system where the money really moves, outside the PaymentService's
+// database transaction. Like a real provider (Stripe, Adyen) it honours
+// the Idempotency-Key header, here with this library's own HTTP
+// middleware, on tables of its own.
+//
+//	POST /v1/charges   {"account_id": "acct-1", "amount_cents": 250}
+//	                -> {"id": "pch_...", "account_id": "acct-1", "amount_cents": 250}
+//
+// Requests name their merchant in the Provider-Merchant header, which
+// scopes their keys (a real provider would take it from the API key). The
+// [Client] sends the charges; inside an idempotent call its keys are
+// derived from the call's own, so a re-run of the call charges nothing new.
+package provider
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// MerchantHeader names the merchant a request is made for.
+const MerchantHeader = "Provider-Merchant"
+
+// KeyTable is the provider's own idempotency key table.
+const KeyTable = "provider_idempotency_keys"
+
+// Charge is a charge the provider made.
+type Charge struct {
+	ID          string `json:"id"`
+	AccountID   string `json:"account_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+// NewStore returns the provider's idempotency store, on its own key table.
+func NewStore(pool *pgxpool.Pool, opts ...idempotency.StoreOption) (*idempotency.Store, error) {
+	return idempotency.NewStore(pool, append([]idempotency.StoreOption{idempotency.WithTable("", KeyTable)}, opts...)...)
+}
+
+// Migrate creates the provider's key table and its charges table.
+func Migrate(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store) error {
+	if err := store.Migrate(ctx); err != nil {
+		return err
+	}
+	_, err := pool.Exec(ctx, `
+CREATE TABLE IF NOT EXISTS provider_charges (
+    id           text PRIMARY KEY,
+    merchant     text NOT NULL,
+    account_id   text NOT NULL,
+    amount_cents bigint NOT NULL CHECK (amount_cents > 0),
+    created_at   timestamptz NOT NULL DEFAULT now()
+)`)
+	return err
+}
+
+// NewHandler serves the provider's API, its charges deduplicated by store.
+func NewHandler(store *idempotency.Store) http.Handler {
+	mux := http.NewServeMux()
+	scope := idempotency.WithHTTPScope(func(r *http.Request) (string, error) {
+		if m := r.Header.Get(MerchantHeader); m != "" {
+			return m, nil
+		}
+		return "", status.Errorf(codes.Unauthenticated, "the %s header is required", MerchantHeader)
+	})
+	mux.Handle("POST /v1/charges", idempotency.HTTPMiddleware(store, scope)(http.HandlerFunc(charge)))
+	return mux
+}
+
+func charge(w http.ResponseWriter, r *http.Request) {
+	var req Charge
+	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<16)).Decode(&req); err != nil {
+		http.Error(w, "request body: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	if req.AccountID == "" || req.AmountCents <= 0 {
+		http.Error(w, "account_id and a positive amount_cents are required", http.StatusBadRequest)
+		return
+	}
+	c := Charge{ID: "pch_" + uuid.Must(uuid.NewV7()).String(), AccountID: req.AccountID, AmountCents: req.AmountCents}
+	tx := idempotency.MustTxFromContext(r.Context())
+	if _, err := tx.Exec(r.Context(), `INSERT INTO provider_charges (id, merchant, account_id, amount_cents) VALUES ($1, $2, $3, $4)`,
+		c.ID, r.Header.Get(MerchantHeader), c.AccountID, c.AmountCents); err != nil {
+		http.Error(w, "charge: "+err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(c)
+}
+
+// Count returns how many charges the provider made.
+func Count(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}) (n int64, err error) {
+	err = db.QueryRow(ctx, `SELECT count(*) FROM provider_charges`).Scan(&n)
+	return n, err
+}
+
+// Client charges through the provider's API.
+type Client struct {
+	// BaseURL is the provider's address, e.g. "http://127.0.0.1:8090".
+	BaseURL string
+	// Merchant is sent in the Provider-Merchant header.
+	Merchant string
+	// HTTP sends the requests; nil means a client whose transport is
+	// idempotency.HTTPTransport, with a 10 second timeout. A client of
+	// your own needs that transport (or keys of its own) for charges to
+	// be deduplicated.
+	HTTP *http.Client
+}
+
+var defaultHTTP = &http.Client{Transport: &idempotency.HTTPTransport{}, Timeout: 10 * time.Second}
+
+// Charge charges account. Inside an idempotent call (or with a key from
+// idempotency.WithOutgoingKey in ctx) the request carries an
+// Idempotency-Key, so sending it again, from a re-run of the call or from
+// a worker's retry, returns the first charge instead of making another.
+//
+// Errors are gRPC status errors: Unavailable when trying again with the
+// same key can help (the provider could not be reached, failed, or is
+// still busy with the key), InvalidArgument when it refused the request,
+// FailedPrecondition when it refused the key (reused for another request:
+// the caller broke the rule of derived keys).
+func (c *Client) Charge(ctx context.Context, account string, amountCents int64) (Charge, error) {
+	body, err := json.Marshal(Charge{AccountID: account, AmountCents: amountCents})
+	if err != nil {
+		return Charge{}, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(c.BaseURL, "/")+"/v1/charges", strings.NewReader(string(body)))
+	if err != nil {
+		return Charge{}, status.Errorf(codes.FailedPrecondition, "provider URL %q: %v", c.BaseURL, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set(MerchantHeader, c.Merchant)
+	hc := c.HTTP
+	if hc == nil {
+		hc = defaultHTTP
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		if errors.Is(err, idempotency.ErrInvalidKey) {
+			return Charge{}, status.Errorf(codes.InvalidArgument, "provider charge: %v", err)
+		}
+		return Charge{}, status.Errorf(codes.Unavailable, "provider charge: %v", err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 1<<16))
+	if err != nil {
+		return Charge{}, status.Errorf(codes.Unavailable, "provider charge: reading the answer: %v", err)
+	}
+	switch {
+	case resp.StatusCode == http.StatusOK:
+	case resp.StatusCode == http.StatusUnprocessableEntity:
+		return Charge{}, status.Errorf(codes.FailedPrecondition, "provider refused the idempotency key, used before for another request: %s", b)
+	case resp.StatusCode == http.StatusConflict, resp.StatusCode == http.StatusTooManyRequests, resp.StatusCode >= 500:
+		return Charge{}, status.Errorf(codes.Unavailable, "provider answered %d: %s", resp.StatusCode, b)
+	default:
+		return Charge{}, status.Errorf(codes.InvalidArgument, "provider answered %d: %s", resp.StatusCode, b)
+	}
+	var ch Charge
+	if err := json.Unmarshal(b, &ch); err != nil || ch.ID == "" || ch.AccountID != account || ch.AmountCents != amountCents {
+		return Charge{}, status.Errorf(codes.Internal, "provider answered 200 with %q, not the charge asked for (%v)", b, err)
+	}
+	return ch, nil
+}
