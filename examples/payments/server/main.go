@@ -73,8 +73,8 @@ func main() {
 
 type config struct {
 	addr, httpAddr, metricsAddr, databaseURL string
-	providerURL, providerAddr               string
-	outbox                                  bool
+	providerURL, providerAddr                string
+	outbox                                   bool
 }
 
 // parseFlags reads the command line. The database URL's default comes

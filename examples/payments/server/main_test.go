@@ -21,8 +21,8 @@ import (
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
-	"github.com/exactlyonce/idempotency/examples/payments/provider"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+	"github.com/exactlyonce/idempotency/examples/payments/provider"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
@@ -44,22 +44,49 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-func TestServerServesLogsAndStopsGracefully(t *testing.T) {
-	db := testdb.New(t, 1) // a private schema, passed as search_path in the URL
+// schemaURL is the test database's URL with db's schema as search_path.
+func schemaURL(db *testdb.DB) string {
 	sep := "?"
 	if strings.Contains(testdb.URL(), "?") {
 		sep = "&"
 	}
-	url := testdb.URL() + sep + "search_path=" + db.Schema
+	return testdb.URL() + sep + "search_path=" + db.Schema
+}
 
+func listen(t *testing.T) net.Listener {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	httpLis, err := net.Listen("tcp", "127.0.0.1:0")
+	return lis
+}
+
+// dial is a client of the server on lis through the library's chain.
+func dial(t *testing.T, lis net.Listener) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
 	require.NoError(t, err)
-	metricsLis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	providerLis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// requireStopped waits for run to return after its context was cancelled.
+func requireStopped(t *testing.T, stopped <-chan error) {
+	t.Helper()
+	select {
+	case err := <-stopped:
+		require.NoError(t, err, "graceful shutdown")
+	case <-time.After(15 * time.Second):
+		t.Fatal("server did not stop")
+	}
+}
+
+func TestServerServesLogsAndStopsGracefully(t *testing.T) {
+	db := testdb.New(t, 1) // a private schema, passed as search_path in the URL
+	url := schemaURL(db)
+
+	lis, httpLis, metricsLis, providerLis := listen(t), listen(t), listen(t), listen(t)
 	var logs syncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
@@ -67,15 +94,12 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 		stopped <- run(ctx, listeners{grpc: lis, http: httpLis, metrics: metricsLis, provider: providerLis}, config{databaseURL: url}, slog.New(slog.NewTextHandler(&logs, nil)))
 	}()
 
-	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
-	require.NoError(t, err)
-	defer conn.Close()
+	conn := dial(t, lis)
 	client := paymentsv1.NewPaymentServiceClient(conn)
 	callCtx := idempotency.WithOutgoingKey(context.Background(), "server-test-1")
 	req := &paymentsv1.ChargeRequest{AccountId: "acct", AmountCents: 42}
 	var first *paymentsv1.ChargeResponse
+	var err error
 	require.Eventually(t, func() bool { first, err = client.Charge(callCtx, req); return err == nil }, 10*time.Second, 50*time.Millisecond)
 	again, err := client.Charge(callCtx, req)
 	require.NoError(t, err)
@@ -127,12 +151,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	}
 
 	cancel()
-	select {
-	case err := <-stopped:
-		require.NoError(t, err, "graceful shutdown")
-	case <-time.After(15 * time.Second):
-		t.Fatal("server did not stop")
-	}
+	requireStopped(t, stopped)
 	out := logs.String()
 	for _, want := range []string{
 		`level=INFO msg=call transport=http method="POST /v1/charges" outcome=executed key=server-test-http status=200`,
@@ -150,28 +169,18 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 // charges the provider and settles the ledger row.
 func TestServerOutboxSettlesCharges(t *testing.T) {
 	db := testdb.New(t, 1)
-	sep := "?"
-	if strings.Contains(testdb.URL(), "?") {
-		sep = "&"
-	}
-	url := testdb.URL() + sep + "search_path=" + db.Schema
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	providerLis, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
+	url := schemaURL(db)
+	lis, providerLis := listen(t), listen(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
 	go func() {
 		stopped <- run(ctx, listeners{grpc: lis, provider: providerLis}, config{databaseURL: url, outbox: true}, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	}()
-	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
-	require.NoError(t, err)
-	defer conn.Close()
+	conn := dial(t, lis)
 	client := paymentsv1.NewPaymentServiceClient(conn)
 	callCtx := idempotency.WithOutgoingKey(context.Background(), "server-outbox-1")
 	var resp *paymentsv1.ChargeResponse
+	var err error
 	require.Eventually(t, func() bool {
 		resp, err = client.Charge(callCtx, &paymentsv1.ChargeRequest{AccountId: "acct", AmountCents: 42})
 		return err == nil
@@ -183,12 +192,7 @@ func TestServerOutboxSettlesCharges(t *testing.T) {
 	require.NoError(t, err)
 	require.EqualValues(t, 1, n)
 	cancel()
-	select {
-	case err := <-stopped:
-		require.NoError(t, err, "graceful shutdown")
-	case <-time.After(15 * time.Second):
-		t.Fatal("server did not stop")
-	}
+	requireStopped(t, stopped)
 }
 
 // -h shows where the database URL comes from, never its password.
