@@ -1,19 +1,15 @@
 package idempotency_test
 
 import (
-	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -25,6 +21,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/crashproc"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
@@ -116,14 +113,14 @@ func TestCrashAtEveryPointLosesNothing(t *testing.T) {
 		for _, p := range rng.Perm(len(crashPoints)) {
 			point := crashPoints[p]
 			child := startCrashChild(t, lisFile, db.Schema, point, 1+rng.IntN(8))
-			child.requireKilled(t, point)
+			child.RequireKilled(t, point)
 			kills[point]++
 		}
 	}
 	final := startCrashChild(t, lisFile, db.Schema, "none", 0)
 	stop.Store(true)
 	wg.Wait()
-	final.kill()
+	final.Kill()
 
 	n := int(next.Load())
 	require.Empty(t, failures, "every logical call must finish with its own response")
@@ -143,78 +140,9 @@ func TestCrashAtEveryPointLosesNothing(t *testing.T) {
 		seed, total, kills, n, failed, byCode, retries.Load(), appRetries.Load(), e.ledgerRows(), attempts.longest.Round(time.Millisecond), crashInProgressWait)
 }
 
-// crashChild is one server process of the crash test.
-type crashChild struct {
-	cmd     *exec.Cmd
-	stderr  bytes.Buffer
-	exited  chan struct{}
-	waitErr error
-}
-
-func startCrashChild(t *testing.T, lis *os.File, schema, point string, at int) *crashChild {
+func startCrashChild(t *testing.T, lis *os.File, schema, point string, at int) *crashproc.Child {
 	t.Helper()
-	c := &crashChild{exited: make(chan struct{})}
-	c.cmd = exec.Command(os.Args[0], "-test.run=^$")
-	c.cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %s %d", crashChildEnv, schema, point, at))
-	c.cmd.ExtraFiles = []*os.File{lis} // fd 3 in the child
-	ready := &readySignal{ch: make(chan struct{})}
-	c.cmd.Stdout = ready
-	c.cmd.Stderr = &c.stderr
-	require.NoError(t, c.cmd.Start())
-	go func() {
-		c.waitErr = c.cmd.Wait()
-		close(c.exited)
-	}()
-	t.Cleanup(c.kill)
-	select {
-	case <-ready.ch:
-	case <-c.exited:
-		t.Fatalf("server process exited before it was ready: %v\n%s", c.waitErr, c.stderr.String())
-	case <-time.After(30 * time.Second):
-		c.kill()
-		t.Fatalf("server process not ready after 30s\n%s", c.stderr.String())
-	}
-	return c
-}
-
-// requireKilled waits for the process to kill itself at point.
-func (c *crashChild) requireKilled(t *testing.T, point string) {
-	t.Helper()
-	select {
-	case <-c.exited:
-	case <-time.After(time.Minute):
-		c.kill()
-		t.Fatalf("server never reached kill point %s\n%s", point, c.stderr.String())
-	}
-	var ee *exec.ExitError
-	if !errors.As(c.waitErr, &ee) {
-		t.Fatalf("server exited with %v instead of being killed at %s\n%s", c.waitErr, point, c.stderr.String())
-	}
-	ws := ee.Sys().(syscall.WaitStatus)
-	if !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
-		t.Fatalf("server exited with %v instead of being killed at %s\n%s", c.waitErr, point, c.stderr.String())
-	}
-	if out := c.stderr.String(); strings.Contains(out, "DATA RACE") || strings.Contains(out, "panic") {
-		t.Fatalf("server process reported a problem before the kill:\n%s", out)
-	}
-}
-
-func (c *crashChild) kill() {
-	_ = c.cmd.Process.Kill()
-	<-c.exited
-}
-
-// readySignal closes ch when the child prints its ready line.
-type readySignal struct {
-	once sync.Once
-	ch   chan struct{}
-}
-
-func (r *readySignal) Write(p []byte) (int, error) {
-	if bytes.Contains(p, []byte("ready")) {
-		r.once.Do(func() { close(r.ch) })
-	}
-	return len(p), nil
+	return crashproc.Start(t, []string{fmt.Sprintf("%s=%s %s %d", crashChildEnv, schema, point, at)}, lis)
 }
 
 // runCrashChild is the server process of the crash test: the suite's ledger
@@ -271,7 +199,7 @@ func runCrashChild() int {
 		}
 		return resp, err
 	}})
-	fmt.Println("ready")
+	crashproc.Ready()
 	if err := srv.Serve(lis); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
@@ -300,6 +228,5 @@ func (k *killSwitch) hit(point string) {
 	if point != k.point || k.n.Add(1) != k.at {
 		return
 	}
-	_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-	select {} // nothing of this call may happen after the kill
+	crashproc.KillSelf()
 }
