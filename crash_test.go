@@ -149,25 +149,26 @@ func startCrashChild(t *testing.T, lis *os.File, schema, point string, at int) *
 // server on the listening socket inherited as fd 3, which kills itself at
 // the configured point.
 func runCrashChild() int {
+	return crashproc.Main(serveCrashChild)
+}
+
+func serveCrashChild() error {
 	var schema, point string
 	var at int64
 	if _, err := fmt.Sscan(os.Getenv(crashChildEnv), &schema, &point, &at); err != nil {
-		fmt.Fprintf(os.Stderr, "%s: %v\n", crashChildEnv, err)
-		return 2
+		return fmt.Errorf("%s: %w", crashChildEnv, err)
 	}
 	k := &killSwitch{point: point, at: at}
 	cfg, err := pgxpool.ParseConfig(testdb.URL())
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
+		return err
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.MaxConns = 8
 	cfg.ConnConfig.Tracer = k.tracer()
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
+		return err
 	}
 	defer pool.Close()
 	store, err := idempotency.NewStore(pool, idempotency.WithInProgressWait(crashInProgressWait),
@@ -177,13 +178,11 @@ func runCrashChild() int {
 			}
 		})))
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
+		return err
 	}
-	lis, err := net.FileListener(os.NewFile(3, "listener"))
+	lis, err := crashproc.Listener()
 	if err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
+		return err
 	}
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
 		func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
@@ -200,11 +199,7 @@ func runCrashChild() int {
 		return resp, err
 	}})
 	crashproc.Ready()
-	if err := srv.Serve(lis); err != nil {
-		fmt.Fprintln(os.Stderr, err)
-		return 2
-	}
-	return 0
+	return srv.Serve(lis)
 }
 
 // killSwitch kills the process with SIGKILL the at-th time a call reaches

@@ -11,6 +11,8 @@ package crashproc
 import (
 	"bytes"
 	"errors"
+	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"strings"
@@ -90,6 +92,20 @@ func (c *Child) Kill() {
 
 // Stderr is what the child wrote to its standard error so far.
 func (c *Child) Stderr() string { return c.stderr.String() }
+
+// Listener is the listening socket the parent passed as the first of its
+// files (descriptor 3).
+func Listener() (net.Listener, error) { return net.FileListener(os.NewFile(3, "listener")) }
+
+// Main runs a child's body and returns its exit code: 2, with the error on
+// standard error, when it fails (a killed child never returns).
+func Main(body func() error) int {
+	if err := body(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	return 0
+}
 
 // Ready tells the parent that the child serves.
 func Ready() { os.Stdout.WriteString("ready\n") }

@@ -133,6 +133,34 @@ func NewConfigured(t testing.TB, configure func(*pgxpool.Config)) *DB {
 	return &DB{Pool: pool, Schema: schema}
 }
 
+// OpenPool opens another pool on db's schema, for a second service of the
+// same test (its own connections, as in production); it is closed when t
+// ends, before the schema is dropped.
+func (db *DB) OpenPool(t testing.TB, maxConns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(db.URL())
+	if err != nil {
+		t.Fatalf("parse %s: %v", EnvVar, err)
+	}
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// URL is the test database's URL with db's schema as its search_path, for
+// a process of the test's own.
+func (db *DB) URL() string {
+	sep := "?"
+	if strings.Contains(URL(), "?") {
+		sep = "&"
+	}
+	return URL() + sep + "search_path=" + db.Schema
+}
+
 // Count returns the result of a count(*) query.
 func (db *DB) Count(t testing.TB, sql string, args ...any) int {
 	t.Helper()

@@ -73,6 +73,7 @@ type Config struct {
 // provider, works them.
 type Outbox struct {
 	client *river.Client[pgx.Tx]
+	config *pgxpool.Config
 	works  bool
 }
 
@@ -80,7 +81,7 @@ type Outbox struct {
 // jobs.
 func New(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 	rc := &river.Config{}
-	o := &Outbox{works: cfg.Provider != nil}
+	o := &Outbox{works: cfg.Provider != nil, config: pool.Config()}
 	if o.works {
 		workers := river.NewWorkers()
 		w := &worker{pool: pool, cfg: cfg}
@@ -112,9 +113,23 @@ func (o *Outbox) EnqueueCharge(ctx context.Context, tx pgx.Tx, job payments.Char
 	if job.ProviderKey == "" {
 		return errors.New("outbox: the job has no provider key (is Charge running under an idempotency key?)")
 	}
-	_, err := o.client.InsertTx(ctx, tx, ChargeArgs{ChargeJob: job}, nil)
+	_, err := o.client.InsertTx(ctx, configuredTx{Tx: tx, config: o.config}, ChargeArgs{ChargeJob: job}, nil)
 	return err
 }
+
+// configuredTx answers River's pgx driver, which reads the query mode from
+// a Config method when the value it is given has one, and otherwise from
+// tx.Conn(). The idempotency engine must take a call of tx.Conn() for the
+// handler taking the connection itself (which could end the transaction
+// behind its back): it holds the key's lock for the session, closes the
+// connection after the call, and keeps an error for the key if that
+// connection is lost. Config keeps River off that path.
+type configuredTx struct {
+	pgx.Tx
+	config *pgxpool.Config
+}
+
+func (t configuredTx) Config() *pgxpool.Config { return t.config }
 
 // Start works jobs until Stop; it needs a provider.
 func (o *Outbox) Start(ctx context.Context) error {

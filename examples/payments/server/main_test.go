@@ -44,15 +44,6 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// schemaURL is the test database's URL with db's schema as search_path.
-func schemaURL(db *testdb.DB) string {
-	sep := "?"
-	if strings.Contains(testdb.URL(), "?") {
-		sep = "&"
-	}
-	return testdb.URL() + sep + "search_path=" + db.Schema
-}
-
 func listen(t *testing.T) net.Listener {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -84,7 +75,7 @@ func requireStopped(t *testing.T, stopped <-chan error) {
 
 func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	db := testdb.New(t, 1) // a private schema, passed as search_path in the URL
-	url := schemaURL(db)
+	url := db.URL()
 
 	lis, httpLis, metricsLis, providerLis := listen(t), listen(t), listen(t), listen(t)
 	var logs syncBuffer
@@ -169,7 +160,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 // charges the provider and settles the ledger row.
 func TestServerOutboxSettlesCharges(t *testing.T) {
 	db := testdb.New(t, 1)
-	url := schemaURL(db)
+	url := db.URL()
 	lis, providerLis := listen(t), listen(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
