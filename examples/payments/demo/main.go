@@ -1,14 +1,19 @@
 // Command demo shows exactly-once charges over a network that loses
-// responses after the server committed them.
+// responses after the server committed them, down to the payment provider
+// where the money moves.
 //
 //	go -C examples/payments run ./demo     (at the repository's root)
 //
 // It starts two PaymentService replicas on one PostgreSQL database, each
 // behind a fault proxy that drops a share of responses after the server
 // committed, and spreads hundreds of charges from concurrent clients over
-// them. Some charges are sent twice at once with the same key, and one
-// replica is restarted midway. At the end it compares every account's
-// balance with what was requested and exits non-zero on any difference.
+// them. Each charge first charges the example's payment provider (its own
+// HTTP service and tables, behind its own faulty network), with a key
+// derived from the call's. Some charges are sent twice at once with the
+// same key, one replica is restarted midway, and twice a replica crashes
+// right after the provider answered, before its commit. At the end it
+// compares every account's balance and the provider's charges with what
+// was requested and exits non-zero on any difference.
 package main
 
 import (
@@ -20,6 +25,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"sort"
 	"strings"
@@ -42,20 +48,22 @@ import (
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+	"github.com/exactlyonce/idempotency/examples/payments/provider"
 	"github.com/exactlyonce/idempotency/internal/dburl"
 	"github.com/exactlyonce/idempotency/internal/faultproxy"
 )
 
 type config struct {
-	databaseURL string
-	charges     int
-	clients     int
-	accounts    int
-	dropRate    float64
-	dupEvery    int
-	seed        int64
-	keep        bool
-	progress    time.Duration // 0: no progress lines
+	databaseURL  string
+	charges      int
+	clients      int
+	accounts     int
+	dropRate     float64
+	providerDrop float64
+	dupEvery     int
+	seed         int64
+	keep         bool
+	progress     time.Duration // 0: no progress lines
 }
 
 func main() {
@@ -65,6 +73,7 @@ func main() {
 	flag.IntVar(&c.clients, "clients", 8, "concurrent clients")
 	flag.IntVar(&c.accounts, "accounts", 5, "accounts to spread the charges over")
 	flag.Float64Var(&c.dropRate, "drop", 0.25, "share of responses the network loses after the server committed")
+	flag.Float64Var(&c.providerDrop, "provider-drop", 0.1, "share of the provider's responses the network loses after the provider committed")
 	flag.IntVar(&c.dupEvery, "dup-every", 10, "send every n-th charge twice at once with the same key (0: never)")
 	flag.Int64Var(&c.seed, "seed", 1, "seed of the network faults: which charges are sent twice, and the drop draws (which attempts they hit depends on timing)")
 	flag.BoolVar(&c.keep, "keep", false, "keep the demo's database schema for inspection")
@@ -89,7 +98,8 @@ type report struct {
 	charges, duplicatesSent, restarts             int
 	attempts, retries, appRetries                 int64
 	executed, replayed, inProgress, mismatch      int64
-	dropped                                       int64
+	dropped, providerDropped, crashes             int64
+	providerCharges, providerReplays, settled     int64
 	failed                                        []string
 	accounts                                      []accountResult
 	executionsMatchCharges, responsesMatchCharges bool
@@ -102,7 +112,7 @@ type accountResult struct {
 }
 
 func (r *report) ok() bool {
-	if len(r.failed) > 0 || !r.executionsMatchCharges || !r.responsesMatchCharges {
+	if len(r.failed) > 0 || !r.executionsMatchCharges || !r.responsesMatchCharges || !r.providerMatchesCharges() {
 		return false
 	}
 	for _, a := range r.accounts {
@@ -111,6 +121,12 @@ func (r *report) ok() bool {
 		}
 	}
 	return true
+}
+
+// providerMatchesCharges: the provider charged each charge once, and each
+// ledger row names its own provider charge.
+func (r *report) providerMatchesCharges() bool {
+	return r.providerCharges == int64(r.charges) && r.settled == int64(r.charges)
 }
 
 // replica is one server instance; restart stops it hard (calls in flight
@@ -141,10 +157,10 @@ func (r *replica) stop() {
 }
 
 func run(ctx context.Context, c config, out io.Writer) (*report, error) {
-	if c.charges <= 0 || c.clients <= 0 || c.accounts <= 0 || c.dropRate < 0 || c.dropRate >= 1 {
-		return nil, errors.New("need -charges, -clients, -accounts > 0 and 0 <= -drop < 1")
+	if c.charges <= 0 || c.clients <= 0 || c.accounts <= 0 || c.dropRate < 0 || c.dropRate >= 1 || c.providerDrop < 0 || c.providerDrop >= 1 {
+		return nil, errors.New("need -charges, -clients, -accounts > 0, 0 <= -drop < 1 and 0 <= -provider-drop < 1")
 	}
-	pool, cleanup, err := openDemoDB(ctx, c, out)
+	pool, providerPool, cleanup, err := openDemoDB(ctx, c, out)
 	if err != nil {
 		return nil, err
 	}
@@ -173,13 +189,46 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	if err := payments.Migrate(ctx, pool, store); err != nil {
 		return nil, err
 	}
+	prov, err := startProvider(ctx, providerPool, c, rep)
+	if err != nil {
+		return nil, err
+	}
+	defer prov.close()
 	arrivals := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
 		attempts.Add(1)
 		return h(ctx, req)
 	}
 
 	// Two replicas on one database, each behind its own faulty network.
+	// Twice, a replica crashes right after the provider answered, before
+	// the call commits.
+	var failMu sync.Mutex
+	fail := func(format string, args ...any) {
+		failMu.Lock()
+		defer failMu.Unlock()
+		rep.failed = append(rep.failed, fmt.Sprintf(format, args...))
+	}
 	var replicas []*replica
+	var answers, crashes atomic.Int64
+	crashAt := map[int64]bool{int64(c.charges) / 4: true, int64(c.charges) * 3 / 4: true}
+	crash := func(r int) func(context.Context) {
+		return func(ctx context.Context) {
+			if !crashAt[answers.Add(1)] {
+				return
+			}
+			crashes.Add(1)
+			fmt.Fprintf(out, "  -- replica %d crashes after the provider answered, before its commit --\n", r)
+			// What a dead process leaves: its database session gone, with the
+			// transaction that held the ledger row, the key and the provider's
+			// answer; its calls in flight cut.
+			_, _ = idempotency.MustTxFromContext(ctx).Exec(ctx, "SELECT pg_terminate_backend(pg_backend_pid())")
+			go func() {
+				if err := replicas[r].restart(); err != nil {
+					fail("restart replica %d after its crash: %v", r, err)
+				}
+			}()
+		}
+	}
 	var proxies []*faultproxy.Proxy
 	defer func() {
 		for _, p := range proxies {
@@ -199,7 +248,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 		r.start = func() (*grpc.Server, error) {
 			srv := grpc.NewServer(grpc.ChainUnaryInterceptor(arrivals,
 				idempotency.UnaryServerInterceptor(store)))
-			paymentsv1.RegisterPaymentServiceServer(srv, payments.NewServer(pool))
+			paymentsv1.RegisterPaymentServiceServer(srv, payments.NewServer(pool, payments.WithProvider(prov.client), payments.WithAfterProvider(crash(i))))
 			l := lis
 			if l == nil {
 				var err error
@@ -240,8 +289,8 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	defer conn.Close()
 	client := paymentsv1.NewPaymentServiceClient(conn)
 
-	fmt.Fprintf(out, "demo: %d charges from %d clients over %d accounts; 2 replicas on one database; the network drops %.0f%% of responses after commit; every %d-th charge is sent twice at once; replica 1 restarts halfway\n\n",
-		c.charges, c.clients, c.accounts, c.dropRate*100, c.dupEvery)
+	fmt.Fprintf(out, "demo: %d charges from %d clients over %d accounts; 2 replicas on one database, each charging a payment provider first; the network drops %.0f%% of responses after commit (%.0f%% of the provider's); every %d-th charge is sent twice at once; replica 1 restarts halfway; twice a replica crashes between the provider's answer and its commit\n\n",
+		c.charges, c.clients, c.accounts, c.dropRate*100, c.providerDrop*100, c.dupEvery)
 
 	expected := map[string]*accountResult{}
 	for a := 0; a < c.accounts; a++ {
@@ -256,13 +305,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	}
 	jobs := make(chan job)
 	var done, retries, appRetries atomic.Int64
-	var failMu sync.Mutex
 	var wrongResponses atomic.Int64
-	fail := func(format string, args ...any) {
-		failMu.Lock()
-		defer failMu.Unlock()
-		rep.failed = append(rep.failed, fmt.Sprintf(format, args...))
-	}
 	onRetry := retry.WithOnRetryCallback(func(context.Context, uint, error) { retries.Add(1) })
 
 	// charge makes one logical charge with key, retrying beyond the chain's
@@ -361,6 +404,10 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	rep.attempts, rep.retries, rep.appRetries = attempts.Load(), retries.Load(), appRetries.Load()
 	rep.executed, rep.replayed, rep.inProgress, rep.mismatch = executed.Load(), replayed.Load(), inProgress.Load(), mismatch.Load()
 	rep.dropped = dropped(proxies)
+	rep.crashes = crashes.Load()
+	if err := prov.count(ctx, pool, rep); err != nil {
+		return nil, err
+	}
 	rep.executionsMatchCharges = rep.executed == int64(c.charges)
 	rep.responsesMatchCharges = wrongResponses.Load() == 0
 	ids := make([]string, 0, len(expected))
@@ -377,6 +424,67 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	}
 	rep.print(out)
 	return rep, nil
+}
+
+// demoProvider is the payment provider of the demo: its own HTTP server
+// (HTTP/2 without TLS, so that its fault proxy sees each response), its
+// own store and tables, behind a network that drops a share of its
+// responses after it committed.
+type demoProvider struct {
+	client   *provider.Client
+	http     *http.Server
+	proxy    *faultproxy.Proxy
+	replayed atomic.Int64
+	idle     func()
+}
+
+func startProvider(ctx context.Context, pool *pgxpool.Pool, c config, rep *report) (*demoProvider, error) {
+	p := &demoProvider{}
+	store, err := provider.NewStore(pool, idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, d idempotency.TraceCallEndData) {
+		if d.Outcome == idempotency.OutcomeReplayed {
+			p.replayed.Add(1)
+		}
+	})))
+	if err != nil {
+		return nil, err
+	}
+	if err := provider.Migrate(ctx, pool, store); err != nil {
+		return nil, err
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p.http = &http.Server{Handler: provider.NewHandler(store), ReadHeaderTimeout: 10 * time.Second, Protocols: new(http.Protocols)}
+	p.http.Protocols.SetHTTP1(true)
+	p.http.Protocols.SetUnencryptedHTTP2(true)
+	go func() { _ = p.http.Serve(lis) }()
+	if p.proxy, err = faultproxy.New(lis.Addr().String(), faultproxy.WithSeed(c.seed+100), faultproxy.WithDropResponseRate(c.providerDrop)); err != nil {
+		_ = p.http.Close()
+		return nil, err
+	}
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	tr.Protocols = new(http.Protocols)
+	tr.Protocols.SetUnencryptedHTTP2(true)
+	p.idle = tr.CloseIdleConnections
+	p.client = &provider.Client{BaseURL: "http://" + p.proxy.Addr(), Merchant: "payments-demo",
+		HTTP: &http.Client{Transport: &idempotency.HTTPTransport{Base: tr}, Timeout: 10 * time.Second}}
+	return p, nil
+}
+
+// count reads what the provider did into rep.
+func (p *demoProvider) count(ctx context.Context, pool *pgxpool.Pool, rep *report) error {
+	rep.providerDropped = p.proxy.Stats().ResponsesDropped
+	rep.providerReplays = p.replayed.Load()
+	return pool.QueryRow(ctx, `
+SELECT (SELECT count(*) FROM provider_charges),
+       (SELECT count(*) FROM ledger JOIN provider_charges ON provider_charges.id = ledger.provider_charge_id)`).Scan(&rep.providerCharges, &rep.settled)
+}
+
+func (p *demoProvider) close() {
+	_ = p.proxy.Close()
+	_ = p.http.Close()
+	p.idle()
 }
 
 func retryable(err error) bool {
@@ -420,6 +528,11 @@ func (r *report) print(out io.Writer) {
 	row("application retries (same key)", r.appRetries)
 	row("responses dropped after commit", r.dropped)
 	row("replica restarts", r.restarts)
+	row("crashes after the provider answered", r.crashes)
+	row("provider responses dropped", r.providerDropped)
+	row("provider replays (same derived key)", r.providerReplays)
+	row("provider charges", r.providerCharges)
+	row("ledger rows naming their provider charge", r.settled)
 	row("handler executions (committed)", r.executed)
 	row("replays from the store", r.replayed)
 	row("in-progress conflicts (Aborted)", r.inProgress)
@@ -442,13 +555,16 @@ func (r *report) print(out io.Writer) {
 		fmt.Fprintln(out, "failed:", f)
 	}
 	if r.ok() {
-		fmt.Fprintf(out, "verdict: PASS - %d charges, each executed exactly once despite %d lost responses, %d retries and a replica restart; every account charged exactly what was requested\n",
-			r.charges, r.dropped, r.retries+r.appRetries)
+		fmt.Fprintf(out, "verdict: PASS - %d charges, each executed exactly once despite %d lost responses, %d retries, a replica restart and %d crashes between the provider's answer and the commit; %d provider charges for %d ledger rows; every account charged exactly what was requested\n",
+			r.charges, r.dropped+r.providerDropped, r.retries+r.appRetries, r.crashes, r.providerCharges, r.settled)
 		return
 	}
 	var why []string
 	if !r.executionsMatchCharges {
 		why = append(why, fmt.Sprintf("%d executions for %d charges", r.executed, r.charges))
+	}
+	if !r.providerMatchesCharges() {
+		why = append(why, fmt.Sprintf("%d provider charges and %d ledger rows naming one, for %d charges", r.providerCharges, r.settled, r.charges))
 	}
 	if !r.responsesMatchCharges {
 		why = append(why, "a client got a response that does not match its charge")
@@ -461,10 +577,10 @@ func (r *report) print(out io.Writer) {
 
 // openDemoDB connects and creates a fresh schema for this run, so runs never
 // see each other's data. cleanup drops it unless -keep.
-func openDemoDB(ctx context.Context, c config, out io.Writer) (*pgxpool.Pool, func(), error) {
+func openDemoDB(ctx context.Context, c config, out io.Writer) (pool, providerPool *pgxpool.Pool, cleanup func(), err error) {
 	cfg, err := pgxpool.ParseConfig(c.databaseURL)
 	if err != nil {
-		return nil, nil, fmt.Errorf("-database-url: %w", err)
+		return nil, nil, nil, fmt.Errorf("-database-url: %w", err)
 	}
 	pingCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
@@ -476,7 +592,7 @@ func openDemoDB(ctx context.Context, c config, out io.Writer) (*pgxpool.Pool, fu
 		if admin != nil {
 			admin.Close()
 		}
-		return nil, nil, fmt.Errorf(`cannot reach PostgreSQL at %s:%d/%s: %v
+		return nil, nil, nil, fmt.Errorf(`cannot reach PostgreSQL at %s:%d/%s: %v
 
 The demo needs a real PostgreSQL database (it never falls back to memory).
 Point it at one with -database-url or the %s environment variable, or
@@ -488,24 +604,35 @@ start the local server. At the repository's root:
 	var b [4]byte
 	_, _ = rand.Read(b[:])
 	schema := "payments_demo_" + hex.EncodeToString(b[:])
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		admin.Close()
-		return nil, nil, err
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
-	cfg.MaxConns = 24
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		admin.Close()
-		return nil, nil, err
-	}
-	return pool, func() {
-		pool.Close()
+	dropSchema := func() {
 		if c.keep {
 			fmt.Fprintf(out, "kept schema %s\n", schema)
 		} else {
 			_, _ = admin.Exec(context.Background(), "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
 		}
 		admin.Close()
+	}
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		admin.Close()
+		return nil, nil, nil, err
+	}
+	// The service and the provider each have a pool of their own: a call
+	// holds its connection while it waits for the provider.
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pcfg := cfg.Copy()
+	cfg.MaxConns, pcfg.MaxConns = 16, 12
+	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err == nil {
+		if providerPool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
+			pool.Close()
+		}
+	}
+	if err != nil {
+		dropSchema()
+		return nil, nil, nil, err
+	}
+	return pool, providerPool, func() {
+		pool.Close()
+		providerPool.Close()
+		dropSchema()
 	}, nil
 }

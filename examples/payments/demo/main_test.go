@@ -14,7 +14,7 @@ import (
 func TestDemoChargesExactlyOnce(t *testing.T) {
 	var out bytes.Buffer
 	rep, err := run(context.Background(), config{
-		databaseURL: testdb.URL(), charges: 80, clients: 4, accounts: 3, dropRate: 0.3, dupEvery: 5, seed: 7,
+		databaseURL: testdb.URL(), charges: 80, clients: 4, accounts: 3, dropRate: 0.3, providerDrop: 0.2, dupEvery: 5, seed: 7,
 	}, &out)
 	require.NoError(t, err, out.String())
 	t.Log("\n" + out.String())
@@ -23,6 +23,10 @@ func TestDemoChargesExactlyOnce(t *testing.T) {
 	require.Positive(t, rep.dropped, "the network did drop responses")
 	require.EqualValues(t, 80, rep.executed)
 	require.Equal(t, 16, rep.duplicatesSent)
+	require.EqualValues(t, 2, rep.crashes, "a replica crashed twice between the provider's answer and its commit")
+	require.EqualValues(t, 80, rep.providerCharges, "the provider charged each charge once")
+	require.EqualValues(t, 80, rep.settled, "each ledger row names its provider charge")
+	require.Positive(t, rep.providerReplays, "re-runs got the provider's first charges back")
 }
 
 func TestDemoWithoutDatabaseExplains(t *testing.T) {
