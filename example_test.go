@@ -143,15 +143,73 @@ func ExampleWithOutgoingKey() {
 	_ = err
 }
 
-// A handler that calls another system forwards its own key, so that system
-// deduplicates the retries too.
+// A handler reads the key of the call it runs, to log it. The keys of the
+// calls it makes to other systems are derived from it (see DownstreamKey
+// and HTTPTransport), never the key itself.
 func ExampleCallKeyFromContext() {
-	forward := func(ctx context.Context, provider *grpc.ClientConn, req, resp any) error {
+	handler := func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		key, _ := idempotency.CallKeyFromContext(ctx)
-		ctx = metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
-		return provider.Invoke(ctx, "/provider.v1.Cards/Capture", req, resp)
+		log.Printf("charging %s under key %s", req.GetValue(), key)
+		return req, nil
 	}
-	_ = forward
+	_ = handler
+}
+
+// A call charges a provider that honours Idempotency-Key, then fails in a
+// way that releases its key; its re-run sends the provider the same
+// derived key and gets the first charge back.
+func ExampleHTTPTransport() {
+	ctx := context.Background()
+	pool, done := exampleDB(ctx)
+	defer done()
+	store, err := idempotency.NewStore(pool)
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := store.Migrate(ctx); err != nil {
+		log.Fatal(err)
+	}
+	charged := 0
+	provider := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		charged++
+		fmt.Fprintf(w, "provider charge %d", charged)
+	})))
+	defer provider.Close()
+
+	providerHTTP := &http.Client{Transport: &idempotency.HTTPTransport{}}
+	charge := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		// ctx is the call's: the provider sees the same Idempotency-Key on every run.
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/v1/charges", strings.NewReader(`{"cents":100}`))
+		if err != nil {
+			return nil, err
+		}
+		resp, err := providerHTTP.Do(req)
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "provider: %v", err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		fmt.Printf("%s (replayed %t)\n", body, resp.Header.Get(idempotency.ReplayedHeader) == "true")
+		return wrapperspb.String(string(body)), nil
+	}
+	call := idempotency.Call{Scope: "tenant-1", Key: "order-1001", Method: "checkout"}
+	_, err = store.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if _, err := charge(ctx, tx); err != nil {
+			return nil, err
+		}
+		return nil, status.Error(codes.Unavailable, "the ledger is down: nothing committed, the key is released")
+	})
+	fmt.Println("first run:", status.Code(err))
+	res, err := store.Execute(ctx, call, charge)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("second run:", res.Outcome)
+	// Output:
+	// provider charge 1 (replayed false)
+	// first run: Unavailable
+	// provider charge 1 (replayed true)
+	// second run: executed
 }
 
 // The engine without gRPC: apply each message of an at-least-once stream

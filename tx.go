@@ -256,7 +256,10 @@ func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 // closed when the call ends, rather than returned to the pool, so that
 // nothing the handler kept of it can reach a later call: a call that uses
 // Conn costs a new connection afterwards. The Conn of the call's rows
-// (pgx.Rows.Conn) is this one.
+// (pgx.Rows.Conn) is this one. A library that calls Conn only to read the
+// connection's settings pays the same: River's pgx driver does when the
+// value it is given has no Config() *pgxpool.Config method (the payments
+// example's outbox gives it one).
 //
 // Conn called once the call is over (by a goroutine the handler left
 // behind) cannot be refused, and the connection may be serving another call

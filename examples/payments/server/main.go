@@ -166,10 +166,11 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 		lis     net.Listener
 		handler http.Handler
 		what    string
+		msg     string
 	}{
-		{lis.http, payments.NewHTTPHandler(svc, store), "http"},
-		{lis.metrics, metricsMux(metricsHandler), "metrics"},
-		{lis.provider, providerHandler, "provider"},
+		{lis.http, payments.NewHTTPHandler(svc, store), "http", "PaymentService listening"},
+		{lis.metrics, metricsMux(metricsHandler), "metrics", "PaymentService listening"},
+		{lis.provider, providerHandler, "http", "example payment provider listening"},
 	} {
 		if s.lis == nil {
 			continue
@@ -177,7 +178,7 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 		hs := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
 		httpServers = append(httpServers, hs)
 		go func() { served <- hs.Serve(s.lis) }()
-		logger.Info("PaymentService listening", s.what, s.lis.Addr().String())
+		logger.Info(s.msg, s.what, s.lis.Addr().String())
 	}
 
 	select {
