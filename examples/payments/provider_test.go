@@ -116,14 +116,14 @@ type world struct {
 func newWorld(t *testing.T, providerDrop float64) *world {
 	t.Helper()
 	ctx := context.Background()
-	w := &world{db: testdb.New(t, 10)}
+	w := &world{db: testdb.New(t, 8)}
 	var err error
 	w.store, err = idempotency.NewStore(w.db.Pool)
 	require.NoError(t, err)
 	require.NoError(t, payments.Migrate(ctx, w.db.Pool, w.store))
 	require.NoError(t, outbox.Migrate(ctx, w.db.Pool))
 
-	pstore, err := provider.NewStore(w.db.OpenPool(t, 10), idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, d idempotency.TraceCallEndData) {
+	pstore, err := provider.NewStore(w.db.OpenPool(t, 6), idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, d idempotency.TraceCallEndData) {
 		switch d.Outcome {
 		case idempotency.OutcomeExecuted:
 			w.provider.executed.Add(1)
