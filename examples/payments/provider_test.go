@@ -284,7 +284,8 @@ func listenerFile(t *testing.T) (*os.File, string) {
 // derived key and gets its first charge back: one provider charge, one
 // ledger row, naming each other.
 func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
-	t.Parallel()
+	// Not parallel: with its provider and child processes it needs about 30
+	// of the server's connections, and the suite stays under its budget.
 	w := newWorld(t, 0)
 	lisFile, addr := listenerFile(t)
 	cfg := childConfig{Role: "server", DatabaseURL: w.db.URL(), ProviderURL: w.providerURL, KillAfterProvider: 1}
@@ -329,7 +330,8 @@ func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 // the next worker, and the provider answers the job's key with its first
 // charge: one provider charge, one settled ledger row.
 func TestWorkerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
-	t.Parallel()
+	// Not parallel: with its provider and child processes it needs about 30
+	// of the server's connections, and the suite stays under its budget.
 	w := newWorld(t, 0)
 	enqueue, err := outbox.New(w.db.Pool, outbox.Config{})
 	require.NoError(t, err)
@@ -355,7 +357,8 @@ func TestWorkerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 // the PaymentService and on the way back from the provider: provider
 // charges = ledger rows = 200, each row naming its own provider charge.
 func TestTwoHundredChargesUnderDroppedResponses(t *testing.T) {
-	t.Parallel()
+	// Not parallel: with its provider and child processes it needs about 30
+	// of the server's connections, and the suite stays under its budget.
 	const charges, clients, drop = 200, 8, 0.2
 	for _, path := range []string{"inside the call", "outbox"} {
 		t.Run(path, func(t *testing.T) {

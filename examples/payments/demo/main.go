@@ -620,7 +620,7 @@ start the local server. At the repository's root:
 	// holds its connection while it waits for the provider.
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	pcfg := cfg.Copy()
-	cfg.MaxConns, pcfg.MaxConns = 16, 12
+	cfg.MaxConns, pcfg.MaxConns = int32(2*c.clients), int32(c.clients+4) // duplicates sent at once double the calls in flight
 	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err == nil {
 		if providerPool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 			pool.Close()
