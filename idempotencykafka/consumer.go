@@ -1,0 +1,296 @@
+// Package idempotencykafka applies the records of a Kafka consumer group at
+// most once each, on franz-go (github.com/twmb/franz-go) and the
+// idempotency engine: every record's effect commits in one PostgreSQL
+// transaction with its message ID, and the record's offset is committed to
+// Kafka only after that transaction committed. A record delivered again
+// (after a crash between the two commits, a rebalance, a producer's retry)
+// finds its ID and is skipped; a record that can never succeed is produced
+// to a dead-letter topic with its cause, then committed, so that it never
+// blocks its partition or comes back forever.
+//
+// It is a module of its own, so that the core library's go.mod has no
+// Kafka client.
+//
+//	client, err := kgo.NewClient(
+//		kgo.SeedBrokers(brokers...),
+//		kgo.ConsumerGroup("credits"),
+//		kgo.ConsumeTopics("payments"),
+//		kgo.DisableAutoCommit(),    // required: offsets follow the database
+//		kgo.BlockRebalanceOnPoll(), // recommended: no revocation mid-batch
+//	)
+//	c, err := idempotencykafka.New(store, client, func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
+//		_, err := tx.Exec(ctx, `INSERT INTO credits (account, cents) VALUES ($1, $2)`, r.Key, r.Value)
+//		return err
+//	})
+//	err = c.Run(ctx)
+package idempotencykafka
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// Handler applies one record's effect through tx, the transaction that
+// also records the record's ID. An error rolls everything back; the record
+// is tried again, up to the consumer's attempts, then dead-lettered. An
+// error marked with idempotency.Final (a record that can never be
+// applied) is stored with the ID and dead-letters the record at once.
+type Handler func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error
+
+// Consumer applies polled records through a Handler, at most once per
+// message ID, and commits offsets behind the database.
+type Consumer struct {
+	store  *idempotency.Store
+	client *kgo.Client
+	handle Handler
+	o      options
+}
+
+// New returns a consumer of client's group. The client must consume as a
+// group (kgo.ConsumerGroup) with kgo.DisableAutoCommit, so that no offset
+// is committed ahead of the database; kgo.BlockRebalanceOnPoll is
+// recommended, so that a partition is not revoked while its records are
+// being applied (if it is, its new owner waits for the record's key and
+// replays it: the effect stays once). The client is the caller's to close,
+// after Run returned.
+func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...Option) (*Consumer, error) {
+	if store == nil || client == nil || handle == nil {
+		return nil, errors.New("idempotencykafka: New needs a store, a client and a handler")
+	}
+	group, _ := client.OptValue(kgo.ConsumerGroup).(string)
+	if group == "" {
+		return nil, errors.New("idempotencykafka: the client consumes no consumer group: set kgo.ConsumerGroup")
+	}
+	if autoOff, _ := client.OptValue(kgo.DisableAutoCommit).(bool); !autoOff {
+		return nil, errors.New("idempotencykafka: the client commits offsets on its own, possibly ahead of the database: set kgo.DisableAutoCommit")
+	}
+	o := defaultOptions(group)
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if err := o.validate(); err != nil {
+		return nil, err
+	}
+	return &Consumer{store: store, client: client, handle: handle, o: o}, nil
+}
+
+// Run polls records, applies them (partitions at once, each partition's
+// records in offset order), produces the ones that can never succeed to the
+// dead-letter topic, commits the offsets of the records done, and allows
+// the next rebalance, until ctx is done (it returns ctx.Err()) or the
+// client is closed (nil). A failed offset commit is reported to
+// WithErrorHandler and Run goes on: the records are applied, and a
+// redelivery of them replays.
+func (c *Consumer) Run(ctx context.Context) error {
+	for {
+		fetches := c.client.PollFetches(ctx)
+		if fetches.IsClientClosed() {
+			return nil
+		}
+		if ctx.Err() != nil {
+			c.client.AllowRebalance()
+			return ctx.Err()
+		}
+		fetches.EachError(func(topic string, partition int32, err error) {
+			c.o.onError(fmt.Errorf("idempotencykafka: fetch %s/%d: %w", topic, partition, err))
+		})
+		err := c.ProcessFetches(ctx, fetches)
+		c.client.AllowRebalance()
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			c.o.onError(err)
+		}
+	}
+}
+
+// ProcessFetches applies the records of one poll and commits the offsets
+// of those done, for a poll loop of the caller's own (which then calls
+// AllowRebalance when it uses kgo.BlockRebalanceOnPoll). It returns when
+// every record is done or ctx is done; a record is done when its effect
+// committed, now or before, or it was produced to the dead-letter topic. A
+// record is never skipped: while the database is down, or another member
+// holds the record's ID during a rebalance, it is tried again. The error
+// joins the failed offset commits and ctx's error.
+func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		errs []error
+	)
+	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+		if len(p.Records) == 0 {
+			return
+		}
+		wg.Go(func() {
+			if err := c.processPartition(ctx, p.Records); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		})
+	})
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// processPartition applies records in order, committing the offset after
+// every commitEvery records done and after the last one.
+func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) error {
+	var errs []error
+	var last *kgo.Record
+	for i, r := range records {
+		if err := c.processRecord(ctx, r); err != nil {
+			errs = append(errs, err)
+			break
+		}
+		last = r
+		if (i+1)%c.o.commitEvery == 0 && i+1 < len(records) {
+			errs = append(errs, c.commit(ctx, last))
+		}
+	}
+	if last != nil {
+		errs = append(errs, c.commit(ctx, last))
+	}
+	return errors.Join(errs...)
+}
+
+// commit commits the offset after r, on a context of its own: what
+// committed in the database should reach Kafka even when the consumer is
+// stopping.
+func (c *Consumer) commit(ctx context.Context, r *kgo.Record) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.o.commitTimeout)
+	defer cancel()
+	if err := c.client.CommitRecords(cctx, r); err != nil {
+		return fmt.Errorf("idempotencykafka: commit offset %d of %s/%d: %w", r.Offset+1, r.Topic, r.Partition, err)
+	}
+	return nil
+}
+
+// processRecord applies r until it is done, or ctx is done.
+func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
+	m := c.Message(r)
+	id := m.ID
+	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handle(ctx, tx, r) }
+	failures := 0
+	for wait := uint(0); ; wait++ {
+		outcome, err := c.store.ProcessMessage(ctx, m, fn)
+		c.o.onOutcome(r, outcome, err)
+		switch idempotency.DispositionOf(outcome, err) {
+		case idempotency.Ack:
+			return nil
+		case idempotency.DeadLetter:
+			return c.deadLetter(ctx, r, id, outcome, err.Error())
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if outcome == idempotency.OutcomeReleased {
+			// The handler's own error: the record is tried a bounded number
+			// of times. The database being down, or the ID held by another
+			// member, are not the record's fault: those wait.
+			if failures++; failures >= c.o.maxAttempts {
+				return c.deadLetter(ctx, r, id, outcome, fmt.Sprintf("gave up after %d attempts: %v", failures, err))
+			}
+		}
+		if err := sleep(ctx, c.o.backoff(wait, err)); err != nil {
+			return err
+		}
+	}
+}
+
+// Message is what the consumer processes r as: its ID (the producer's ID
+// header, or the record's position), the consumer's scope, and a body of
+// the record's key and value, so that an ID reused for another record is
+// caught. Code that applies a record outside the consumer gives this
+// Message to Store.ProcessMessage, so that the two never both apply it.
+func (c *Consumer) Message(r *kgo.Record) idempotency.Message {
+	return idempotency.Message{Scope: c.o.scope, ID: c.messageID(r), Body: body(r), TTL: c.o.ttl}
+}
+
+// messageID is the producer's ID header, or the record's position.
+func (c *Consumer) messageID(r *kgo.Record) string {
+	for _, h := range r.Headers {
+		if h.Key == c.o.idHeader {
+			return string(h.Value)
+		}
+	}
+	return r.Topic + "/" + strconv.FormatInt(int64(r.Partition), 10) + "/" + strconv.FormatInt(r.Offset, 10)
+}
+
+// body is what the record's ID is fingerprinted with: its key and value.
+func body(r *kgo.Record) []byte {
+	b := binary.AppendUvarint(make([]byte, 0, binary.MaxVarintLen64+len(r.Key)+len(r.Value)), uint64(len(r.Key)))
+	return append(append(b, r.Key...), r.Value...)
+}
+
+// Headers of a dead-lettered record, beside the original record's own.
+const (
+	HeaderCause     = "idempotency-dead-letter-cause"
+	HeaderOutcome   = "idempotency-dead-letter-outcome"
+	HeaderMessageID = "idempotency-dead-letter-message-id"
+	HeaderTopic     = "idempotency-dead-letter-topic"
+	HeaderPartition = "idempotency-dead-letter-partition"
+	HeaderOffset    = "idempotency-dead-letter-offset"
+)
+
+// deadLetter produces r to the dead-letter topic with its cause, waiting
+// while the produce fails, so that the record is committed only once it
+// is kept there.
+func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, outcome idempotency.Outcome, cause string) error {
+	dl := &kgo.Record{
+		Topic: c.o.deadLetterTopic(r.Topic),
+		Key:   r.Key,
+		Value: r.Value,
+		Headers: append(append([]kgo.RecordHeader(nil), r.Headers...),
+			kgo.RecordHeader{Key: HeaderCause, Value: []byte(cause)},
+			kgo.RecordHeader{Key: HeaderOutcome, Value: []byte(outcome.String())},
+			kgo.RecordHeader{Key: HeaderMessageID, Value: []byte(id)},
+			kgo.RecordHeader{Key: HeaderTopic, Value: []byte(r.Topic)},
+			kgo.RecordHeader{Key: HeaderPartition, Value: []byte(strconv.FormatInt(int64(r.Partition), 10))},
+			kgo.RecordHeader{Key: HeaderOffset, Value: []byte(strconv.FormatInt(r.Offset, 10))},
+		),
+	}
+	for wait := uint(0); ; wait++ {
+		err := c.client.ProduceSync(ctx, dl).FirstErr()
+		if err == nil {
+			c.o.onDeadLetter(r, cause)
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		c.o.onError(fmt.Errorf("idempotencykafka: produce %s/%d@%d to dead-letter topic %s: %w", r.Topic, r.Partition, r.Offset, dl.Topic, err))
+		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
+			return err
+		}
+	}
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// jitter is the relative jitter of every wait: ±20%.
+func jitter(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.8 + 0.4*rand.Float64()))
+}

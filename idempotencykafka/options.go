@@ -1,0 +1,135 @@
+package idempotencykafka
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// Option configures a [Consumer]. An invalid value makes [New] return an
+// error that names the option.
+type Option func(*options)
+
+type options struct {
+	scope, idHeader          string
+	deadLetterTopic          func(topic string) string
+	maxAttempts, commitEvery int
+	backoffBase, backoffMax  time.Duration
+	commitTimeout, ttl       time.Duration
+	onError                  func(error)
+	onOutcome                func(*kgo.Record, idempotency.Outcome, error)
+	onDeadLetter             func(*kgo.Record, string)
+}
+
+// DefaultIDHeader is the record header read for a producer-set message ID.
+const DefaultIDHeader = "message-id"
+
+func defaultOptions(group string) options {
+	return options{
+		scope:           "kafka/" + group,
+		idHeader:        DefaultIDHeader,
+		deadLetterTopic: func(topic string) string { return topic + ".dead-letter" },
+		maxAttempts:     10,
+		commitEvery:     100,
+		backoffBase:     50 * time.Millisecond,
+		backoffMax:      5 * time.Second,
+		commitTimeout:   10 * time.Second,
+		onError:         func(error) {},
+		onOutcome:       func(*kgo.Record, idempotency.Outcome, error) {},
+		onDeadLetter:    func(*kgo.Record, string) {},
+	}
+}
+
+func (o *options) validate() error {
+	switch {
+	case o.scope == "":
+		return fmt.Errorf("idempotencykafka: WithScope: the scope must not be empty")
+	case o.idHeader == "":
+		return fmt.Errorf("idempotencykafka: WithIDHeader: the header name must not be empty")
+	case o.deadLetterTopic == nil:
+		return fmt.Errorf("idempotencykafka: WithDeadLetterTopic: the function must not be nil")
+	case o.maxAttempts < 1:
+		return fmt.Errorf("idempotencykafka: WithMaxAttempts: need at least 1, got %d", o.maxAttempts)
+	case o.commitEvery < 1:
+		return fmt.Errorf("idempotencykafka: WithCommitEvery: need at least 1, got %d", o.commitEvery)
+	case o.backoffBase <= 0 || o.backoffMax < o.backoffBase:
+		return fmt.Errorf("idempotencykafka: WithRetryBackoff: need 0 < base <= max, got %v and %v", o.backoffBase, o.backoffMax)
+	case o.ttl < 0:
+		return fmt.Errorf("idempotencykafka: WithTTL: must not be negative, got %v", o.ttl)
+	}
+	return nil
+}
+
+// backoff is the wait before try wait+1 of a record: base doubled per try,
+// capped at the maximum, with jitter, and never less than the delay err
+// suggests (an ID held by another member).
+func (o *options) backoff(wait uint, err error) time.Duration {
+	d := o.backoffBase << min(wait, 16)
+	if d > o.backoffMax || d <= 0 {
+		d = o.backoffMax
+	}
+	d = jitter(d)
+	if s, ok := idempotency.RetryDelay(err); ok {
+		d = max(d, s)
+	}
+	return d
+}
+
+// WithScope sets the scope of the message IDs. Defaults to "kafka/" and
+// the consumer group: two groups on one topic apply each record once each.
+func WithScope(scope string) Option { return func(o *options) { o.scope = scope } }
+
+// WithIDHeader names the record header that carries a producer-set message
+// ID, which also catches a record produced twice. Records without it are
+// identified by their position, topic/partition/offset, which catches a
+// record delivered twice. Defaults to [DefaultIDHeader].
+func WithIDHeader(name string) Option { return func(o *options) { o.idHeader = name } }
+
+// WithDeadLetterTopic sets the topic a record that can never succeed is
+// produced to, from the record's own topic. Defaults to the topic's name
+// followed by ".dead-letter".
+func WithDeadLetterTopic(f func(topic string) string) Option {
+	return func(o *options) { o.deadLetterTopic = f }
+}
+
+// WithMaxAttempts bounds how many times a record whose handler fails is
+// tried before it is dead-lettered (a final error dead-letters it at
+// once). Waiting for the database or for another member holding the ID
+// does not count. Defaults to 10.
+func WithMaxAttempts(n int) Option { return func(o *options) { o.maxAttempts = n } }
+
+// WithCommitEvery sets how many records of a partition are applied between
+// two offset commits (and a partition's last record of a poll is always
+// committed). Fewer commits cost Kafka less; a consumer that dies
+// redelivers, and replays, up to that many records. Defaults to 100.
+func WithCommitEvery(n int) Option { return func(o *options) { o.commitEvery = n } }
+
+// WithRetryBackoff sets the wait between tries of a record: base, doubled
+// per try up to max, with ±20% jitter. Defaults to 50 milliseconds and 5
+// seconds.
+func WithRetryBackoff(base, max time.Duration) Option {
+	return func(o *options) { o.backoffBase, o.backoffMax = base, max }
+}
+
+// WithTTL sets how long message IDs are remembered; keep it longer than
+// the topic's retention. Defaults to idempotency.DefaultTTL.
+func WithTTL(ttl time.Duration) Option { return func(o *options) { o.ttl = ttl } }
+
+// WithErrorHandler is told of errors Run goes on after: failed fetches,
+// offset commits and dead-letter produces (each retried).
+func WithErrorHandler(f func(error)) Option { return func(o *options) { o.onError = f } }
+
+// WithOutcomeHandler is told of every try of a record: the outcome and
+// error of its idempotency.Store.ProcessMessage.
+func WithOutcomeHandler(f func(r *kgo.Record, outcome idempotency.Outcome, err error)) Option {
+	return func(o *options) { o.onOutcome = f }
+}
+
+// WithDeadLetterHandler is told of every record produced to the
+// dead-letter topic, with its cause.
+func WithDeadLetterHandler(f func(r *kgo.Record, cause string)) Option {
+	return func(o *options) { o.onDeadLetter = f }
+}
