@@ -2,8 +2,6 @@ package idempotency_test
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"fmt"
 	"io"
 	"log"
@@ -160,7 +158,7 @@ func ExampleCallKeyFromContext() {
 // derived key and gets the first charge back.
 func ExampleHTTPTransport() {
 	ctx := context.Background()
-	pool, done := exampleDB(ctx)
+	pool, done := testdb.ForExample(ctx)
 	defer done()
 	store, err := idempotency.NewStore(pool)
 	if err != nil {
@@ -216,7 +214,7 @@ func ExampleHTTPTransport() {
 // once, in the same transaction as its business write.
 func ExampleStore_ProcessMessage() {
 	ctx := context.Background()
-	pool, done := exampleDB(ctx)
+	pool, done := testdb.ForExample(ctx)
 	defer done()
 	store, err := idempotency.NewStore(pool)
 	if err != nil {
@@ -247,7 +245,7 @@ func ExampleStore_ProcessMessage() {
 // most once per key, its writes and its result committed together.
 func ExampleStore_Execute() {
 	ctx := context.Background()
-	pool, done := exampleDB(ctx)
+	pool, done := testdb.ForExample(ctx)
 	defer done()
 	store, err := idempotency.NewStore(pool)
 	if err != nil {
@@ -287,7 +285,7 @@ func ExampleStore_Execute() {
 // gets the first response, byte for byte.
 func ExampleHTTPMiddleware() {
 	ctx := context.Background()
-	pool, done := exampleDB(ctx)
+	pool, done := testdb.ForExample(ctx)
 	defer done()
 	store, err := idempotency.NewStore(pool)
 	if err != nil {
@@ -324,37 +322,6 @@ func ExampleHTTPMiddleware() {
 	// Output:
 	// 201  {"charge":1}
 	// 201 true {"charge":1}
-}
-
-// exampleDB opens a pool on a schema of its own in the test database (the
-// local server, or DATABASE_URL), and a function that drops it again: the
-// examples that print their output run against the real PostgreSQL.
-func exampleDB(ctx context.Context) (*pgxpool.Pool, func()) {
-	admin, err := pgxpool.New(ctx, testdb.URL())
-	if err != nil {
-		log.Fatal(err)
-	}
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	schema := pgx.Identifier{"example_" + hex.EncodeToString(b[:])}
-	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema.Sanitize()); err != nil {
-		log.Fatal(err)
-	}
-	cfg, err := pgxpool.ParseConfig(testdb.URL())
-	if err != nil {
-		log.Fatal(err)
-	}
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema[0]
-	cfg.MaxConns = 4
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		log.Fatal(err)
-	}
-	return pool, func() {
-		pool.Close()
-		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema.Sanitize()+" CASCADE")
-		admin.Close()
-	}
 }
 
 // Keys are checked before anything is sent or stored; a UUID is a good key.

@@ -11,6 +11,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"log"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -197,4 +198,34 @@ func PgBouncerURL() (url, hint string) {
 	}
 	return "", fmt.Sprintf("no PgBouncer: set %s, or run `bash scripts/services.sh` at the repository's root, which starts one for this checkout and writes its URL to %s",
 		PgBouncerEnvVar, path)
+}
+
+// ForExample is a pool on a schema of its own in the test database, for
+// an Example function, which has no testing.T: failures are fatal, and
+// done closes the pool and drops the schema.
+func ForExample(ctx context.Context) (pool *pgxpool.Pool, done func()) {
+	admin, err := pgxpool.New(ctx, URL())
+	if err != nil {
+		log.Fatal(err)
+	}
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	schema := pgx.Identifier{"example_" + hex.EncodeToString(b[:])}
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema.Sanitize()); err != nil {
+		log.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig(URL())
+	if err != nil {
+		log.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema[0]
+	cfg.MaxConns = 4
+	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err != nil {
+		log.Fatal(err)
+	}
+	return pool, func() {
+		pool.Close()
+		_, _ = admin.Exec(context.Background(), "DROP SCHEMA "+schema.Sanitize()+" CASCADE")
+		admin.Close()
+	}
 }
