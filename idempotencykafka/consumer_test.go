@@ -148,7 +148,7 @@ type world struct {
 	admin   *kadm.Client
 }
 
-func newWorld(t *testing.T, partitions int32, topics ...string) *world {
+func newWorld(t testing.TB, partitions int32, topics ...string) *world {
 	t.Helper()
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topics...), kfake.GroupMinSessionTimeout(500*time.Millisecond))
 	require.NoError(t, err)
@@ -178,7 +178,7 @@ CREATE TABLE credits (
 
 // produce sends records, each with its message-id header, and waits for
 // the broker to have them.
-func (w *world) produce(t *testing.T, topic string, records ...*kgo.Record) {
+func (w *world) produce(t testing.TB, topic string, records ...*kgo.Record) {
 	t.Helper()
 	p, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.DefaultProduceTopic(topic), kgo.RecordPartitioner(kgo.RoundRobinPartitioner()))
 	require.NoError(t, err)
@@ -200,7 +200,7 @@ func amounts(n int) []*kgo.Record {
 
 // committed is the group's committed offsets on topic, summed over its
 // partitions: the number of records it will not see again.
-func (w *world) committed(t *testing.T, group, topic string) int64 {
+func (w *world) committed(t testing.TB, group, topic string) int64 {
 	t.Helper()
 	offsets, err := w.admin.FetchOffsets(context.Background(), group)
 	if err != nil {
@@ -217,7 +217,7 @@ func (w *world) committed(t *testing.T, group, topic string) int64 {
 
 // credits is how many effects committed, and how many distinct records
 // they came from.
-func (w *world) credits(t *testing.T) (rows, distinct int) {
+func (w *world) credits(t testing.TB) (rows, distinct int) {
 	t.Helper()
 	require.NoError(t, w.db.Pool.QueryRow(context.Background(), `SELECT count(*), count(DISTINCT msg_id) FROM credits`).Scan(&rows, &distinct))
 	return rows, distinct

@@ -1,0 +1,112 @@
+package idempotencykafka_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/exactlyonce/idempotency/idempotencykafka"
+)
+
+// BenchmarkConsume consumes b.N records from 4 partitions of kfake into
+// the real database, side by side in each round:
+//
+//   - plain: the same consumer loop and handler, each record's effect in a
+//     transaction of its own, offsets committed the same way (every 100
+//     records and at the end of a partition's poll), no deduplication;
+//   - helper: idempotencykafka, each record's effect committed with its ID;
+//   - helper/commit-every-1: the helper committing the offset after every
+//     record, what a batch of 100 saves.
+//
+// It reports records/s and µs per record. Compare within a round:
+//
+//	go test -run '^$' -bench Consume -benchtime 5000x -count 6 ./idempotencykafka
+func BenchmarkConsume(b *testing.B) {
+	for _, v := range []struct {
+		name string
+		run  func(ctx context.Context, w *world, client *kgo.Client) error
+	}{
+		{"plain", func(ctx context.Context, w *world, client *kgo.Client) error { return plainConsume(ctx, w, client) }},
+		{"helper", helperConsume(idempotencykafka.WithCommitEvery(100))},
+		{"helper/commit-every-1", helperConsume(idempotencykafka.WithCommitEvery(1))},
+	} {
+		b.Run(v.name, func(b *testing.B) {
+			w := newWorld(b, 4, "credits")
+			n := b.N
+			w.produceN(b, n)
+			client, err := kgo.NewClient(consumerOpts(w.brokers, "bench", "credits")...)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer client.Close()
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			b.ResetTimer()
+			start := time.Now()
+			go func() { done <- v.run(ctx, w, client) }()
+			for w.committed(b, "bench", "credits") < int64(n) {
+				time.Sleep(5 * time.Millisecond)
+			}
+			elapsed := time.Since(start)
+			b.StopTimer()
+			cancel()
+			if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+				b.Fatal(err)
+			}
+			b.ReportMetric(float64(n)/elapsed.Seconds(), "records/s")
+			b.ReportMetric(float64(elapsed.Microseconds())/float64(n), "µs/record")
+		})
+	}
+}
+
+func helperConsume(opts ...idempotencykafka.Option) func(ctx context.Context, w *world, client *kgo.Client) error {
+	return func(ctx context.Context, w *world, client *kgo.Client) error {
+		c, err := idempotencykafka.New(w.store, client, credit, opts...)
+		if err != nil {
+			return err
+		}
+		return c.Run(ctx)
+	}
+}
+
+// plainConsume is the consumer without deduplication: the same loop, the
+// same handler in a transaction of its own, the same offset commits.
+func plainConsume(ctx context.Context, w *world, client *kgo.Client) error {
+	for {
+		fetches := client.PollFetches(ctx)
+		if ctx.Err() != nil || fetches.IsClientClosed() {
+			client.AllowRebalance()
+			return ctx.Err()
+		}
+		var wg sync.WaitGroup
+		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+			wg.Go(func() {
+				for i, r := range p.Records {
+					if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return credit(ctx, tx, r) }); err != nil {
+						return
+					}
+					if (i+1)%100 == 0 || i == len(p.Records)-1 {
+						_ = client.CommitRecords(context.WithoutCancel(ctx), r)
+					}
+				}
+			})
+		})
+		wg.Wait()
+		client.AllowRebalance()
+	}
+}
+
+func (w *world) produceN(b *testing.B, n int) {
+	b.Helper()
+	rs := make([]*kgo.Record, n)
+	for i := range rs {
+		rs[i] = rec(fmt.Sprintf("m-%d", i), fmt.Sprintf("acct-%d", i%5), "100")
+	}
+	w.produce(b, "credits", rs...)
+}
