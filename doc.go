@@ -157,8 +157,11 @@
 // [Store.ProcessMessage] is the same engine for at-least-once streams (NATS
 // JetStream, Kafka): it applies a message's effect once per message ID, in
 // the transaction that records the ID, and returns the [Outcome]
-// (executed, or replayed for a duplicate). [Store.Execute] is the engine
-// itself, for any other transport.
+// (executed, or replayed for a duplicate), and [DispositionOf] says
+// whether to acknowledge, redeliver or dead-letter the message. The module
+// github.com/exactlyonce/idempotency/idempotencykafka is a ready consumer
+// for Kafka on franz-go. [Store.Execute] is the engine itself, for any
+// other transport.
 //
 // # Operations
 //

@@ -26,7 +26,7 @@ import (
 //
 // It reports records/s and µs per record. Compare within a round:
 //
-//	go test -run '^$' -bench Consume -benchtime 5000x -count 6 ./idempotencykafka
+//	go -C idempotencykafka test -run '^$' -bench Consume -benchtime 5000x -count 6 .
 func BenchmarkConsume(b *testing.B) {
 	for _, v := range []struct {
 		name string
