@@ -247,8 +247,12 @@ const (
 )
 
 // deadLetter produces r to the dead-letter topic with its cause, waiting
-// while the produce fails, so that the record is committed only once it
-// is kept there.
+// while the produce fails (a missing topic included: reported to
+// WithErrorHandler until an operator creates it), so that the record is
+// committed only once it is kept there. The dead-letter topic is
+// at-least-once: a consumer that dies between the produce and the offset
+// commit dead-letters the record again when it comes back (its final
+// error is stored, so it never runs again).
 func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, outcome idempotency.Outcome, cause string) error {
 	dl := &kgo.Record{
 		Topic: c.o.deadLetterTopic(r.Topic),
