@@ -118,6 +118,10 @@ func WithRetryBackoff(base, max time.Duration) Option {
 // the topic's retention. Defaults to idempotency.DefaultTTL.
 func WithTTL(ttl time.Duration) Option { return func(o *options) { o.ttl = ttl } }
 
+// The handlers of WithErrorHandler, WithOutcomeHandler and
+// WithDeadLetterHandler are called from the goroutines that apply the
+// partitions, possibly at once: they must be safe for concurrent use.
+
 // WithErrorHandler is told of errors Run goes on after: failed fetches,
 // offset commits and dead-letter produces (each retried).
 func WithErrorHandler(f func(error)) Option { return func(o *options) { o.onError = f } }
