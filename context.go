@@ -14,15 +14,20 @@ import (
 type runningCall struct {
 	tx         pgx.Tx
 	scope, key string
+	// stored is the key as stored, with its transport's namespace: what
+	// downstream keys derive from, so that a gRPC call, an HTTP request and
+	// a message with the same key never share them.
+	stored     string
 	downstream *downstreamCalls // per run of the handler: a re-run counts from 0
 }
 
 type runningCallKey struct{}
 
-// withCall returns ctx carrying the transaction, scope and key of a running
-// call, and new counters of its downstream calls.
-func withCall(ctx context.Context, tx pgx.Tx, scope, key string) context.Context {
-	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, scope: scope, key: key, downstream: &downstreamCalls{}})
+// withCall returns ctx carrying the transaction, scope and key (as the
+// client sent it, and as stored) of a running call, and new counters of
+// its downstream calls.
+func withCall(ctx context.Context, tx pgx.Tx, scope, key, stored string) context.Context {
+	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, scope: scope, key: key, stored: stored, downstream: &downstreamCalls{}})
 }
 
 // TxFromContext returns the transaction of the idempotent call running in

@@ -39,16 +39,20 @@ const derivedKeyPrefix = "dk1-"
 // returns the next ordinal's key: call it once per downstream call, and
 // keep the key for that call's retries.
 //
-// The key is the URL-safe base64 of a SHA-256 of the running call's scope
-// and key, target and ordinal, after the prefix "dk1-": 47 printable ASCII
-// characters that reveal neither the scope nor the key. The interceptors
+// The key is the URL-safe base64 of a SHA-256 of the running call's scope,
+// key (with its transport: a gRPC call, an HTTP request and a message with
+// the same key derive different keys), target and ordinal, after the
+// prefix "dk1-": 47 printable ASCII characters that contain neither the
+// scope nor the key. The hash has no secret: whoever can guess a parent key
+// (an order number) can confirm the guess by hashing it, so do not rely on
+// derived keys to hide guessable ones. The interceptors
 // and [HTTPTransport] call it for outgoing calls that have no key of their own.
 func DownstreamKey(ctx context.Context, target string) (string, bool) {
 	c, ok := ctx.Value(runningCallKey{}).(runningCall)
 	if !ok || c.downstream == nil {
 		return "", false
 	}
-	return deriveKey(c.scope, c.key, target, c.downstream.next(target)), true
+	return deriveKey(c.scope, c.stored, target, c.downstream.next(target)), true
 }
 
 // deriveKey hashes its inputs, each length-prefixed so that no two
@@ -113,6 +117,9 @@ func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 		return base.RoundTrip(req)
 	}
 	r := req.Clone(ctx)
+	if r.Header == nil { // a request built by hand; http.Client always sets one
+		r.Header = make(http.Header)
+	}
 	r.Header.Set(HeaderKey, headerValue(key))
 	return base.RoundTrip(r)
 }

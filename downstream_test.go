@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -185,7 +186,18 @@ func TestDownstreamKeyDependsOnScopeKeyTargetAndOrdinal(t *testing.T) {
 	first := derive("tenant-1", "k")
 	requireDerived(t, first, "tenant-1")
 	require.Equal(t, first, derive("tenant-1", "k"), "a re-run derives the same keys")
-	for _, other := range [][]string{derive("tenant-2", "k"), derive("tenant-1", "k2")} {
+	// A message with the same scope and ID is another operation than the
+	// call: its downstream keys differ too.
+	var fromMessage []string
+	_, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "tenant-1", ID: "k"}, func(ctx context.Context, _ pgx.Tx) error {
+		for _, target := range []string{"a", "b", "a"} {
+			k, _ := idempotency.DownstreamKey(ctx, target)
+			fromMessage = append(fromMessage, k)
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	for _, other := range [][]string{derive("tenant-2", "k"), derive("tenant-1", "k2"), fromMessage} {
 		for i := range other {
 			require.NotEqual(t, first[i], other[i])
 		}
@@ -317,4 +329,32 @@ func TestHTTPTransportExplicitKeys(t *testing.T) {
 
 	require.Equal(t, []string{"POST ", "POST chosen-1", "POST own-1"}, p.headers.all(), "the invalid key sent nothing")
 	require.EqualValues(t, 2, p.execs.Load())
+}
+
+// roundTripFunc is an http.RoundTripper made of a function.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
+// A request built by hand, without a Header map, gets its key like any
+// other (RoundTrip is called directly by wrapping transports).
+func TestHTTPTransportRequestWithoutHeaderMap(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, testdb.New(t, 2))
+	var sent string
+	tr := &idempotency.HTTPTransport{Base: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		sent = r.Header.Get(idempotency.HeaderKey)
+		return &http.Response{StatusCode: http.StatusOK, Body: http.NoBody, Request: r}, nil
+	})}
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k-1", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		u, _ := url.Parse("http://provider.invalid/v1/charges")
+		req := (&http.Request{Method: http.MethodPost, URL: u}).WithContext(ctx)
+		resp, err := tr.RoundTrip(req)
+		if err == nil {
+			_ = resp.Body.Close()
+		}
+		return nil, err
+	})
+	require.NoError(t, err)
+	requireDerived(t, []string{sent}, "k-1")
 }
