@@ -27,16 +27,21 @@ package idempotencykafka
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime/debug"
 	"strconv"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/exactlyonce/idempotency"
 )
@@ -88,10 +93,14 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // Run polls records, applies them (partitions at once, each partition's
 // records in offset order), produces the ones that can never succeed to the
 // dead-letter topic, commits the offsets of the records done, and allows
-// the next rebalance, until ctx is done (it returns ctx.Err()) or the
-// client is closed (nil). A failed offset commit is reported to
-// WithErrorHandler and Run goes on: the records are applied, and a
-// redelivery of them replays.
+// the next rebalance, until ctx is done; it then returns ctx.Err(). Stop it
+// by cancelling ctx, then close the client: a record being retried (the
+// database down, its ID held elsewhere, the dead-letter topic missing)
+// stops only with ctx, and with kgo.BlockRebalanceOnPoll the client's
+// Close waits for Run to allow the rebalance. A client closed under Run
+// with CloseAllowingRebalance ends it (nil) at its next poll. A failed
+// offset commit is reported to WithErrorHandler and Run goes on: the
+// records are applied, and a redelivery of them replays.
 func (c *Consumer) Run(ctx context.Context) error {
 	for {
 		fetches := c.client.PollFetches(ctx)
@@ -186,7 +195,7 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handle(ctx, tx, r) }
 	failures := 0
 	for wait := uint(0); ; wait++ {
-		outcome, err := c.store.ProcessMessage(ctx, m, fn)
+		outcome, err := c.apply(ctx, m, fn)
 		c.o.onOutcome(r, outcome, err)
 		switch idempotency.DispositionOf(outcome, err) {
 		case idempotency.Ack:
@@ -197,10 +206,11 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if outcome == idempotency.OutcomeReleased {
+		if outcome == idempotency.OutcomeReleased && !transient(err) {
 			// The handler's own error: the record is tried a bounded number
-			// of times. The database being down, or the ID held by another
-			// member, are not the record's fault: those wait.
+			// of times. The database being down or overloaded, a lock or
+			// serialization conflict, or the ID held by another member, are
+			// not the record's fault: those wait.
 			if failures++; failures >= c.o.maxAttempts {
 				return c.deadLetter(ctx, r, id, outcome, fmt.Sprintf("gave up after %d attempts: %v", failures, err))
 			}
@@ -211,23 +221,54 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 	}
 }
 
+// apply is ProcessMessage, with a panic of the handler turned into an
+// error: the engine has rolled the record's transaction back and released
+// its ID, and a record that panics every time is dead-lettered after its
+// attempts rather than crashing every consumer it reaches.
+func (c *Consumer) apply(ctx context.Context, m idempotency.Message, fn func(context.Context, pgx.Tx) error) (outcome idempotency.Outcome, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			outcome, err = idempotency.OutcomeReleased, fmt.Errorf("the handler panicked: %v", p)
+			c.o.onError(fmt.Errorf("idempotencykafka: message %s: %w\n%s", m.ID, err, debug.Stack()))
+		}
+	}()
+	return c.store.ProcessMessage(ctx, m, fn)
+}
+
+// transient reports whether a released record's error is the database's
+// (down, overloaded, a lock or statement timeout, a serialization failure
+// or deadlock): trying again can help, and the record is not at fault.
+func transient(err error) bool {
+	switch status.Code(err) {
+	case codes.Aborted, codes.ResourceExhausted:
+		return true
+	}
+	return errors.Is(err, idempotency.ErrStoreUnavailable)
+}
+
 // Message is what the consumer processes r as: its ID (the producer's ID
 // header, or the record's position), the consumer's scope, and a body of
 // the record's key and value, so that an ID reused for another record is
 // caught. Code that applies a record outside the consumer gives this
 // Message to Store.ProcessMessage, so that the two never both apply it.
 func (c *Consumer) Message(r *kgo.Record) idempotency.Message {
-	return idempotency.Message{Scope: c.o.scope, ID: c.messageID(r), Body: body(r), TTL: c.o.ttl}
+	return idempotency.Message{Scope: c.o.scope(r.Topic), ID: c.messageID(r), Body: body(r), TTL: c.o.ttl}
 }
 
-// messageID is the producer's ID header, or the record's position.
+// messageID is the producer's ID header, or the record's position (hashed
+// when a long topic name would make it longer than a key may be).
 func (c *Consumer) messageID(r *kgo.Record) string {
 	for _, h := range r.Headers {
 		if h.Key == c.o.idHeader {
 			return string(h.Value)
 		}
 	}
-	return r.Topic + "/" + strconv.FormatInt(int64(r.Partition), 10) + "/" + strconv.FormatInt(r.Offset, 10)
+	pos := r.Topic + "/" + strconv.FormatInt(int64(r.Partition), 10) + "/" + strconv.FormatInt(r.Offset, 10)
+	if len(pos) > idempotency.MaxKeyLen {
+		sum := sha256.Sum256([]byte(pos))
+		pos = "position-" + hex.EncodeToString(sum[:])
+	}
+	return pos
 }
 
 // body is what the record's ID is fingerprinted with: its key and value.
@@ -251,8 +292,11 @@ const (
 // WithErrorHandler until an operator creates it), so that the record is
 // committed only once it is kept there. The dead-letter topic is
 // at-least-once: a consumer that dies between the produce and the offset
-// commit dead-letters the record again when it comes back (its final
-// error is stored, so it never runs again).
+// commit gets the record again. One with a final error (stored) is
+// dead-lettered again without running; one that was given up after its
+// attempts, or whose ID was reused, is tried again, and may then succeed:
+// its effect is applied once, and the dead-letter topic has a copy that
+// an operator should check against the effect before replaying it.
 func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, outcome idempotency.Outcome, cause string) error {
 	dl := &kgo.Record{
 		Topic: c.o.deadLetterTopic(r.Topic),

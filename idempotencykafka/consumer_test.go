@@ -110,13 +110,25 @@ func consumerOpts(brokers []string, group, topic string, extra ...kgo.Opt) []kgo
 }
 
 // credit is the handler: the value is an amount of cents; "oops" is a
-// poison record, "fail" fails every time, "ref:X" credits against a
-// reference that must exist when the transaction commits.
+// poison record, "fail" fails every time, "panic" panics every time,
+// "ref:X" credits against a reference that must exist when the transaction
+// commits, "lock" credits 1 cent after locking the 'known' reference, with
+// a lock timeout of 50 ms.
 func credit(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
 	v := string(r.Value)
 	switch {
 	case v == "fail":
 		return errors.New("the ledger refuses this record today")
+	case v == "panic":
+		panic("the handler cannot read " + v)
+	case v == "lock":
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '50ms'`); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `UPDATE refs SET id = id WHERE id = 'known'`); err != nil {
+			return err
+		}
+		v = "1"
 	case strings.HasPrefix(v, "ref:"):
 		_, err := tx.Exec(ctx, `INSERT INTO credits (msg_id, account, cents, ref) VALUES ($1, $2, 1, $3)`, header(r, idempotencykafka.DefaultIDHeader), string(r.Key), strings.TrimPrefix(v, "ref:"))
 		return err
@@ -511,4 +523,62 @@ func TestNewRefusesAClientThatCommitsAheadOfTheDatabase(t *testing.T) {
 	defer client.Close()
 	_, err = idempotencykafka.New(w.store, client, credit, idempotencykafka.WithMaxAttempts(0))
 	require.ErrorContains(t, err, "WithMaxAttempts")
+}
+
+// A record whose handler meets the database's trouble (here a lock
+// timeout, for as long as another transaction holds the row) is the
+// database's problem, not the record's: it is tried again past its
+// attempts, never dead-lettered, and applied once the lock is free.
+func TestDatabaseTroubleInTheHandlerIsWaitedNotDeadLettered(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits", "credits.dead-letter")
+	ctx := context.Background()
+	holder, err := w.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT 1 FROM refs WHERE id = 'known' FOR UPDATE`)
+	require.NoError(t, err)
+
+	w.produce(t, "credits", rec("m-1", "acct-1", "lock"))
+	var released atomic.Int64
+	var deadLettered atomic.Int64
+	m := w.startMember(t, "lock-group", "credits", idempotencykafka.WithMaxAttempts(2), idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond),
+		idempotencykafka.WithOutcomeHandler(func(_ *kgo.Record, o idempotency.Outcome, _ error) {
+			if o == idempotency.OutcomeReleased {
+				released.Add(1)
+			}
+		}),
+		idempotencykafka.WithDeadLetterHandler(func(*kgo.Record, string) { deadLettered.Add(1) }))
+	waitFor(t, "the record meets the lock more times than its attempts", func() bool { return released.Load() >= 5 })
+	require.Zero(t, w.committed(t, "lock-group", "credits"))
+	require.NoError(t, holder.Rollback(ctx))
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "lock-group", "credits") == 1 })
+	m.stop()
+	require.Zero(t, deadLettered.Load(), "never dead-lettered")
+	rows, _ := w.credits(t)
+	require.Equal(t, 1, rows)
+}
+
+// A handler that panics on a record every time does not crash the
+// consumer: the record's transaction rolls back, and after its attempts it
+// is dead-lettered with the panic as its cause.
+func TestHandlerPanicIsDeadLetteredAfterItsAttempts(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits", "credits.dead-letter")
+	w.produce(t, "credits", rec("m-1", "acct-1", "panic"), rec("m-2", "acct-1", "7"))
+	var causes []string
+	var mu sync.Mutex
+	m := w.startMember(t, "panic-group", "credits", idempotencykafka.WithMaxAttempts(2), idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond),
+		idempotencykafka.WithDeadLetterHandler(func(_ *kgo.Record, cause string) {
+			mu.Lock()
+			defer mu.Unlock()
+			causes = append(causes, cause)
+		}))
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "panic-group", "credits") == 2 })
+	m.stop()
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []string{"gave up after 2 attempts: the handler panicked: the handler cannot read panic"}, causes)
+	rows, _ := w.credits(t)
+	require.Equal(t, 1, rows, "m-2 applied; m-1's writes rolled back")
 }

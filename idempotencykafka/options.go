@@ -14,7 +14,8 @@ import (
 type Option func(*options)
 
 type options struct {
-	scope, idHeader          string
+	scope                    func(topic string) string
+	idHeader                 string
 	deadLetterTopic          func(topic string) string
 	maxAttempts, commitEvery int
 	backoffBase, backoffMax  time.Duration
@@ -29,7 +30,7 @@ const DefaultIDHeader = "message-id"
 
 func defaultOptions(group string) options {
 	return options{
-		scope:           "kafka/" + group,
+		scope:           func(topic string) string { return "kafka/" + group + "/" + topic },
 		idHeader:        DefaultIDHeader,
 		deadLetterTopic: func(topic string) string { return topic + ".dead-letter" },
 		maxAttempts:     10,
@@ -45,7 +46,7 @@ func defaultOptions(group string) options {
 
 func (o *options) validate() error {
 	switch {
-	case o.scope == "":
+	case o.scope == nil || o.scope("") == "":
 		return fmt.Errorf("idempotencykafka: WithScope: the scope must not be empty")
 	case o.idHeader == "":
 		return fmt.Errorf("idempotencykafka: WithIDHeader: the header name must not be empty")
@@ -78,9 +79,13 @@ func (o *options) backoff(wait uint, err error) time.Duration {
 	return d
 }
 
-// WithScope sets the scope of the message IDs. Defaults to "kafka/" and
-// the consumer group: two groups on one topic apply each record once each.
-func WithScope(scope string) Option { return func(o *options) { o.scope = scope } }
+// WithScope sets the scope of the message IDs, one for every topic the
+// consumer reads. Defaults to "kafka/<group>/<topic>": two groups on one
+// topic apply each record once each, and producer-set IDs of two topics
+// never meet.
+func WithScope(scope string) Option {
+	return func(o *options) { o.scope = func(string) string { return scope } }
+}
 
 // WithIDHeader names the record header that carries a producer-set message
 // ID, which also catches a record produced twice. Records without it are
@@ -98,7 +103,9 @@ func WithDeadLetterTopic(f func(topic string) string) Option {
 // WithMaxAttempts bounds how many times a record whose handler fails is
 // tried before it is dead-lettered (a final error dead-letters it at
 // once). Waiting for the database or for another member holding the ID
-// does not count. Defaults to 10.
+// does not count, and neither do the database's own failures (down,
+// overloaded, a lock or statement timeout, a serialization failure).
+// Defaults to 10.
 func WithMaxAttempts(n int) Option { return func(o *options) { o.maxAttempts = n } }
 
 // WithCommitEvery sets how many records of a partition are applied between
