@@ -122,7 +122,11 @@ func WithRetryBackoff(base, max time.Duration) Option {
 }
 
 // WithTTL sets how long message IDs are remembered; keep it longer than
-// the topic's retention. Defaults to idempotency.DefaultTTL.
+// the topic's retention. A topic deleted and created again within the TTL
+// starts its offsets over: records identified by their position would be
+// taken for the old ones (replayed, or dead-lettered as reused IDs), so
+// give them producer-set IDs or the consumer a new scope. Defaults to
+// idempotency.DefaultTTL.
 func WithTTL(ttl time.Duration) Option { return func(o *options) { o.ttl = ttl } }
 
 // The handlers of WithErrorHandler, WithOutcomeHandler and
