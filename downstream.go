@@ -45,9 +45,10 @@ const derivedKeyPrefix = "dk1-"
 // prefix "dk1-": 47 printable ASCII characters that contain neither the
 // scope nor the key. The hash has no secret: whoever can guess a parent key
 // (an order number) can confirm the guess by hashing it, so do not rely on
-// derived keys to hide guessable ones. A parent key used again after its
-// record expired derives the same keys as before: keep keys of downstream
-// systems no longer than your own. The interceptors
+// derived keys to hide guessable ones. A parent key used again for a new
+// operation after its record expired derives the same keys as before, and
+// a downstream system that still remembers them answers with the old
+// results: a client must never reuse a key for another operation. The interceptors
 // and [HTTPTransport] call it for outgoing calls that have no key of their own.
 func DownstreamKey(ctx context.Context, target string) (string, bool) {
 	c, ok := ctx.Value(runningCallKey{}).(runningCall)
