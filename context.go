@@ -24,10 +24,10 @@ type runningCall struct {
 type runningCallKey struct{}
 
 // withCall returns ctx carrying the transaction, scope and key (as the
-// client sent it, and as stored) of a running call, and new counters of
-// its downstream calls.
-func withCall(ctx context.Context, tx pgx.Tx, scope, key, stored string) context.Context {
-	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, scope: scope, key: key, stored: stored, downstream: &downstreamCalls{}})
+// client sent it, and as stored) of a running call, and the counters of
+// its downstream calls, new for each run.
+func withCall(ctx context.Context, tx pgx.Tx, scope, key, stored string, downstream *downstreamCalls) context.Context {
+	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, scope: scope, key: key, stored: stored, downstream: downstream})
 }
 
 // TxFromContext returns the transaction of the idempotent call running in

@@ -50,6 +50,10 @@ type callTx struct {
 	// The rows and batch results handed out, closed when the call ends.
 	rows    []pgx.Rows
 	batches []pgx.BatchResults
+	// downstream counts the run's downstream calls per target, for
+	// DownstreamKey: here rather than in a value of its own, so that a call
+	// that makes none allocates nothing for them.
+	downstream downstreamCalls
 }
 
 var _ pgx.Tx = (*callTx)(nil)

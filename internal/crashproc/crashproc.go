@@ -20,12 +20,14 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // Child is a running child process.
 type Child struct {
 	cmd     *exec.Cmd
-	stderr  syncBuffer
+	stderr  testdb.SyncBuffer
 	exited  chan struct{}
 	waitErr error
 }
@@ -128,23 +130,4 @@ func (r *readySignal) Write(p []byte) (int, error) {
 		r.once.Do(func() { close(r.ch) })
 	}
 	return len(p), nil
-}
-
-// syncBuffer is a buffer the child's output is copied into while the test
-// reads it.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

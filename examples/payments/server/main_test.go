@@ -10,7 +10,6 @@ import (
 	"net"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -25,24 +24,6 @@ import (
 	"github.com/exactlyonce/idempotency/examples/payments/provider"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
-
-// syncBuffer is a log destination the test can read while the server writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 func listen(t *testing.T) net.Listener {
 	t.Helper()
@@ -78,7 +59,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	url := db.URL()
 
 	lis, httpLis, metricsLis, providerLis := listen(t), listen(t), listen(t), listen(t)
-	var logs syncBuffer
+	var logs testdb.SyncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
 	go func() {
@@ -204,7 +185,7 @@ func TestHelpHidesThePassword(t *testing.T) {
 
 // Log lines keep their length whatever key a client sends.
 func TestLongKeysAreTruncatedInLogs(t *testing.T) {
-	var logs syncBuffer
+	var logs testdb.SyncBuffer
 	tracer := payments.LogTracer(slog.New(slog.NewTextHandler(&logs, nil)))
 	tracer.TraceCallEnd(context.Background(), idempotency.TraceCallEndData{
 		TraceCallStartData: idempotency.TraceCallStartData{Transport: idempotency.TransportGRPC, Method: "/payments.v1.PaymentService/Charge", Key: strings.Repeat("k", 255)},
