@@ -73,14 +73,62 @@ type ledger struct{ handler handlerFunc }
 // env is one test's world: its own schema with a migrated key table and a
 // ledger table, a store, and a gRPC server on a loopback TCP socket.
 type env struct {
-	t     *testing.T
-	db    *testdb.DB
-	store *idempotency.Store
-	conn  *grpc.ClientConn
-	addr  string
-	runs  atomic.Int64 // handler invocations, committed or not
-	execs atomic.Int64 // calls whose execution committed (OutcomeExecuted)
-	srv   *grpc.Server
+	t       *testing.T
+	db      *testdb.DB
+	store   *idempotency.Store
+	conn    *grpc.ClientConn
+	addr    string
+	runs    atomic.Int64 // handler invocations, committed or not
+	execs   atomic.Int64 // calls whose execution committed (OutcomeExecuted)
+	arrived atomic.Int64 // calls that reached the server, before any interceptor
+	srv     *grpc.Server
+}
+
+// liveness bounds how long a test waits for something that must happen;
+// reaching it is a failure, never a measurement.
+const liveness = 30 * time.Second
+
+// gate holds a handler until the test opens it.
+type gate struct {
+	ch   chan struct{}
+	once sync.Once
+}
+
+func newGate() *gate { return &gate{ch: make(chan struct{})} }
+
+func (g *gate) open() { g.once.Do(func() { close(g.ch) }) }
+
+// wait returns once the gate is open, or an error when the call ends or
+// the test never opens it.
+func (g *gate) wait(ctx context.Context) error {
+	t := time.NewTimer(liveness)
+	defer t.Stop()
+	select {
+	case <-g.ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return fmt.Errorf("the test never opened the gate within %v", liveness)
+	}
+}
+
+// heldDuplicates makes n calls at once while the one that runs is held at
+// release. It opens release once ready (told how many calls are back)
+// says so, then waits for every call.
+func heldDuplicates(t *testing.T, n int, release *gate, call func(i int), ready func(back int64) bool, what string) {
+	t.Helper()
+	var wg sync.WaitGroup
+	var back atomic.Int64
+	for i := range n {
+		wg.Go(func() {
+			call(i)
+			back.Add(1)
+		})
+	}
+	require.Eventually(t, func() bool { return ready(back.Load()) }, liveness, time.Millisecond, what)
+	release.open()
+	wg.Wait()
 }
 
 type envConfig struct {
@@ -105,7 +153,12 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		e.runs.Add(1)
 		return h(ctx, req)
 	}
-	chain := append(slices.Clone(cfg.interceptors), idempotency.UnaryServerInterceptor(e.store, cfg.opts...))
+	arrive := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
+		e.arrived.Add(1)
+		return next(ctx, req)
+	}
+	chain := append([]grpc.UnaryServerInterceptor{arrive}, cfg.interceptors...)
+	chain = append(chain, idempotency.UnaryServerInterceptor(e.store, cfg.opts...))
 	e.srv = grpc.NewServer(grpc.ChainUnaryInterceptor(chain...))
 	e.srv.RegisterService(ledgerDesc(), &ledger{handler: counted})
 	e.addr = serve(t, e.srv)

@@ -50,43 +50,44 @@ func TestFirstCallStoresAndRetryReplaysByteForByte(t *testing.T) {
 	require.Equal(t, 1, e.keyRows())
 }
 
+// Duplicates that arrive while the first call runs: it runs once, and each
+// duplicate either waits for its response or, past a short in-progress
+// wait, gives up with Aborted. The first call is held until the test has
+// seen what it needs (every call at the server, or every duplicate back),
+// so nothing here depends on how fast the machine is.
 func TestConcurrentDuplicatesExecuteOnce(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
-		name     string
-		wait     time.Duration // how long duplicates wait for the first call
-		handler  time.Duration // how long the first call takes
-		aborted  bool          // expect duplicates to give up with Aborted
-		replayed bool          // expect duplicates to get the replay
+		name    string
+		wait    time.Duration // how long duplicates wait for the first call
+		aborted bool          // duplicates give up with Aborted; else they get the replay
 	}{
-		{name: "duplicates wait and replay", wait: 5 * time.Second, handler: 300 * time.Millisecond, replayed: true},
-		{name: "duplicates give up with Aborted", wait: 50 * time.Millisecond, handler: 1500 * time.Millisecond, aborted: true},
+		{name: "duplicates wait and replay", wait: liveness},
+		{name: "duplicates give up with Aborted", wait: 50 * time.Millisecond, aborted: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			var e *env
+			release := newGate()
+			defer release.open() // a failed assertion must not leave the handler held
 			e = newEnv(t, envConfig{
 				storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(tc.wait), idempotency.WithSuggestedRetryDelay(123 * time.Millisecond)},
 				handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 					resp, err := e.insertLedger(ctx, req)
-					time.Sleep(tc.handler)
+					if err := release.wait(ctx); err != nil {
+						return nil, status.Error(codes.Internal, err.Error())
+					}
 					return resp, err
 				},
 			})
 			const n = 32
 			replies := make([]reply, n)
-			var wg sync.WaitGroup
-			start := make(chan struct{})
-			for i := range replies {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					<-start
-					replies[i] = e.call(context.Background(), methodCharge, "dup-key", "charge 5")
-				}()
+			call := func(i int) { replies[i] = e.call(context.Background(), methodCharge, "dup-key", "charge 5") }
+			if tc.aborted {
+				heldDuplicates(t, n, release, call, func(back int64) bool { return back == n-1 }, "every duplicate gives up while the first call runs")
+			} else {
+				heldDuplicates(t, n, release, call, func(int64) bool { return e.arrived.Load() == n }, "every call reaches the server while the first one runs")
 			}
-			close(start)
-			wg.Wait()
 
 			require.EqualValues(t, 1, e.runs.Load(), "handler must run exactly once for %d concurrent duplicates", n)
 			require.Equal(t, 1, e.ledgerRows())
@@ -117,8 +118,7 @@ func TestConcurrentDuplicatesExecuteOnce(t *testing.T) {
 			}
 			if tc.aborted {
 				require.Equal(t, n-1, aborted, "every duplicate gives up after the short wait")
-			}
-			if tc.replayed {
+			} else {
 				require.Equal(t, n-1, replayed, "every duplicate waits for the winner and gets its response")
 			}
 		})
@@ -204,22 +204,29 @@ func TestFinalErrorAfterFailedStatementIsStored(t *testing.T) {
 }
 
 // A call that outlasts its TTL must not commit a key that is already
-// expired: its retry right after is a replay.
+// expired: the key lives a full TTL from when the call finished, not from
+// when it was claimed.
 func TestCallLongerThanTTLKeepsItsKey(t *testing.T) {
 	t.Parallel()
+	const ttl = 100 * time.Millisecond
 	var e *env
+	var finished atomic.Int64 // when the handler returned, in Unix microseconds
 	e = newEnv(t, envConfig{
-		opts: []idempotency.ServerOption{idempotency.WithTTL(100 * time.Millisecond)},
+		opts: []idempotency.ServerOption{idempotency.WithTTL(ttl)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			resp, err := e.insertLedger(ctx, req)
-			time.Sleep(250 * time.Millisecond)
+			time.Sleep(2 * ttl) // a key that lived from its claim would expire here
+			finished.Store(time.Now().UnixMicro())
 			return resp, err
 		},
 	})
 	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err)
-	again := e.call(context.Background(), methodCharge, "k", "x")
-	require.NoError(t, again.err)
-	require.True(t, again.replayed, "the key lives a full TTL from when the call finished")
+	var lifetime time.Duration
+	require.NoError(t, e.db.Pool.QueryRow(context.Background(),
+		`SELECT (extract(epoch FROM expires_at - $1::timestamptz) * 1e6)::bigint FROM idempotency_keys WHERE key = 'k'`,
+		time.UnixMicro(finished.Load())).Scan(&lifetime))
+	lifetime *= time.Microsecond
+	require.GreaterOrEqual(t, lifetime, ttl, "the key expires a full TTL after the handler returned")
 	require.Equal(t, 1, e.ledgerRows())
 }
 
@@ -418,13 +425,15 @@ func (rawCodec) Name() string { return "proto" }
 
 func TestExpiredKeyExecutesAgain(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithTTL(200 * time.Millisecond)}})
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithTTL(time.Hour)}})
 	ctx := context.Background()
 	first := e.call(ctx, methodCharge, "k", "x")
 	require.NoError(t, first.err)
 	require.True(t, e.call(ctx, methodCharge, "k", "x").replayed, "within the TTL the key replays")
 
-	time.Sleep(300 * time.Millisecond)
+	// The hour passes.
+	_, err := e.db.Pool.Exec(ctx, `UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE key = 'k'`)
+	require.NoError(t, err)
 	again := e.call(ctx, methodCharge, "k", "x")
 	require.NoError(t, again.err)
 	require.False(t, again.replayed, "an expired key is treated as absent")
