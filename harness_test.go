@@ -490,14 +490,14 @@ func killBackend(t testing.TB, pid uint32) {
 		t.Errorf("terminate backend %d: %v", pid, err)
 		return
 	}
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(liveness)
 	for {
 		var alive bool
 		if err := admin.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)`, pid).Scan(&alive); err != nil || !alive {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Errorf("backend %d still alive 5 s after pg_terminate_backend", pid)
+			t.Errorf("backend %d still alive %v after pg_terminate_backend", pid, liveness)
 			return
 		}
 		time.Sleep(5 * time.Millisecond)
@@ -511,8 +511,8 @@ func await[T any](t testing.TB, ch <-chan T, what string) T {
 	select {
 	case v := <-ch:
 		return v
-	case <-time.After(10 * time.Second):
-		t.Fatalf("gave up after 10 s waiting for %s", what)
+	case <-time.After(liveness):
+		t.Fatalf("gave up after %v waiting for %s", liveness, what)
 		panic("unreachable")
 	}
 }

@@ -466,7 +466,7 @@ func TestDisconnectAfterSuccessStillStores(t *testing.T) {
 	require.Equal(t, codes.Canceled, status.Code(r.err))
 	select {
 	case <-finished:
-	case <-time.After(10 * time.Second):
+	case <-time.After(liveness):
 		t.Fatal("server never finished the call")
 	}
 

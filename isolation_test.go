@@ -4,7 +4,6 @@ import (
 	"context"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -57,7 +56,7 @@ func TestStolenKeyGetsItsOwnExecution(t *testing.T) {
 	e = newEnv(t, envConfig{
 		interceptors: []grpc.UnaryServerInterceptor{authenticate(map[string]string{"alice-token": "alice", "mallory-token": "mallory"})},
 		opts:         []idempotency.ServerOption{idempotency.WithScope(scopeFromPrincipal)},
-		storeOpts:    []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Second)},
+		storeOpts:    []idempotency.StoreOption{idempotency.WithInProgressWait(liveness)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			if req.GetValue() == "hold" {
 				close(holding)

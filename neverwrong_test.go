@@ -150,7 +150,7 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 					tc.pool(cfg)
 				}
 			})
-			store := migratedStore(t, db, idempotency.WithInProgressWait(10*time.Second))
+			store := migratedStore(t, db, idempotency.WithInProgressWait(liveness))
 			createLedger(t, db)
 			var runs atomic.Int64
 			release := make(chan struct{})
@@ -163,7 +163,7 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 				committed.Store(true)
 				select {
 				case <-release:
-				case <-time.After(10 * time.Second):
+				case <-time.After(liveness):
 				}
 				return wrapperspb.String("first run"), nil
 			}
@@ -172,14 +172,14 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 				_, err := store.Execute(context.Background(), call, fn)
 				first <- err
 			}()
-			require.Eventually(t, committed.Load, 10*time.Second, time.Millisecond, "the handler to commit")
+			require.Eventually(t, committed.Load, liveness, time.Millisecond, "the handler to commit")
 			dup := make(chan error, 1)
 			go func() {
 				_, err := store.Execute(context.Background(), call, fn)
 				dup <- err
 			}()
 			// The duplicate's claim, then a probe of its wait: it is waiting.
-			require.Eventually(t, func() bool { return tries.Load() >= 2 }, 10*time.Second, time.Millisecond, "the duplicate to try the key")
+			require.Eventually(t, func() bool { return tries.Load() >= 2 }, liveness, time.Millisecond, "the duplicate to try the key")
 			close(release)
 			for _, err := range []error{await(t, first, "the first call"), await(t, dup, "the duplicate")} {
 				require.Equal(t, codes.Internal, status.Code(err), "%v", err)
@@ -451,7 +451,7 @@ func TestDeferredFailureAndADuplicateGetOneAnswer(t *testing.T) {
 					close(storing)
 					select {
 					case <-stored:
-					case <-time.After(10 * time.Second):
+					case <-time.After(liveness):
 					}
 				})
 			}

@@ -94,7 +94,12 @@ func TestDatabaseOutageUnderLoad(t *testing.T) {
 		start := time.Now()
 		proxy.SetRefusing(true)
 		proxy.CutAll()
+		// At least outageRefusal, and until a call has outlived its retry
+		// chain, however slowly the attempts go.
 		time.Sleep(outageRefusal)
+		for deadline := time.Now().Add(liveness); appRetries.Load() == 0 && time.Now().Before(deadline); {
+			time.Sleep(time.Millisecond)
+		}
 		proxy.SetRefusing(false)
 		refusedFor = time.Since(start)
 		for _, at := range []int64{260, 300} {

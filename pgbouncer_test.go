@@ -309,7 +309,7 @@ func TestThroughPgBouncerEveryFailureReleasesTheKey(t *testing.T) {
 		_, _ = other.Exec(ctx, "ROLLBACK")
 		// A dead session releases its locks once its backend notices; no
 		// live one may keep one.
-		require.Eventually(t, func() bool { return heldKeyLocks(t, db, "", []string{key}) == 0 }, 10*time.Second, 10*time.Millisecond, "%s: the key's lock outlived the call", name)
+		require.Eventually(t, func() bool { return heldKeyLocks(t, db, "", []string{key}) == 0 }, liveness, 10*time.Millisecond, "%s: the key's lock outlived the call", name)
 		res, err := store.Execute(ctx, idempotency.Call{Key: key + "-again", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return wrapperspb.String("ok"), nil })
 		require.NoError(t, err, name)
 		require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, name)

@@ -220,7 +220,7 @@ func TestPolicyFromProtoOptions(t *testing.T) {
 		require.Less(t, ttl, time.Hour)
 		require.Eventually(t, func() bool {
 			return e.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'ttl-key' AND expires_at <= now()`) == 1
-		}, 10*time.Second, 10*time.Millisecond, "the key to expire")
+		}, liveness, 10*time.Millisecond, "the key to expire")
 		_, replayed, err := send(c.ShortTTL, "ttl-key", req("t"))
 		require.NoError(t, err)
 		require.False(t, replayed, "expired after the method's TTL")

@@ -129,7 +129,7 @@ func TestDuplicateArrivingAtCommitGetsReplay(t *testing.T) {
 	db := suiteDB(t)
 	gate := &commitGate{}
 	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: gate.roundTrip} })
-	srv := startReplica(t, pool, replicaConfig{storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(5 * time.Second)}})
+	srv := startReplica(t, pool, replicaConfig{storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(liveness)}})
 	conn := dial(t, srv.addr) // no retries: the duplicate's first answer must be the replay
 
 	rng := rand.New(rand.NewPCG(7, 7))
@@ -150,7 +150,7 @@ func TestDuplicateArrivingAtCommitGetsReplay(t *testing.T) {
 		go func() { winner <- invoke(as("winner"), conn, methodCharge, body(r)) }()
 		select {
 		case <-round.commitStarting:
-		case <-time.After(10 * time.Second):
+		case <-time.After(liveness):
 			t.Fatalf("round %d: the first call never reached its commit", r)
 		}
 		loser := invoke(as("loser"), conn, methodCharge, body(r))

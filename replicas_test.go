@@ -83,6 +83,9 @@ func TestReplicasShareKeysAndSurviveARestart(t *testing.T) {
 		r := startReplica(t, schemaPool(t, db.Schema, 6, nil), replicaConfig{
 			interceptors: []grpc.UnaryServerInterceptor{log.interceptor(name)},
 			tracer:       log.outcomes(name),
+			// A retry that finds its call still running on a stopped
+			// replica waits for it, however slowly that one ends.
+			storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(liveness)},
 		})
 		p, err := faultproxy.New(r.addr, faultproxy.WithSeed(seed), faultproxy.WithDropResponseRate(replicaDrop))
 		require.NoError(t, err)
@@ -122,6 +125,9 @@ func TestReplicasShareKeysAndSurviveARestart(t *testing.T) {
 	}()
 	runLogical(t, replicaCalls, replicaWorkers, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
 		defer done.Add(1)
+		if i >= 2*replicaCalls/3 { // the last third runs with the restarted replica
+			<-restarted
+		}
 		return chargeUntilDone(ctx, conn, i, &retries, &appRetries)
 	})
 	<-restarted

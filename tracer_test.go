@@ -71,7 +71,7 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 				close(holding)
 				select { // holds the key until the duplicate has given up
 				case <-release:
-				case <-time.After(10 * time.Second):
+				case <-time.After(liveness):
 					return nil, status.Error(codes.DeadlineExceeded, "the test never released the slow call")
 				}
 			}

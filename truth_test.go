@@ -3,7 +3,9 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -107,7 +109,7 @@ func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
 	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["statement_timeout"] = "300ms" })
 	holding := make(chan struct{})
 	srv := startReplica(t, pool, replicaConfig{
-		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(3 * time.Second)},
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(liveness)},
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			resp, err := keyedLedger(ctx, req)
 			if req.GetValue() == "slow" {
@@ -129,46 +131,112 @@ func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
 }
 
 // A handler cut short by the caller's deadline: DeadlineExceeded, nothing
-// committed, the key free.
+// committed, the key free. The deadline passes while the handler's
+// statement runs in PostgreSQL, whatever the machine's speed.
 func TestHandlerPastItsDeadline(t *testing.T) {
 	t.Parallel()
 	var e *env
 	var outcome atomic.Value
+	var pid atomic.Uint32 // the backend running the handler's statement
+	sleep := func(ctx context.Context, tx pgx.Tx) error {
+		var p uint32 // through tx: a handler that touches tx.Conn() is held to a stricter rule
+		if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&p); err != nil {
+			return err
+		}
+		pid.Store(p)
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(60)`)
+		return err
+	}
+	var cue *deadlineCue
 	e = newEnv(t, envConfig{
 		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 			if _, err := e.insertLedger(ctx, req); err != nil {
 				return nil, err
 			}
-			_, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `SELECT pg_sleep(2)`)
-			return wrapperspb.String("late"), err
+			return wrapperspb.String("late"), sleep(ctx, idempotency.MustTxFromContext(ctx))
 		},
 		tracer: idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
 			outcome.Store([2]any{data.Outcome, status.Code(data.Err)})
 		}),
 		// A server-side timeout, as a handler-timeout middleware sets one.
 		interceptors: []grpc.UnaryServerInterceptor{func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
-			defer cancel()
-			return h(ctx, req)
+			return h(cue.wrap(ctx), req)
 		}},
 	})
-	r := e.call(context.Background(), methodCharge, "k", "x")
-	require.Equal(t, codes.DeadlineExceeded, status.Code(r.err))
-	require.Eventually(t, func() bool { return outcome.Load() != nil }, 30*time.Second, 5*time.Millisecond)
+	cue = newDeadlineCue()
+	replied := make(chan reply, 1)
+	go func() { replied <- e.call(context.Background(), methodCharge, "k", "x") }()
+	cue.expireWhenSleeping(t, e.db, &pid)
+	r := await(t, replied, "the call")
+	require.Equal(t, codes.DeadlineExceeded, status.Code(r.err), "%v", r.err)
+	require.Eventually(t, func() bool { return outcome.Load() != nil }, liveness, 5*time.Millisecond)
 	require.Equal(t, [2]any{idempotency.OutcomeReleased, codes.DeadlineExceeded}, outcome.Load(), "the server reports the deadline, not an outage")
 	require.Equal(t, 0, e.ledgerRows())
 	require.Equal(t, 0, e.keyRows())
 
 	// The same through the engine.
-	dctx, dcancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
-	defer dcancel()
-	res, err := e.store.Execute(dctx, idempotency.Call{Key: "k2", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-		_, err := tx.Exec(ctx, `SELECT pg_sleep(2)`)
-		return nil, err
-	})
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Equal(t, codes.DeadlineExceeded, status.Code(err))
-	require.Equal(t, idempotency.OutcomeReleased, res.Outcome)
+	pid.Store(0)
+	cue = newDeadlineCue()
+	type executed struct {
+		res idempotency.Result
+		err error
+	}
+	done := make(chan executed, 1)
+	go func() {
+		res, err := e.store.Execute(cue.wrap(context.Background()), idempotency.Call{Key: "k2", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			return nil, sleep(ctx, tx)
+		})
+		done <- executed{res, err}
+	}()
+	cue.expireWhenSleeping(t, e.db, &pid)
+	x := await(t, done, "Execute")
+	require.ErrorIs(t, x.err, context.DeadlineExceeded)
+	require.Equal(t, codes.DeadlineExceeded, status.Code(x.err))
+	require.Equal(t, idempotency.OutcomeReleased, x.res.Outcome)
+}
+
+// deadlineCue makes contexts whose deadline passes when the test says so:
+// Err is context.DeadlineExceeded once expired, as a timer's would be.
+type deadlineCue struct {
+	done chan struct{}
+	once sync.Once
+}
+
+func newDeadlineCue() *deadlineCue { return &deadlineCue{done: make(chan struct{})} }
+
+func (c *deadlineCue) wrap(parent context.Context) context.Context {
+	return cuedContext{Context: parent, cue: c}
+}
+
+func (c *deadlineCue) expire() { c.once.Do(func() { close(c.done) }) }
+
+// expireWhenSleeping expires the cue once the backend in pid is inside the
+// handler's pg_sleep.
+func (c *deadlineCue) expireWhenSleeping(t *testing.T, db *testdb.DB, pid *atomic.Uint32) {
+	t.Helper()
+	defer c.expire() // a failed wait must not leave the call sleeping
+	require.Eventually(t, func() bool {
+		p := pid.Load()
+		return p != 0 && db.Count(t, fmt.Sprintf(`SELECT count(*) FROM pg_stat_activity WHERE pid = %d AND wait_event = 'PgSleep'`, p)) == 1
+	}, liveness, time.Millisecond, "the handler's statement to run")
+}
+
+type cuedContext struct {
+	context.Context
+	cue *deadlineCue
+}
+
+func (c cuedContext) Deadline() (time.Time, bool) { return time.Now().Add(time.Hour), true }
+
+func (c cuedContext) Done() <-chan struct{} { return c.cue.done }
+
+func (c cuedContext) Err() error {
+	select {
+	case <-c.cue.done:
+		return context.DeadlineExceeded
+	default:
+		return c.Context.Err()
+	}
 }
 
 // A validation failure does not use up the key: the corrected request can

@@ -216,8 +216,9 @@ func TestSameIDAfterDuplicateWindow(t *testing.T) {
 	t.Parallel()
 	pool, store := newDB(t)
 	_, js := connect(t)
-	const window = 200 * time.Millisecond
-	stream, durable, subject := newStream(t, js, window, 5*time.Second)
+	// A window long enough that the copy surely falls within it, then a
+	// short one for the copies that must fall after it.
+	stream, durable, subject := newStream(t, js, time.Hour, 5*time.Second)
 	credit := natsconsumer.Credit{Account: "acct-1", AmountCents: 2500}
 	body, err := json.Marshal(credit)
 	require.NoError(t, err)
@@ -226,6 +227,12 @@ func TestSameIDAfterDuplicateWindow(t *testing.T) {
 	within := publish(t, js, subject, "order-42", credit)
 	require.True(t, within.Duplicate, "within the window JetStream drops the copy itself")
 	require.Equal(t, first.Sequence, within.Sequence)
+	info, err := js.Stream(context.Background(), stream)
+	require.NoError(t, err)
+	cfg := info.CachedInfo().Config
+	cfg.Duplicates = 200 * time.Millisecond
+	_, err = js.UpdateStream(context.Background(), cfg)
+	require.NoError(t, err)
 	after := publishAfterWindow(t, js, subject, "order-42", body)
 	other, err := json.Marshal(natsconsumer.Credit{Account: "acct-1", AmountCents: 9900})
 	require.NoError(t, err)
@@ -309,7 +316,7 @@ func TestNewRequiresExplicitAcks(t *testing.T) {
 // since the ID's last stored message has passed.
 func publishAfterWindow(t *testing.T, js jetstream.JetStream, subject, id string, body []byte) *jetstream.PubAck {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
+	deadline := time.Now().Add(30 * time.Second)
 	for attempt := 1; ; attempt++ {
 		ack, err := natsconsumer.Publish(context.Background(), js, subject, id, body)
 		require.NoError(t, err)

@@ -10,24 +10,13 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // TestMain fails the binary if the tool left a goroutine behind: every
 // server, pool, cleaner and client it starts must be stopped by run.
-func TestMain(m *testing.M) {
-	code := m.Run()
-	testdb.Close()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintf(os.Stderr, "goleak: goroutines outlived the tests: %v\n", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+func TestMain(m *testing.M) { os.Exit(testdb.RunWithLeakCheck(m)) }
 
 // TestShort runs the tool as CI does, with -short: every scenario, the
 // preload and the cleaner, for a few seconds. It checks that the run

@@ -22,9 +22,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"go.uber.org/goleak"
 
 	"github.com/exactlyonce/idempotency/internal/dburl"
+	"github.com/exactlyonce/idempotency/internal/leakcheck"
 )
 
 // EnvVar names the environment variable holding the database URL.
@@ -70,17 +70,7 @@ func Close() {
 // and fails the binary if any goroutine outlived the tests: every server,
 // pool, cleaner and client a test starts must be stopped by it. Use it as
 // os.Exit(testdb.RunWithLeakCheck(m)) in TestMain.
-func RunWithLeakCheck(m *testing.M) int {
-	code := m.Run()
-	Close()
-	if code == 0 {
-		if err := goleak.Find(); err != nil {
-			fmt.Fprintf(os.Stderr, "goleak: goroutines outlived the tests: %v\n", err)
-			code = 1
-		}
-	}
-	return code
-}
+func RunWithLeakCheck(m *testing.M) int { return leakcheck.Run(m, Close) }
 
 // DB is one test's isolated database: a fresh schema and a pool whose
 // search_path is that schema, so unqualified table names stay private.
