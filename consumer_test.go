@@ -19,7 +19,8 @@ func TestProcessMessageAppliesEachIDOnce(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 16)
 	ctx := context.Background()
-	store := migratedStore(t, db)
+	// The redeliveries below wait for the one that runs, however slowly it goes.
+	store := migratedStore(t, db, idempotency.WithInProgressWait(liveness))
 	_, err := db.Pool.Exec(ctx, `CREATE TABLE events (msg_id text NOT NULL, body text NOT NULL)`)
 	require.NoError(t, err)
 	apply := func(id, body string) (idempotency.Outcome, error) {
