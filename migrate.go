@@ -87,7 +87,7 @@ func (s *Store) Migrate(ctx context.Context) error {
 			return fmt.Errorf("idempotency: migrate: lock: %w", err)
 		}
 		if len(s.ident) == 2 { // the table of applied versions lives there too
-			if _, err := tx.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{s.ident[0]}.Sanitize()); err != nil {
+			if _, err := tx.Exec(ctx, schema.CreateSchema(s.ident[0])); err != nil {
 				return fmt.Errorf("idempotency: migrate: create schema %s: %w", s.ident[0], err)
 			}
 		}

@@ -2,6 +2,8 @@ package idempotency
 
 import (
 	"strings"
+
+	"github.com/exactlyonce/idempotency/internal/schema"
 )
 
 // statements are the SQL texts of a store, rendered once for its table.
@@ -30,7 +32,7 @@ func renderStatements(ident string) statements {
 	// on every call (a syscache hit), so a table that was recreated is
 	// followed, and a missing table fails with 42P01.
 	lockKey := func(key string) string {
-		return "pg_catalog.hashtextextended(" + key + ", pg_catalog.hashtextextended($1, " + quoteLiteral(ident) + "::pg_catalog.regclass::pg_catalog.oid::bigint))"
+		return "pg_catalog.hashtextextended(" + key + ", pg_catalog.hashtextextended($1, " + schema.QuoteLiteral(ident) + "::pg_catalog.regclass::pg_catalog.oid::bigint))"
 	}
 	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", lockKey("$2"), "{{lock_key_k}}", lockKey("k"))
 	const columns = `method, fingerprint, state, response_type, response, status, metadata, expires_at <= pg_catalog.now()`
@@ -122,9 +124,3 @@ const insertRow = `INSERT INTO {{table}} (scope, key, method, fingerprint, state
 SELECT $1, $2, $3, $4, $5, NULLIF($6, ''), $7, $8, $10, c.t, c.t + $9 * interval '1 microsecond'
 FROM (SELECT pg_catalog.clock_timestamp() AS t) c
 WHERE 1 / ($11::timestamptz IS NULL OR pg_catalog.now() = $11)::int = 1`
-
-// quoteLiteral quotes s as an SQL string literal that means the same
-// whatever standard_conforming_strings says.
-func quoteLiteral(s string) string {
-	return "E'" + strings.NewReplacer(`\`, `\\`, "'", "''").Replace(s) + "'"
-}

@@ -22,10 +22,12 @@ func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	ctx := context.Background()
-	// Hostile names must be quoted, not interpreted.
-	schema := db.Schema + ` odd "schema"; --` // unique per run, so parallel runs do not collide
+	// Hostile names must be quoted, not interpreted. Migrate creates the
+	// schema, whose name would end the dollar quote of the statement that
+	// creates it.
+	schema := db.Schema + ` odd "schema"; $create_schema$ \' --` // unique per run, so parallel runs do not collide
 	const table = `keys'); DROP TABLE victim; --`
-	_, err := db.Pool.Exec(ctx, `CREATE TABLE victim (id int); CREATE SCHEMA `+pgx.Identifier{schema}.Sanitize())
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE victim (id int)`)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		_, _ = testdb.Admin(t).Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)

@@ -215,7 +215,8 @@ func TestSQLFilesForMigrationTools(t *testing.T) {
 		"003_namespace_keys.down.sql", "003_namespace_keys.up.sql"}, base)
 	up, err := os.ReadFile(filepath.Join(dir, "001_create_keys.up.sql"))
 	require.NoError(t, err)
-	require.Contains(t, string(up), "CREATE SCHEMA IF NOT EXISTS \"app\";\nCREATE TABLE IF NOT EXISTS \"app\".\"keys\"")
+	require.Contains(t, string(up), "THEN CREATE SCHEMA \"app\"; END IF;")
+	require.Contains(t, string(up), "$create_schema$;\nCREATE TABLE IF NOT EXISTS \"app\".\"keys\"")
 
 	out, _, code := command(t, nil, "", "sql", "-format", "goose")
 	require.Zero(t, code)
@@ -250,31 +251,72 @@ func TestPasswordIsNeverPrinted(t *testing.T) {
 func TestSchemaOfTheTableIsCreated(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
-	ctx := context.Background()
 	for _, via := range []string{"migrate", "psql"} {
 		schema := db.Schema + "_" + via
 		t.Cleanup(func() {
-			_, _ = db.Pool.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+			_, _ = db.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
 		})
-		if via == "migrate" {
-			_, errOut, code := command(t, nil, "", "-database-url", testdb.URL(), "-schema", schema, "migrate")
-			require.Zero(t, code, errOut)
-		} else {
-			up, errOut, code := command(t, nil, "", "-schema", schema, "sql")
-			require.Zero(t, code, errOut)
-			cmd := exec.Command("psql", "-v", "ON_ERROR_STOP=1", "-q", testdb.URL())
-			cmd.Stdin = strings.NewReader(up)
-			out, err := cmd.CombinedOutput()
-			require.NoError(t, err, string(out))
-		}
-		store, err := idempotency.NewStore(db.Pool, idempotency.WithTable(schema, idempotency.DefaultTable))
-		require.NoError(t, err)
-		res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
-			return wrapperspb.String("ok"), nil
-		})
-		require.NoError(t, err, via)
-		require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, via)
+		migrateVia(t, via, schema, nil)
+		requireServes(t, db, schema, via)
 	}
+}
+
+// A schema a DBA created for the application, and a role that owns it but
+// may not create schemas in the database (as PostgreSQL's default for a
+// role): migrate and the printed SQL succeed as that role.
+func TestExistingSchemaNeedsNoRightToCreateSchemas(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	ctx := context.Background()
+	role := db.Schema + "_app"
+	_, err := db.Pool.Exec(ctx, "CREATE ROLE "+pgx.Identifier{role}.Sanitize()+" NOLOGIN")
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = db.Pool.Exec(context.Background(), "DROP ROLE IF EXISTS "+pgx.Identifier{role}.Sanitize())
+	})
+	for _, via := range []string{"migrate", "psql"} {
+		schema := db.Schema + "_owned_" + via
+		_, err := db.Pool.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()+" AUTHORIZATION "+pgx.Identifier{role}.Sanitize())
+		require.NoError(t, err)
+		t.Cleanup(func() {
+			_, _ = db.Pool.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE")
+		})
+		// The session runs as the role, whatever the login.
+		migrateVia(t, via, schema, []string{"PGOPTIONS=-c role=" + role})
+		require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tableowner = $2 AND tablename = $3`,
+			schema, role, idempotency.DefaultTable), via)
+		requireServes(t, db, schema, via)
+	}
+}
+
+// migrateVia creates the key table in schema with the command's migrate,
+// or with its printed SQL through psql, in the environment env.
+func migrateVia(t *testing.T, via, schema string, env []string) {
+	t.Helper()
+	if via == "migrate" {
+		_, errOut, code := command(t, env, "", "-database-url", testdb.URL(), "-schema", schema, "migrate")
+		require.Zero(t, code, errOut)
+		return
+	}
+	up, errOut, code := command(t, nil, "", "-schema", schema, "sql")
+	require.Zero(t, code, errOut)
+	cmd := exec.Command("psql", "-v", "ON_ERROR_STOP=1", "-q", testdb.URL())
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stdin = strings.NewReader(up)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, string(out))
+}
+
+// requireServes runs a call on the key table in schema.
+func requireServes(t *testing.T, db *testdb.DB, schema, via string) {
+	t.Helper()
+	store, err := idempotency.NewStore(db.Pool, idempotency.WithTable(schema, idempotency.DefaultTable))
+	require.NoError(t, err)
+	res, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+		return wrapperspb.String("ok"), nil
+	})
+	require.NoError(t, err, via)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, via)
 }
 
 // The database defaults to the one every program here uses.

@@ -3,8 +3,8 @@
 // The migrations are plain SQL files, up and down, with three placeholders:
 // {{table}} (the quoted, possibly schema-qualified table name),
 // {{expires_index}} (the quoted name of the expiry index) and
-// {{create_schema}} (a CREATE SCHEMA IF NOT EXISTS statement for a
-// schema-qualified table, empty otherwise), so that teams running their own
+// {{create_schema}} (a statement creating the schema of a
+// schema-qualified table unless it exists, empty otherwise), so that teams running their own
 // migration tool can render and copy them.
 package schema
 
@@ -25,6 +25,27 @@ var files embed.FS
 
 // ExpiresIndexSuffix ends the name of the expiry index, after the table's.
 const ExpiresIndexSuffix = "_expires_at_idx"
+
+// CreateSchema is a statement that creates the schema name unless it
+// exists. It is not CREATE SCHEMA IF NOT EXISTS: PostgreSQL checks the
+// database's CREATE privilege before it looks for the schema, which fails a
+// role given an existing schema and no right to create one. Two of them at
+// once, for two tables of one new schema, both succeed.
+func CreateSchema(name string) string {
+	body := "BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace WHERE nspname = " + QuoteLiteral(name) + ") THEN CREATE SCHEMA " +
+		pgx.Identifier{name}.Sanitize() + "; END IF; EXCEPTION WHEN duplicate_schema OR unique_violation THEN NULL; END"
+	tag := "$create_schema$"
+	for i := 0; strings.Contains(body, tag); i++ {
+		tag = "$create_schema" + strconv.Itoa(i) + "$"
+	}
+	return "DO " + tag + " " + body + " " + tag
+}
+
+// QuoteLiteral quotes s as an SQL string literal that means the same
+// whatever standard_conforming_strings says.
+func QuoteLiteral(s string) string {
+	return "E'" + strings.NewReplacer(`\`, `\\`, "'", "''").Replace(s) + "'"
+}
 
 // Migration is one rendered schema change.
 type Migration struct {
@@ -49,7 +70,7 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 	}
 	createSchema := ""
 	if len(ident) == 2 {
-		createSchema = "CREATE SCHEMA IF NOT EXISTS " + pgx.Identifier{ident[0]}.Sanitize() + ";\n"
+		createSchema = CreateSchema(ident[0]) + ";\n"
 	}
 	r := strings.NewReplacer(
 		"{{table}}", ident.Sanitize(),
