@@ -88,6 +88,10 @@ func deriveKey(scope, key, target string, n uint64) string {
 //	req, _ := http.NewRequestWithContext(ctx, "POST", providerURL+"/v1/charges", body)
 //	resp, err := client.Do(req) // ctx is the handler's: the key is derived
 //
+// A redirect that keeps the method (307, 308) carries the key of the
+// request it follows, so a re-run that is not redirected sends the same
+// keys.
+//
 // A request that is retried above the transport (a retrying HTTP client
 // calls RoundTrip once per attempt) needs its key set before the first
 // attempt, in the header or with [WithOutgoingKey]; otherwise each attempt
@@ -116,6 +120,9 @@ func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 			closeBody(req)
 			return nil, keyError(err, HeaderKey, "WithOutgoingKey")
 		}
+	} else if key, ok = redirectedKey(req); ok {
+		// The key of the request the call made: a redirect is no call of
+		// its own, and must not take the next ordinal.
 	} else if key, ok = DownstreamKey(ctx, req.Method+" "+req.URL.EscapedPath()); !ok {
 		return base.RoundTrip(req)
 	}
@@ -125,6 +132,17 @@ func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	r.Header.Set(HeaderKey, headerValue(key))
 	return base.RoundTrip(r)
+}
+
+// redirectedKey is the key the transport sent with the request that req
+// follows as a redirect (http.Client builds a new request for each hop,
+// with the headers of the first and without the key set on its copy).
+func redirectedKey(req *http.Request) (string, bool) {
+	if req.Response == nil || req.Response.Request == nil {
+		return "", false
+	}
+	key, err := keyFromHeader(req.Response.Request.Header)
+	return key, err == nil && key != ""
 }
 
 // headerValue is key as most servers read it, a bare token, unless it

@@ -296,6 +296,43 @@ func TestHTTPTransportRerunSendsTheSameKeys(t *testing.T) {
 	require.EqualValues(t, 3, p.execs.Load(), "the provider executed each request once")
 }
 
+// A request that is redirected (307, 308: the method and body are kept)
+// reaches the provider with the key of the request the call made, not
+// with the next derived key: a re-run that is not redirected, because the
+// move has finished, sends the provider the same keys.
+func TestHTTPTransportRedirectKeepsTheKey(t *testing.T) {
+	t.Parallel()
+	p := startProvider(t)
+	old := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, p.url+r.URL.Path, http.StatusTemporaryRedirect)
+	}))
+	t.Cleanup(old.Close)
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	client := &http.Client{Transport: &idempotency.HTTPTransport{}}
+
+	run := func(base string) error {
+		_, err := store.Execute(context.Background(), idempotency.Call{Scope: "shop", Key: "order-10", Method: "Checkout"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+			for _, body := range []string{"charge 1", "charge 2"} {
+				code, err := post(ctx, client, "POST", base+"/v1/charges", body)
+				if err != nil || code != http.StatusOK {
+					return nil, status.Errorf(codes.Unavailable, "%s: %d %v", body, code, err)
+				}
+			}
+			return nil, status.Error(codes.Unavailable, "fail after the provider answered, releasing the key")
+		})
+		return err
+	}
+	require.Equal(t, codes.Unavailable, status.Code(run(old.URL)), "through the old address, redirected")
+	require.Equal(t, codes.Unavailable, status.Code(run(p.url)), "straight to the provider")
+
+	h := p.headers.all()
+	require.Len(t, h, 4)
+	require.Equal(t, h[:2], h[2:], "the re-run sends the provider the first run's keys")
+	require.NotEqual(t, h[0], h[1])
+	require.EqualValues(t, 2, p.execs.Load(), "the provider executed each charge once")
+}
+
 // HTTPTransport outside a running call sends no key unless one is chosen,
 // keeps a key the request carries, and refuses an invalid chosen key
 // without sending anything.
