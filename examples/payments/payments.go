@@ -58,6 +58,11 @@ func WithAfterProvider(hook func(context.Context)) Option {
 	return func(s *Server) { s.afterProvider = hook }
 }
 
+// ProviderChargeTarget is the target of the provider's charge of a call,
+// for [idempotency.DownstreamKey]: the key [idempotency.HTTPTransport]
+// would derive for the provider's charge endpoint.
+const ProviderChargeTarget = "POST /v1/charges"
+
 // Outbox takes charges for the provider in a call's transaction.
 type Outbox interface {
 	// EnqueueCharge writes job in tx; it commits or rolls back with it.
@@ -117,9 +122,20 @@ func (s *Server) Charge(ctx context.Context, req *paymentsv1.ChargeRequest) (*pa
 		return nil, status.Errorf(codes.InvalidArgument, "amount_cents must be positive, got %d", req.GetAmountCents())
 	}
 	tx := idempotency.MustTxFromContext(ctx)
+	// One key for the provider's charge of this call, whichever way it is
+	// made: a call whose first run charged the provider inside the call and
+	// whose re-run enqueues the charge (a rolling switch to the outbox), or
+	// the other way round, charges the provider once.
+	var providerKey string
+	if s.provider != nil || s.outbox != nil {
+		var ok bool
+		if providerKey, ok = idempotency.DownstreamKey(ctx, ProviderChargeTarget); !ok {
+			return nil, status.Error(codes.Internal, "payments: Charge runs outside an idempotent call; serve it behind idempotency.UnaryServerInterceptor (NewGRPCServer does)")
+		}
+	}
 	var providerCharge *string
 	if s.provider != nil {
-		ch, err := s.provider.Charge(ctx, req.GetAccountId(), req.GetAmountCents())
+		ch, err := s.provider.Charge(idempotency.WithOutgoingKey(ctx, providerKey), req.GetAccountId(), req.GetAmountCents())
 		if err != nil {
 			return nil, err
 		}
@@ -148,8 +164,7 @@ SELECT balance_cents FROM account`, req.GetAccountId(), req.GetAmountCents(), re
 		return nil, fmt.Errorf("charge %s: %w", req.GetAccountId(), err)
 	}
 	if s.outbox != nil {
-		key, _ := idempotency.DownstreamKey(ctx, "provider charge")
-		job := ChargeJob{ChargeID: resp.GetChargeId(), AccountID: req.GetAccountId(), AmountCents: req.GetAmountCents(), ProviderKey: key}
+		job := ChargeJob{ChargeID: resp.GetChargeId(), AccountID: req.GetAccountId(), AmountCents: req.GetAmountCents(), ProviderKey: providerKey}
 		if err := s.outbox.EnqueueCharge(ctx, tx, job); err != nil {
 			return nil, fmt.Errorf("enqueue the provider's charge: %w", err)
 		}

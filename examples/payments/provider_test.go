@@ -76,7 +76,7 @@ func runChild() int {
 			return err
 		}
 		defer pool.Close()
-		client := &provider.Client{BaseURL: c.ProviderURL, Merchant: "crash-test"}
+		client := &provider.Client{BaseURL: c.ProviderURL, Merchant: "test"} // the merchant of world.providerClient: one scope at the provider
 		if c.Role == "worker" {
 			ob, err := outbox.New(pool, outbox.Config{Provider: client, RescueAfter: 2 * time.Second, RetryDelay: 100 * time.Millisecond, AfterProvider: afterProvider})
 			if err == nil {
@@ -282,47 +282,77 @@ func listenerFile(t *testing.T) (*os.File, string) {
 // before the call committed; the client sends the charge again with its
 // key to the restarted service. The re-run sends the provider the same
 // derived key and gets its first charge back: one provider charge, one
-// ledger row, naming each other.
+// ledger row, naming each other. The same when the restarted service
+// charges through the outbox instead (a rolling switch to -outbox): the
+// job carries the key the first run sent.
 func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 	// Not parallel: with its provider and child processes it needs about 30
 	// of the server's connections, and the suite stays under its budget.
-	w := newWorld(t, 0)
-	lisFile, addr := listenerFile(t)
-	cfg := childConfig{Role: "server", DatabaseURL: w.db.URL(), ProviderURL: w.providerURL, KillAfterProvider: 1}
-	first := startChild(t, cfg, lisFile)
-	client := dialPayments(t, addr)
+	for _, restart := range []string{"inside the call", "outbox"} {
+		t.Run("restarted "+restart, func(t *testing.T) {
+			w := newWorld(t, 0)
+			lisFile, addr := listenerFile(t)
+			cfg := childConfig{Role: "server", DatabaseURL: w.db.URL(), ProviderURL: w.providerURL, KillAfterProvider: 1}
+			first := startChild(t, cfg, lisFile)
+			client := dialPayments(t, addr)
 
-	type result struct {
-		resp *paymentsv1.ChargeResponse
-		err  error
-	}
-	done := make(chan result, 1)
-	go func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-		defer cancel()
-		resp, err := chargeUntilDone(ctx, client, "order-crash-1", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 700})
-		done <- result{resp, err}
-	}()
-	first.RequireKilled(t, "after the provider answered")
-	require.Equal(t, counts{providerCharges: 1}, w.counts(t), "the provider charged; the dead service committed nothing")
+			type result struct {
+				resp *paymentsv1.ChargeResponse
+				err  error
+			}
+			done := make(chan result, 1)
+			go func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+				defer cancel()
+				resp, err := chargeUntilDone(ctx, client, "order-crash-1", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 700})
+				done <- result{resp, err}
+			}()
+			first.RequireKilled(t, "after the provider answered")
+			require.Equal(t, counts{providerCharges: 1}, w.counts(t), "the provider charged; the dead service committed nothing")
 
-	cfg.KillAfterProvider = 0
-	startChild(t, cfg, lisFile)
-	var r result
-	select {
-	case r = <-done:
-	case <-time.After(3 * time.Minute):
-		t.Fatal("the charge did not finish after the restart")
+			if restart == "outbox" {
+				w.serveOutboxOn(t, lisFile)
+			} else {
+				cfg.KillAfterProvider = 0
+				startChild(t, cfg, lisFile)
+			}
+			var r result
+			select {
+			case r = <-done:
+			case <-time.After(3 * time.Minute):
+				t.Fatal("the charge did not finish after the restart")
+			}
+			require.NoError(t, r.err)
+			w.waitSettled(t, 1)
+			require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
+			require.EqualValues(t, 1, w.provider.executed.Load(), "the provider executed one charge")
+			require.Positive(t, w.provider.replayed.Load(), "the re-run got the provider's first charge back")
+			bal, n, err := payments.Balance(context.Background(), w.db.Pool, "acct-1")
+			require.NoError(t, err)
+			require.EqualValues(t, 700, bal)
+			require.EqualValues(t, 1, n)
+			require.EqualValues(t, 700, r.resp.GetBalanceCents())
+		})
 	}
-	require.NoError(t, r.err)
-	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
-	require.EqualValues(t, 1, w.provider.executed.Load(), "the provider executed one charge")
-	require.Positive(t, w.provider.replayed.Load(), "the re-run got the provider's first charge back")
-	bal, n, err := payments.Balance(context.Background(), w.db.Pool, "acct-1")
+}
+
+// serveOutboxOn serves, in this process, a PaymentService that charges
+// through the outbox, on the listening socket lisFile, with a worker.
+func (w *world) serveOutboxOn(t *testing.T, lisFile *os.File) {
+	t.Helper()
+	ob, err := outbox.New(w.db.Pool, outbox.Config{Provider: w.providerClient(t), RetryDelay: 20 * time.Millisecond})
 	require.NoError(t, err)
-	require.EqualValues(t, 700, bal)
-	require.EqualValues(t, 1, n)
-	require.EqualValues(t, 700, r.resp.GetBalanceCents())
+	require.NoError(t, ob.Start(context.Background()))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		require.NoError(t, ob.Stop(ctx))
+	})
+	lis, err := net.FileListener(lisFile)
+	require.NoError(t, err)
+	srv := payments.NewGRPCServer(payments.NewServer(w.db.Pool, payments.WithOutbox(ob)), w.store)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
 }
 
 // The outbox's worker is killed (SIGKILL) after the provider charged and
