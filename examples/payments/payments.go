@@ -10,6 +10,7 @@ package payments
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 
@@ -179,18 +180,15 @@ func Settle(ctx context.Context, db interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, chargeID, providerChargeID string) error {
 	var current *string
-	err := db.QueryRow(ctx, `
-WITH settled AS (
-    UPDATE ledger SET provider_charge_id = $2 WHERE charge_id = $1 AND provider_charge_id IS NULL
-    RETURNING provider_charge_id
-)
-SELECT coalesce((SELECT provider_charge_id FROM settled), (SELECT provider_charge_id FROM ledger WHERE charge_id = $1))`,
+	// The row lock orders two settlements of one row: the second sees the
+	// first's charge.
+	err := db.QueryRow(ctx, `UPDATE ledger SET provider_charge_id = coalesce(provider_charge_id, $2) WHERE charge_id = $1 RETURNING provider_charge_id`,
 		chargeID, providerChargeID).Scan(&current)
 	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return fmt.Errorf("settle %s: no such ledger row", chargeID)
 	case err != nil:
 		return fmt.Errorf("settle %s: %w", chargeID, err)
-	case current == nil:
-		return fmt.Errorf("settle %s: no such ledger row", chargeID)
 	case *current != providerChargeID:
 		return fmt.Errorf("settle %s: the ledger names provider charge %s, the provider answered %s", chargeID, *current, providerChargeID)
 	}

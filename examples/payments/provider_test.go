@@ -340,6 +340,17 @@ func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 // through the outbox, on the listening socket lisFile, with a worker.
 func (w *world) serveOutboxOn(t *testing.T, lisFile *os.File) {
 	t.Helper()
+	lis, err := net.FileListener(lisFile)
+	require.NoError(t, err)
+	srv := payments.NewGRPCServer(payments.NewServer(w.db.Pool, payments.WithOutbox(w.startOutbox(t))), w.store)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+}
+
+// startOutbox starts the outbox with a worker in this process, stopped
+// when t ends.
+func (w *world) startOutbox(t *testing.T) *outbox.Outbox {
+	t.Helper()
 	ob, err := outbox.New(w.db.Pool, outbox.Config{Provider: w.providerClient(t), RetryDelay: 20 * time.Millisecond})
 	require.NoError(t, err)
 	require.NoError(t, ob.Start(context.Background()))
@@ -348,11 +359,7 @@ func (w *world) serveOutboxOn(t *testing.T, lisFile *os.File) {
 		defer cancel()
 		require.NoError(t, ob.Stop(ctx))
 	})
-	lis, err := net.FileListener(lisFile)
-	require.NoError(t, err)
-	srv := payments.NewGRPCServer(payments.NewServer(w.db.Pool, payments.WithOutbox(ob)), w.store)
-	go func() { _ = srv.Serve(lis) }()
-	t.Cleanup(srv.Stop)
+	return ob
 }
 
 // The outbox's worker is killed (SIGKILL) after the provider charged and
@@ -395,15 +402,7 @@ func TestTwoHundredChargesUnderDroppedResponses(t *testing.T) {
 			w := newWorld(t, drop)
 			var svc *payments.Server
 			if path == "outbox" {
-				ob, err := outbox.New(w.db.Pool, outbox.Config{Provider: w.providerClient(t), RetryDelay: 20 * time.Millisecond})
-				require.NoError(t, err)
-				require.NoError(t, ob.Start(context.Background()))
-				t.Cleanup(func() {
-					ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-					defer cancel()
-					require.NoError(t, ob.Stop(ctx))
-				})
-				svc = payments.NewServer(w.db.Pool, payments.WithOutbox(ob))
+				svc = payments.NewServer(w.db.Pool, payments.WithOutbox(w.startOutbox(t)))
 			} else {
 				svc = payments.NewServer(w.db.Pool, payments.WithProvider(w.providerClient(t)))
 			}

@@ -65,8 +65,6 @@ type Config struct {
 	// the ledger row is settled: the point at which a dying worker loses
 	// the provider's answer. The crash tests die there.
 	AfterProvider func(ctx context.Context)
-	// OnSettled, when set, is told of every job that settled its row.
-	OnSettled func(job payments.ChargeJob, providerChargeID string)
 }
 
 // Outbox enqueues provider charges in a call's transaction and, with a
@@ -169,13 +167,7 @@ func (w *worker) Work(ctx context.Context, job *river.Job[ChargeArgs]) error {
 	if w.cfg.AfterProvider != nil {
 		w.cfg.AfterProvider(ctx)
 	}
-	if err := payments.Settle(ctx, w.pool, a.ChargeID, ch.ID); err != nil {
-		return err
-	}
-	if w.cfg.OnSettled != nil {
-		w.cfg.OnSettled(a.ChargeJob, ch.ID)
-	}
-	return nil
+	return payments.Settle(ctx, w.pool, a.ChargeID, ch.ID)
 }
 
 // NextRetry is the worker's own retry schedule: a fixed delay, instead of

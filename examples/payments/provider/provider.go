@@ -23,7 +23,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -97,14 +96,6 @@ func charge(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(c)
-}
-
-// Count returns how many charges the provider made.
-func Count(ctx context.Context, db interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}) (n int64, err error) {
-	err = db.QueryRow(ctx, `SELECT count(*) FROM provider_charges`).Scan(&n)
-	return n, err
 }
 
 // Client charges through the provider's API.
