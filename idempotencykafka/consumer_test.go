@@ -263,15 +263,34 @@ func (w *world) startMember(t *testing.T, group, topic string, opts ...idempoten
 
 func (w *world) startMemberOn(t *testing.T, store *idempotency.Store, group, topic string, opts ...idempotencykafka.Option) *member {
 	t.Helper()
+	return w.startMemberWith(t, memberConfig{store: store}, group, topic, opts...)
+}
+
+// memberConfig is what a member of a test may change: the store, options
+// of its client, and a hook told of each record's outcome after the
+// member counted it, before the record's offset is committed.
+type memberConfig struct {
+	store     *idempotency.Store
+	client    []kgo.Opt
+	onOutcome func(idempotency.Outcome)
+}
+
+func (w *world) startMemberWith(t *testing.T, cfg memberConfig, group, topic string, opts ...idempotencykafka.Option) *member {
+	t.Helper()
 	m := &member{}
 	var err error
-	m.client, err = kgo.NewClient(consumerOpts(w.brokers, group, topic, kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, ps map[string][]int32) {
+	m.client, err = kgo.NewClient(consumerOpts(w.brokers, group, topic, append([]kgo.Opt{kgo.OnPartitionsAssigned(func(_ context.Context, _ *kgo.Client, ps map[string][]int32) {
 		for _, p := range ps {
 			m.assigned.Add(int64(len(p)))
 		}
-	}))...)
+	})}, cfg.client...)...)...)
 	require.NoError(t, err)
 	count := idempotencykafka.WithOutcomeHandler(func(_ *kgo.Record, o idempotency.Outcome, _ error) {
+		defer func() {
+			if cfg.onOutcome != nil {
+				cfg.onOutcome(o)
+			}
+		}()
 		switch o {
 		case idempotency.OutcomeExecuted:
 			m.executed.Add(1)
@@ -281,7 +300,7 @@ func (w *world) startMemberOn(t *testing.T, store *idempotency.Store, group, top
 			m.inProgress.Add(1)
 		}
 	})
-	c, err := idempotencykafka.New(store, m.client, credit, append([]idempotencykafka.Option{count}, opts...)...)
+	c, err := idempotencykafka.New(cfg.store, m.client, credit, append([]idempotencykafka.Option{count}, opts...)...)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -300,20 +319,31 @@ func (w *world) startMemberOn(t *testing.T, store *idempotency.Store, group, top
 	return m
 }
 
-// A group of two members, the second joining while the first is applying
-// records (a rebalance moves partitions, with records polled but not yet
-// committed, to it): each of 2,000 records' effects commits once.
+// A group of two members. The second joins while the first has applied
+// records whose offsets it has not committed, and is stuck (its handler
+// holds it past the group's rebalance timeout): the group moves its
+// partitions to the second member, which is delivered those records again
+// and replays them. Each of 2,000 records' effects commits once.
 func TestEachRecordOnceAcrossARebalance(t *testing.T) {
 	t.Parallel()
 	const n = 2000
 	w := newWorld(t, 4, "credits")
 	records := amounts(n)
 	w.produce(t, "credits", records[:n/2]...)
+	// The group waits this long for a member to rejoin before it drops it.
+	fastRebalance := []kgo.Opt{kgo.RebalanceTimeout(time.Second)}
 
-	a := w.startMember(t, "credits-group", "credits")
-	waitFor(t, "member a applies some", func() bool { rows, _ := w.credits(t); return rows >= n/8 })
-	b := w.startMember(t, "credits-group", "credits")
-	waitFor(t, "the rebalance gives member b partitions", func() bool { return b.assigned.Load() > 0 })
+	var aExecuted atomic.Int64
+	release := make(chan struct{})
+	a := w.startMemberWith(t, memberConfig{store: w.store, client: fastRebalance, onOutcome: func(o idempotency.Outcome) {
+		if o == idempotency.OutcomeExecuted && aExecuted.Add(1) >= n/8 {
+			<-release // applied, its offset not committed
+		}
+	}}, "credits-group", "credits")
+	waitFor(t, "member a applies some and is stuck", func() bool { return aExecuted.Load() >= n/8 })
+	b := w.startMemberWith(t, memberConfig{store: w.store, client: fastRebalance}, "credits-group", "credits")
+	waitFor(t, "the group drops member a and gives member b its partitions", func() bool { return b.replayed.Load() > 0 })
+	close(release)
 	w.produce(t, "credits", records[n/2:]...)
 	waitFor(t, "every offset committed", func() bool { return w.committed(t, "credits-group", "credits") == n })
 	a.stop()
@@ -322,7 +352,7 @@ func TestEachRecordOnceAcrossARebalance(t *testing.T) {
 	rows, distinct := w.credits(t)
 	require.Equal(t, n, rows, "one effect per record")
 	require.Equal(t, n, distinct)
-	require.Positive(t, b.executed.Load(), "the rebalance gave member b partitions")
+	require.Positive(t, b.replayed.Load(), "member b was delivered records member a had applied")
 	require.EqualValues(t, n, a.executed.Load()+b.executed.Load(), "executions across both members")
 	t.Logf("a executed %d, replayed %d; b executed %d, replayed %d", a.executed.Load(), a.replayed.Load(), b.executed.Load(), b.replayed.Load())
 }
