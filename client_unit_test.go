@@ -87,7 +87,7 @@ func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 	require.False(t, ok)
 	require.Empty(t, k)
 
-	served := withCall(context.Background(), nil, "scope", "served-key", "served-key", nil)
+	served := withCall(context.Background(), &callTx{attempt: &attempt{callRun: &callRun{call: Call{Scope: "scope", Key: "served-key"}, key: "served-key"}}})
 	k, ok = CallKeyFromContext(served)
 	require.True(t, ok)
 	require.Equal(t, "served-key", k)

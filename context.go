@@ -10,24 +10,23 @@ import (
 // of a call (a gRPC handler, a message handler), never the client side. The
 // client side chooses a key with [WithOutgoingKey].
 
-// runningCall is what a context holds of the call running in it.
-type runningCall struct {
-	tx         pgx.Tx
-	scope, key string
-	// stored is the key as stored, with its transport's namespace: what
-	// downstream keys derive from, so that a gRPC call, an HTTP request and
-	// a message with the same key never share them.
-	stored     string
-	downstream *downstreamCalls // per run of the handler: a re-run counts from 0
-}
-
+// runningCallKey keys the *callTx of the call running in a context: its
+// transaction, and through its attempt the call's scope and key, and the
+// key as stored (with its transport's namespace: what downstream keys
+// derive from, so that a gRPC call, an HTTP request and a message with the
+// same key never share them).
 type runningCallKey struct{}
 
-// withCall returns ctx carrying the transaction, scope and key (as the
-// client sent it, and as stored) of a running call, and the counters of
-// its downstream calls, new for each run.
-func withCall(ctx context.Context, tx pgx.Tx, scope, key, stored string, downstream *downstreamCalls) context.Context {
-	return context.WithValue(ctx, runningCallKey{}, runningCall{tx: tx, scope: scope, key: key, stored: stored, downstream: downstream})
+// withCall returns ctx carrying the running call of tx, whose downstream
+// counters are new for each run.
+func withCall(ctx context.Context, tx *callTx) context.Context {
+	return context.WithValue(ctx, runningCallKey{}, tx)
+}
+
+// callFrom returns the call running in ctx.
+func callFrom(ctx context.Context) (*callTx, bool) {
+	t, ok := ctx.Value(runningCallKey{}).(*callTx)
+	return t, ok
 }
 
 // TxFromContext returns the transaction of the idempotent call running in
@@ -35,8 +34,11 @@ func withCall(ctx context.Context, tx pgx.Tx, scope, key, stored string, downstr
 // with the stored response. The transaction's Commit and Rollback return
 // [ErrTxOwned]; nested transactions (savepoints) work as usual.
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
-	c, ok := ctx.Value(runningCallKey{}).(runningCall)
-	return c.tx, ok
+	t, ok := callFrom(ctx)
+	if !ok {
+		return nil, false
+	}
+	return t, true
 }
 
 // MustTxFromContext is [TxFromContext] for code that only runs inside an
@@ -61,6 +63,9 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 //
 // It does not read keys set for outgoing calls with [WithOutgoingKey].
 func CallKeyFromContext(ctx context.Context) (string, bool) {
-	c, ok := ctx.Value(runningCallKey{}).(runningCall)
-	return c.key, ok
+	t, ok := callFrom(ctx)
+	if !ok {
+		return "", false
+	}
+	return t.attempt.call.Key, true
 }

@@ -51,11 +51,11 @@ const derivedKeyPrefix = "dk1-"
 // results: a client must never reuse a key for another operation. The interceptors
 // and [HTTPTransport] call it for outgoing calls that have no key of their own.
 func DownstreamKey(ctx context.Context, target string) (string, bool) {
-	c, ok := ctx.Value(runningCallKey{}).(runningCall)
-	if !ok || c.downstream == nil {
+	t, ok := callFrom(ctx)
+	if !ok {
 		return "", false
 	}
-	return deriveKey(c.scope, c.stored, target, c.downstream.next(target)), true
+	return deriveKey(t.attempt.call.Scope, t.attempt.key, target, t.downstream.next(target)), true
 }
 
 // deriveKey hashes its inputs, each length-prefixed so that no two

@@ -455,7 +455,7 @@ func (a *attempt) run(ctx context.Context, fn Func) handled {
 				panic(p) // from here, so that the panic's trace shows fn's frames
 			}
 		}()
-		h.resp, h.err = fn(withCall(ctx, htx, a.call.Scope, a.call.Key, a.key, &htx.downstream), htx)
+		h.resp, h.err = fn(withCall(ctx, htx), htx)
 	}()
 	a.tp.trace.since(phaseHandler, start)
 	h.refused = htx.refusal()

@@ -41,16 +41,11 @@ func (s *Store) Migrations() ([]Migration, error) { return renderMigrations(s.id
 // as [WithTable] names it (an empty schema leaves it to the search_path),
 // for tools that render the SQL without a database.
 func MigrationsFor(schemaName, table string) ([]Migration, error) {
-	o := defaultStoreOptions()
-	WithTable(schemaName, table)(&o)
-	if err := o.validate(); err != nil {
+	o, err := newStoreOptions([]StoreOption{WithTable(schemaName, table)})
+	if err != nil {
 		return nil, err
 	}
-	ident := pgx.Identifier{table}
-	if schemaName != "" {
-		ident = pgx.Identifier{schemaName, table}
-	}
-	return renderMigrations(ident)
+	return renderMigrations(o.ident())
 }
 
 func renderMigrations(ident pgx.Identifier) ([]Migration, error) {
@@ -60,7 +55,7 @@ func renderMigrations(ident pgx.Identifier) ([]Migration, error) {
 	}
 	ms := make([]Migration, len(rendered))
 	for i, m := range rendered {
-		ms[i] = Migration{Version: m.Version, Name: m.Name, SQL: m.SQL, Down: m.Down}
+		ms[i] = Migration(m)
 	}
 	return ms, nil
 }

@@ -58,18 +58,28 @@ func NewStore(db DB, opts ...StoreOption) (*Store, error) {
 	if db == nil {
 		return nil, errors.New("idempotency: NewStore: db is nil")
 	}
+	o, err := newStoreOptions(opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Store{db: db, ident: o.ident(), opts: o}, nil
+}
+
+// newStoreOptions applies opts to the defaults and validates the result.
+func newStoreOptions(opts []StoreOption) (storeOptions, error) {
 	o := defaultStoreOptions()
 	for _, opt := range opts {
 		opt(&o)
 	}
-	if err := o.validate(); err != nil {
-		return nil, err
-	}
-	s := &Store{db: db, ident: pgx.Identifier{o.table}, opts: o}
+	return o, o.validate()
+}
+
+// ident names the key table, with its schema when one is configured.
+func (o *storeOptions) ident() pgx.Identifier {
 	if o.schema != "" {
-		s.ident = pgx.Identifier{o.schema, o.table}
+		return pgx.Identifier{o.schema, o.table}
 	}
-	return s, nil
+	return pgx.Identifier{o.table}
 }
 
 // statements returns the store's statements, rendered at the store's

@@ -55,15 +55,6 @@ var (
 	buildErr  error
 )
 
-// schemaURL is the test database's URL with search_path set to schema.
-func schemaURL(schema string) string {
-	sep := "?"
-	if strings.Contains(testdb.URL(), "?") {
-		sep = "&"
-	}
-	return testdb.URL() + sep + "search_path=" + schema
-}
-
 // command runs the built command as a process.
 func command(t *testing.T, env []string, stdin string, args ...string) (stdout, stderr string, code int) {
 	t.Helper()
@@ -85,7 +76,7 @@ func command(t *testing.T, env []string, stdin string, args ...string) (stdout, 
 func TestMigrateInspectForgetCleanup(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
-	url := schemaURL(db.Schema)
+	url := db.URL()
 	out, errOut, code := command(t, nil, "", "-database-url", url, "migrate")
 	require.Zero(t, code, errOut)
 	require.Equal(t, "migrations applied\n", out)
@@ -151,7 +142,7 @@ func TestForgetRefusesAKeyInProgress(t *testing.T) {
 		done <- err
 	}()
 	<-holding
-	_, errOut, code := command(t, nil, "", "-database-url", schemaURL(db.Schema), "forget", "", "busy")
+	_, errOut, code := command(t, nil, "", "-database-url", db.URL(), "forget", "", "busy")
 	require.Equal(t, 1, code)
 	require.Contains(t, errOut, "still in progress")
 	releaseOnce.Do(func() { close(release) })
@@ -349,7 +340,7 @@ func TestInspectHTTPKey(t *testing.T) {
 	h.ServeHTTP(rec, req)
 	require.Equal(t, http.StatusCreated, rec.Code)
 
-	out, errOut, code := command(t, nil, "", "-database-url", schemaURL(db.Schema), "inspect", "tenant-1", "order-1")
+	out, errOut, code := command(t, nil, "", "-database-url", db.URL(), "inspect", "tenant-1", "order-1")
 	require.Zero(t, code, errOut)
 	var got struct {
 		Transport string `json:"transport"`
@@ -372,7 +363,7 @@ func TestMissingTableSaysMigrate(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 1)
 	for _, args := range [][]string{{"inspect", "s", "k"}, {"forget", "s", "k"}, {"cleanup"}} {
-		_, errOut, code := command(t, nil, "", append([]string{"-database-url", schemaURL(db.Schema)}, args...)...)
+		_, errOut, code := command(t, nil, "", append([]string{"-database-url", db.URL()}, args...)...)
 		require.Equal(t, 1, code, args)
 		require.Contains(t, errOut, `the key table "idempotency_keys" does not exist`, args)
 		require.Contains(t, errOut, "idempotency migrate, with the same -database-url, -schema and -table, creates the table", args)

@@ -16,40 +16,25 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/stretchr/testify/require"
-	"go.uber.org/goleak"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/natsconsumer"
+	"github.com/exactlyonce/idempotency/internal/dburl"
+	"github.com/exactlyonce/idempotency/internal/leakcheck"
 )
 
 // The tests need a real PostgreSQL and a real nats-server with JetStream.
-// Both are named by environment variables with local defaults; either one
-// missing fails the tests, it never skips them. `bash scripts/test.sh` at the
+// Both are named by environment variables with local defaults (the
+// database's is dburl's, as for every program here); either one missing
+// fails the tests, it never skips them. `bash scripts/test.sh` at the
 // repository root starts both when they are installed but down.
 const (
-	databaseURLEnv     = "DATABASE_URL"
-	defaultDatabaseURL = "postgres://postgres:postgres@127.0.0.1:5432/test?sslmode=disable"
-	natsURLEnv         = "NATS_URL"
-	defaultNATSURL     = "nats://127.0.0.1:4222"
+	natsURLEnv     = "NATS_URL"
+	defaultNATSURL = "nats://127.0.0.1:4222"
 )
 
-// TestMain fails the tests if a goroutine outlived them. Goroutines that
-// are ending (a closed connection's, a stopped consumer's) get ten seconds,
-// not goleak's half a second: a loaded machine is slow to let them go.
-func TestMain(m *testing.M) {
-	code := m.Run()
-	if code == 0 {
-		err := goleak.Find()
-		for deadline := time.Now().Add(10 * time.Second); err != nil && time.Now().Before(deadline); {
-			err = goleak.Find()
-		}
-		if err != nil {
-			fmt.Fprintf(os.Stderr, "goleak: goroutines outlived the tests: %v\n", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
+// TestMain fails the tests if a goroutine outlived them.
+func TestMain(m *testing.M) { os.Exit(leakcheck.Run(m)) }
 
 func envOr(name, def string) string {
 	if v := os.Getenv(name); v != "" {
@@ -71,11 +56,11 @@ func newDB(t *testing.T, opts ...idempotency.StoreOption) (*pgxpool.Pool, *idemp
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	url := envOr(databaseURLEnv, defaultDatabaseURL)
+	url := dburl.URL()
 	admin, err := pgx.Connect(ctx, url)
 	if err != nil {
 		t.Fatalf("no PostgreSQL at %s: %v\nSet %s to a database these tests may create schemas in, "+
-			"or run `bash scripts/test.sh` at the repository root, which starts the local server.", url, err, databaseURLEnv)
+			"or run `bash scripts/test.sh` at the repository root, which starts the local server.", dburl.Redacted(url), err, dburl.EnvVar)
 	}
 	defer admin.Close(context.Background())
 	schema := randomName("natsconsumer_")

@@ -297,7 +297,7 @@ func (b *bench) setup(ctx context.Context) error {
 	if _, err := b.admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{b.schema}.Sanitize()); err != nil {
 		return fmt.Errorf("create schema: %w", err)
 	}
-	b.logf("schema %s on %s", b.schema, redact(b.cfg.URL))
+	b.logf("schema %s on %s", b.schema, dburl.Redacted(b.cfg.URL))
 
 	b.tracer = newTracer(b.schema)
 	b.pool, err = newPool(ctx, b.cfg.URL, b.schema, b.cfg.Pool, func(c *pgxpool.Config) {
@@ -570,7 +570,7 @@ func connect(ctx context.Context, url string) (*pgx.Conn, error) {
 	cfg.RuntimeParams["application_name"] = appName
 	conn, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect to %s: %w", redact(url), err)
+		return nil, fmt.Errorf("connect to %s: %w", dburl.Redacted(url), err)
 	}
 	return conn, nil
 }
@@ -594,19 +594,11 @@ func newPool(ctx context.Context, url, schema string, size int, configure func(*
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect to %s: %w", redact(url), err)
+		return nil, fmt.Errorf("connect to %s: %w", dburl.Redacted(url), err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("connect to %s: %w", redact(url), err)
+		return nil, fmt.Errorf("connect to %s: %w", dburl.Redacted(url), err)
 	}
 	return pool, nil
-}
-
-func redact(url string) string {
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	return fmt.Sprintf("%s:%d/%s", cfg.Host, cfg.Port, cfg.Database)
 }

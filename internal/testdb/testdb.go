@@ -53,7 +53,7 @@ func Admin(t testing.TB) *pgxpool.Pool {
 		}
 	})
 	if adminErr != nil {
-		t.Fatalf("no PostgreSQL at %s (set %s to point the tests at one; `bash scripts/services.sh`, from the repository's root, starts the local one): %v", redact(URL()), EnvVar, adminErr)
+		t.Fatalf("no PostgreSQL at %s (set %s to point the tests at one; `bash scripts/services.sh`, from the repository's root, starts the local one): %v", dburl.Redacted(URL()), EnvVar, adminErr)
 	}
 	return admin
 }
@@ -160,14 +160,6 @@ func (db *DB) Count(t testing.TB, sql string, args ...any) int {
 		t.Fatalf("%s: %v", sql, err)
 	}
 	return n
-}
-
-func redact(u string) string {
-	cfg, err := pgx.ParseConfig(u)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	return fmt.Sprintf("%s:%d/%s as %s", cfg.Host, cfg.Port, cfg.Database, cfg.User)
 }
 
 // PgBouncerEnvVar names the environment variable holding the URL of a
