@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -122,11 +123,13 @@ func TestStoresOnTwoTablesShareNoLocks(t *testing.T) {
 	require.NoError(t, <-doneA)
 }
 
-// The primary key decides, whoever writes the key's row: a row committed
-// by a writer that did not take the lock (an older engine during a rolling
-// upgrade) makes the call's own INSERT fail, its writes roll back, and the
-// caller gets that row's result.
-func TestRowWrittenWithoutTheLockWins(t *testing.T) {
+// The primary key decides, whoever writes the key's row: a writer that
+// does not take the key's lock (an older engine during a rolling upgrade,
+// an operator's INSERT) waits for the call's claim, which is in the call's
+// transaction from its first statement, and then fails on the primary key;
+// the call's result is the key's. A row such a writer committed before the
+// call's claim is the call's answer.
+func TestRowWrittenWithoutTheLockMeetsTheClaim(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	ctx := context.Background()
@@ -134,24 +137,48 @@ func TestRowWrittenWithoutTheLockWins(t *testing.T) {
 	createLedger(t, db)
 	other, err := proto.Marshal(wrapperspb.String("the other writer's response"))
 	require.NoError(t, err)
-	call := idempotency.Call{Scope: "s", Key: "k", Method: "m", Fingerprint: []byte{1}}
-	var runs atomic.Int64
-	res, err := store.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-		runs.Add(1)
-		if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('mine')`); err != nil {
-			return nil, err
-		}
+	insert := func(key string) error {
 		_, err := testdb.Admin(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{db.Schema, idempotency.DefaultTable}.Sanitize()+`
 (scope, key, method, fingerprint, state, response_type, response, expires_at)
-VALUES ('s', 'k', 'm', '\x01', 'succeeded', 'google.protobuf.StringValue', $1, now() + interval '1 hour')`, other)
+VALUES ('s', $1, 'm', '\x01', 'succeeded', 'google.protobuf.StringValue', $2, now() + interval '1 hour')`, key, other)
+		return err
+	}
+	var runs atomic.Int64
+	foreign := make(chan error, 1)
+	res, err := store.Execute(ctx, idempotency.Call{Scope: "s", Key: "k", Method: "m", Fingerprint: []byte{1}}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		go func() { foreign <- insert("k") }()
+		// The foreign INSERT waits for the claim: wait until it does.
+		require.Eventually(t, func() bool {
+			return db.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO%'`) > 0
+		}, 30*time.Second, time.Millisecond)
+		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('mine')`)
 		return wrapperspb.String("mine"), err
+	})
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+	require.Equal(t, "23505", sqlStateOf(await(t, foreign, "the foreign INSERT")), "the claim's row took the key")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+
+	require.NoError(t, insert("k2"))
+	res, err = store.Execute(ctx, idempotency.Call{Scope: "s", Key: "k2", Method: "m", Fingerprint: []byte{1}}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		return nil, nil
 	})
 	require.NoError(t, err)
 	require.Equal(t, idempotency.OutcomeReplayed, res.Outcome)
 	require.Equal(t, "the other writer's response", res.Response.(*wrapperspb.StringValue).GetValue())
 	require.EqualValues(t, 1, runs.Load())
-	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM ledger`), "the call's own write rolled back")
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+// sqlStateOf is the SQLSTATE of a PostgreSQL error, "" for any other.
+func sqlStateOf(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
 }
 
 // A finished key is never run again, whatever the caller marks: a first

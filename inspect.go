@@ -30,13 +30,17 @@ type Record struct {
 	// "POST /path" for HTTP, "idempotency/message" for a message.
 	Method string
 	// State is "succeeded" (Response holds the result) or "failed" (Status
-	// holds the final error).
+	// holds the final error); "running" is a claim its handler committed
+	// (it ended the call's transaction itself), which the next call with
+	// the key stores as failed.
 	State string
-	// CreatedAt is when the result was stored, ExpiresAt when the key
-	// expires; Expired says whether it already has (the cleaner has not
+	// CreatedAt is when the key was claimed, CompletedAt when its result
+	// was stored (zero for a claim, and for keys stored by earlier versions
+	// of this module, whose CreatedAt is that moment), ExpiresAt when the
+	// key expires; Expired says whether it already has (the cleaner has not
 	// deleted it yet).
-	CreatedAt, ExpiresAt time.Time
-	Expired              bool
+	CreatedAt, CompletedAt, ExpiresAt time.Time
+	Expired                           bool
 	// ResponseType is the stored response's protobuf message name, "" when
 	// there is none; Response its encoding. An HTTP response is a
 	// google.protobuf.BytesValue holding the body.
@@ -121,11 +125,12 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 	}
 	keys := storedKeys(key)
 	var stored string
-	var responseType *string
-	var status []byte
+	var responseType, response, status, fingerprint, metadata *string
+	var created, expires int64
+	var completed *int64
 	err = s.readCommitted(ctx, func(tx pgx.Tx) error {
-		err := tx.QueryRow(ctx, st.inspect, scope, keys).Scan(&stored, &rec.Method, &rec.State, &rec.CreatedAt, &rec.ExpiresAt, &rec.Expired,
-			&responseType, &rec.Response, &status, &rec.Fingerprint, &rec.Metadata)
+		err := tx.QueryRow(ctx, st.inspect, scope, keys).Scan(&stored, &rec.Method, &rec.State, &created, &completed, &expires, &rec.Expired,
+			&responseType, &response, &status, &fingerprint, &metadata)
 		if !errors.Is(err, pgx.ErrNoRows) {
 			return err
 		}
@@ -144,13 +149,26 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 	if err != nil {
 		return rec, s.dbError(ctx, "inspect key", err)
 	}
+	rec.CreatedAt, rec.ExpiresAt = time.UnixMicro(created), time.UnixMicro(expires)
+	if completed != nil {
+		rec.CompletedAt = time.UnixMicro(*completed)
+	}
+	var statusBytes []byte
+	for _, c := range []struct {
+		dst *[]byte
+		src *string
+	}{{&rec.Response, response}, {&statusBytes, status}, {&rec.Fingerprint, fingerprint}, {&rec.Metadata, metadata}} {
+		if *c.dst, err = decodeBase64(c.src); err != nil {
+			return rec, fmt.Errorf("idempotency: inspect key: %w", err)
+		}
+	}
 	rec.Transport, rec.Key = transportOf(stored)
 	if responseType != nil {
 		rec.ResponseType = *responseType
 	}
-	if status != nil {
+	if statusBytes != nil {
 		p := &statuspb.Status{}
-		if err := proto.Unmarshal(status, p); err != nil {
+		if err := proto.Unmarshal(statusBytes, p); err != nil {
 			return rec, fmt.Errorf("idempotency: inspect key: stored status: %w", err)
 		}
 		rec.Status = grpcstatus.FromProto(p)

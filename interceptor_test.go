@@ -715,7 +715,7 @@ func TestStoreFailureRollsBackBusinessWrite(t *testing.T) {
 	ctx := context.Background()
 	_, err := e.db.Pool.Exec(ctx, `CREATE FUNCTION refuse_result() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN RAISE EXCEPTION 'disk full' USING ERRCODE = 'disk_full'; END $$;
-CREATE TRIGGER refuse_result BEFORE INSERT ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_result()`)
+CREATE TRIGGER refuse_result BEFORE UPDATE ON idempotency_keys FOR EACH ROW EXECUTE FUNCTION refuse_result()`)
 	require.NoError(t, err)
 
 	r := e.call(ctx, methodCharge, "k", "x")

@@ -444,7 +444,7 @@ func TestDeferredFailureAndADuplicateGetOneAnswer(t *testing.T) {
 	var once sync.Once
 	db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
 		cfg.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(_ context.Context, _ *pgx.Conn, statements []string) {
-			if strings.Contains(strings.Join(statements, ";"), "ON CONFLICT (scope, key) DO NOTHING") {
+			if strings.Contains(strings.Join(statements, ";"), "BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE") {
 				// The first call is about to store its error outside its
 				// transaction: let the duplicate finish first.
 				once.Do(func() {
@@ -604,32 +604,27 @@ func TestHTTPReplayKeepsContentEncodingAndNoCookie(t *testing.T) {
 	require.NotContains(t, string(rec.Metadata), "first-callers-secret", "nor stored")
 }
 
-// KEY_REUSED is the stored call's answer, not this run's: it carries none
-// of the headers and trailers the rolled-back run set.
-func TestKeyReusedCarriesNothingOfARolledBackRun(t *testing.T) {
+// An answer that is not this run's (here the engine's error for a handler
+// that ended the call's transaction) carries none of the headers and
+// trailers the run set.
+func TestEngineErrorCarriesNothingOfTheRun(t *testing.T) {
 	t.Parallel()
-	var e *env
-	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		if err := grpc.SetHeader(ctx, metadata.Pairs("x-charge-id", "ch_never_happened")); err != nil {
 			return nil, err
 		}
 		if err := grpc.SetTrailer(ctx, metadata.Pairs("x-charge-trailer", "ch_never_happened")); err != nil {
 			return nil, err
 		}
-		// Another request's result is stored under the key meanwhile.
-		other, err := idempotency.Fingerprint(methodCharge, wrapperspb.String("another request"))
-		if err != nil {
-			return nil, err
-		}
-		_, err = testdb.Admin(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{e.db.Schema, idempotency.DefaultTable}.Sanitize()+`
-(scope, key, method, fingerprint, state, expires_at) VALUES ('', 'k', $1, $2, 'succeeded', now() + interval '1 hour')`, methodCharge, other)
+		_, err := idempotency.MustTxFromContext(ctx).Conn().Exec(ctx, `COMMIT`)
 		return wrapperspb.String("mine"), err
 	}})
 	var header, trailer metadata.MD
 	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
 	err := e.conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, grpc.Header(&header), grpc.Trailer(&trailer))
-	require.True(t, idempotency.IsKeyReused(err), "%v", err)
-	require.Empty(t, header.Get("x-charge-id"), "the rolled-back run's header")
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Contains(t, status.Convert(err).Message(), "ended the call's transaction")
+	require.Empty(t, header.Get("x-charge-id"), "the run's header")
 	require.Empty(t, trailer.Get("x-charge-trailer"))
 }
 

@@ -1,7 +1,9 @@
 package idempotency
 
 import (
+	"encoding/base64"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"unicode/utf8"
@@ -30,16 +32,20 @@ type record struct {
 	expired      bool
 }
 
-// scanRecord reads a row of the lookup or, with free set, of the probe;
-// rec is nil when the key has no row.
-func scanRecord(row pgx.Row, free *bool) (*record, error) {
+// stateRunning is the state of a key's claim, which the call's result
+// replaces in the same transaction: a committed row in it is a claim that
+// its handler committed itself (see statements.abandon).
+const stateRunning = "running"
+
+// scanRecord reads a key's row, as the statements select it (see
+// renderStatements: its bytea columns in base64), after the columns of
+// before; rec is nil when the key has no row.
+func scanRecord(row pgx.Row, before ...any) (*record, error) {
+	var method, state *string // NULL when an outer join found no row
+	var fingerprint, response, status, metadata *string
 	var rec record
-	var method, state *string // NULL when the probe's outer join found no row
 	var expired *bool
-	dest := []any{&method, &rec.fingerprint, &state, &rec.responseType, &rec.response, &rec.status, &rec.metadata, &expired}
-	if free != nil {
-		dest = append([]any{free}, dest...)
-	}
+	dest := append(before, &method, &fingerprint, &state, &rec.responseType, &response, &status, &metadata, &expired)
 	err := row.Scan(dest...)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -50,7 +56,29 @@ func scanRecord(row pgx.Row, free *bool) (*record, error) {
 		return nil, nil
 	}
 	rec.method, rec.state, rec.expired = *method, *state, *expired
+	for _, c := range []struct {
+		dst *[]byte
+		src *string
+	}{{&rec.fingerprint, fingerprint}, {&rec.response, response}, {&rec.status, status}, {&rec.metadata, metadata}} {
+		if *c.dst, err = decodeBase64(c.src); err != nil {
+			return nil, err
+		}
+	}
 	return &rec, nil
+}
+
+// decodeBase64 decodes a bytea column read as base64 text (which
+// PostgreSQL breaks into lines; the decoder skips line ends); nil for
+// NULL.
+func decodeBase64(s *string) ([]byte, error) {
+	if s == nil {
+		return nil, nil
+	}
+	b, err := base64.StdEncoding.DecodeString(*s)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: a stored value does not decode: %w", err)
+	}
+	return b, nil
 }
 
 // replay answers a call with its key's stored result: the response, or the
@@ -82,8 +110,8 @@ func (c *callRun) replay(rec record) (result, error) {
 		}
 		return res, Final(grpcstatus.FromProto(st).Err())
 	default:
-		// A 'running' row, committed by an engine before this one in the
-		// middle of its call: the call is still in progress.
+		// A claim, which settle turns into its error before anyone replays
+		// it; here only if another writer's row took its place meanwhile.
 		return result{Result: Result{Outcome: OutcomeInProgress}}, inProgress("", c.s.opts.retryDelay)
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -19,7 +18,6 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
-	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // A replay gives the client what the first call gave it: the response or
@@ -166,34 +164,42 @@ func TestResponseTypeChangedBetweenDeploys(t *testing.T) {
 // result and only its headers.
 func TestRolledBackRunSendsNoHeaders(t *testing.T) {
 	t.Parallel()
-	var e *env
-	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+	committed, settled := make(chan struct{}), make(chan struct{})
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		if err := grpc.SetHeader(ctx, metadata.Pairs("x-run", "rolled back")); err != nil {
 			return nil, err
 		}
 		if err := grpc.SetTrailer(ctx, metadata.Pairs("x-run-trailer", "rolled back")); err != nil {
 			return nil, err
 		}
-		// Another writer stores the key's result meanwhile, without the lock.
-		fp, err := idempotency.Fingerprint(methodCharge, req)
-		if err != nil {
+		// The handler commits the claim itself, and a duplicate settles
+		// the key before this run returns: the key's answer is the
+		// duplicate's, stored, not this run's.
+		if _, err := idempotency.MustTxFromContext(ctx).Conn().Exec(ctx, `COMMIT`); err != nil {
 			return nil, err
 		}
-		other, _ := proto.Marshal(wrapperspb.String("the other writer's"))
-		_, err = testdb.Admin(t).Exec(ctx, `INSERT INTO `+pgx.Identifier{e.db.Schema, idempotency.DefaultTable}.Sanitize()+`
-(scope, key, method, fingerprint, state, response_type, response, expires_at)
-VALUES ('', 'k', $1, $2, 'succeeded', 'google.protobuf.StringValue', $3, now() + interval '1 hour')`, methodCharge, fp, other)
-		if err != nil {
-			return nil, err
-		}
+		close(committed)
+		<-settled
 		return wrapperspb.String("mine"), nil
 	}})
-	var header, trailer metadata.MD
 	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
-	resp := &wrapperspb.StringValue{}
-	require.NoError(t, e.conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), resp, grpc.Header(&header), grpc.Trailer(&trailer)))
-	require.Equal(t, "the other writer's", resp.GetValue())
-	require.Empty(t, header.Get("x-run"), "the rolled-back run's header was not sent")
-	require.Empty(t, trailer.Get("x-run-trailer"))
-	require.Equal(t, []string{"true"}, trailer.Get(idempotency.ReplayedTrailer))
+	type answer struct {
+		err             error
+		header, trailer metadata.MD
+	}
+	first := make(chan answer, 1)
+	go func() {
+		var a answer
+		a.err = e.conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, grpc.Header(&a.header), grpc.Trailer(&a.trailer))
+		first <- a
+	}()
+	<-committed
+	dup := invoke(ctx, e.conn, methodCharge, "x")
+	close(settled)
+	require.Equal(t, codes.Internal, status.Code(dup.err), "%v", dup.err)
+	a := await(t, first, "the first call")
+	require.Equal(t, status.Convert(dup.err).Proto(), status.Convert(a.err).Proto(), "one answer for both")
+	require.Empty(t, a.header.Get("x-run"), "the rolled-back run's header was not sent")
+	require.Empty(t, a.trailer.Get("x-run-trailer"))
+	require.Equal(t, []string{"true"}, a.trailer.Get(idempotency.ReplayedTrailer))
 }

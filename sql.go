@@ -8,22 +8,26 @@ import (
 
 // statements are the SQL texts of a store, rendered once for its table.
 type statements struct {
-	lock, lookup, probe              string
-	lockSession, holdSession, unlock string
-	holdXact                         string
-	savepoint, rollbackToSavepoint   string
-	sameTransaction                  string
-	insert, insertIfAbsent           string
-	deleteExpiredKey, extend         string
-	deleteExpired                    string
-	inspect, lockForget, forget      string
+	claim, insertRunning, finish string
+	probe, lookup                string
+	abandon, insertFinal, unlock string
+	deleteExpiredKey, extend     string
+	deleteExpired                string
+	inspect, lockForget, forget  string
+	rolePrivileges               string
 }
 
 // renderStatements renders the statements for the table named by ident, a
 // quoted and schema-qualified identifier. Every statement names the table
 // with its schema and PostgreSQL's own functions with pg_catalog, so that
 // nothing a handler does to the session (SET LOCAL search_path, for a
-// tenant's schema) can move the engine's reads and writes elsewhere.
+// tenant's schema) can move the engine's reads and writes elsewhere. No
+// statement depends on how the session formats values either: bytea
+// columns are read as base64 text and times as microseconds since the
+// epoch, and no time is sent, so bytea_output, DateStyle, IntervalStyle,
+// TimeZone and extra_float_digits change nothing, in any query mode.
+// Parameters carry explicit types, for the query modes that send them
+// untyped.
 func renderStatements(ident string) statements {
 	// The advisory lock of a key is a 64-bit hash of the key table's OID,
 	// the scope and the stored key: stores on two tables never share locks,
@@ -32,95 +36,124 @@ func renderStatements(ident string) statements {
 	// on every call (a syscache hit), so a table that was recreated is
 	// followed, and a missing table fails with 42P01.
 	lockKey := func(key string) string {
-		return "pg_catalog.hashtextextended(" + key + ", pg_catalog.hashtextextended($1, " + schema.QuoteLiteral(ident) + "::pg_catalog.regclass::pg_catalog.oid::bigint))"
+		return "pg_catalog.hashtextextended(" + key + ", pg_catalog.hashtextextended($1::text, " + schema.QuoteLiteral(ident) + "::pg_catalog.regclass::pg_catalog.oid::bigint))"
 	}
-	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", lockKey("$2"), "{{lock_key_k}}", lockKey("k"))
-	const columns = `method, fingerprint, state, response_type, response, status, metadata, expires_at <= pg_catalog.now()`
+	record := func(alias string) string {
+		c := func(col string) string { return alias + col }
+		b64 := func(col string) string { return "pg_catalog.encode(" + alias + col + ", 'base64')" }
+		return strings.Join([]string{c("method"), b64("fingerprint"), c("state"), c("response_type"), b64("response"), b64("status"), b64("metadata"),
+			c("expires_at") + " <= pg_catalog.now()"}, ", ")
+	}
+	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", lockKey("$2::text"), "{{lock_key_k}}", lockKey("k"),
+		"{{record}}", record(""), "{{record_k}}", record("k."))
 	return statements{
-		// Transaction-scoped: released by COMMIT or ROLLBACK, whatever
-		// happens to the process, and safe behind a transaction pooler. It
-		// also reads the transaction's start (for the INSERT's guard), its
-		// isolation level (a lookup is only current at READ COMMITTED
-		// unless the key was locked before the transaction began) and
-		// whether it can write at all.
-		lock: r.Replace(`SELECT pg_catalog.pg_try_advisory_xact_lock({{lock_key}}), pg_catalog.now(),
-pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'), pg_catalog.current_setting('transaction_read_only')::bool`),
-		lookup: r.Replace(`SELECT ` + columns + ` FROM {{table}} WHERE scope = $1 AND key = $2`),
-		// The same lock held by the session, across the end of a
-		// transaction: taken before a REPEATABLE READ or SERIALIZABLE
-		// transaction begins, so that its snapshot sees whatever the key's
-		// previous holder committed, and while a handler holds tx.Conn(), so
-		// that a COMMIT it sends there does not let a duplicate in. It is
-		// always released in the same round trip that ends the call's
-		// transaction, before the COMMIT (see Store.finish), so no pooled
-		// connection is ever left holding it.
-		lockSession: r.Replace(`SELECT pg_catalog.pg_try_advisory_lock({{lock_key}})`),
-		holdSession: r.Replace(`SELECT pg_catalog.pg_advisory_lock({{lock_key}})`),
-		// For a transaction that must hold the key until its COMMIT once the
-		// session lets go of it; only taken while the session holds the key,
-		// so it never waits.
-		holdXact: r.Replace(`SELECT pg_catalog.pg_advisory_xact_lock({{lock_key}})`),
-		unlock:   r.Replace(`SELECT pg_catalog.pg_advisory_unlock({{lock_key}})`),
+		// The claim, in one statement, the first of the call's transaction:
+		// the key's lock, without waiting for it, then the key's row in the
+		// state running, then what the key already held.
+		//
+		// The row is what no handler can undo. It is written in the call's
+		// transaction, so a crash or a rollback takes it away with the
+		// handler's writes, and a handler that commits the transaction
+		// itself (on tx.Conn(), or by any SQL at all) commits the claim
+		// with them: a running row that is committed is a key whose handler
+		// may have committed anything, which every later caller finds and
+		// none runs again (see abandon). The primary key decides: of two
+		// writers of one key, the second's INSERT finds the first's row,
+		// committed or not.
+		//
+		// The lock is taken twice, for the session and for the
+		// transaction. The session's survives whatever the handler does to
+		// the transaction (a ROLLBACK, then statements outside any
+		// transaction), so duplicates keep waiting until the engine has
+		// settled the key; finish releases it in the statement that stores
+		// the result, and the transaction's covers the COMMIT after it. A
+		// duplicate that does not get the lock inserts nothing, so it never
+		// waits on the holder's uncommitted row.
+		//
+		// The lookup runs only when the INSERT found a row (the subquery's
+		// conditions are a one-time filter): a fresh call reads no index
+		// page for it, which keeps SERIALIZABLE's conflict
+		// tracking off the key table. Its snapshot is the statement's, a
+		// moment older than the lock, so a row committed in between is
+		// missed; the INSERT cannot miss it (at READ COMMITTED it does
+		// nothing, at REPEATABLE READ and SERIALIZABLE it fails with a
+		// serialization failure), and the engine looks again.
+		claim: r.Replace(`WITH l AS (SELECT pg_catalog.pg_try_advisory_lock({{lock_key}}) AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) AS locked),
+c AS (` + claimInsert + ` FROM l, (SELECT pg_catalog.clock_timestamp() AS now) t WHERE l.locked ON CONFLICT (scope, key) DO NOTHING RETURNING ctid)
+SELECT l.locked, (SELECT ctid FROM c), pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'), {{record_k}}
+FROM l LEFT JOIN (SELECT * FROM {{table}} WHERE (SELECT ctid FROM c) IS NULL AND (SELECT locked FROM l) AND scope = $1::text AND key = $2::text) k ON true`),
+		// The claim of a key whose expired row the transaction just
+		// deleted, under the lock the claim took.
+		insertRunning: r.Replace(claimInsert + ` FROM (SELECT pg_catalog.clock_timestamp() AS now) t ON CONFLICT (scope, key) DO NOTHING RETURNING ctid`),
+		// The result, written over the claim, with the COMMIT after it. The
+		// row is found by its address (a TID scan reads no index, so
+		// SERIALIZABLE tracks no conflict with other keys), and only if
+		// this very transaction inserted it: if the handler ended the
+		// call's transaction and began another, no row matches, the
+		// division fails the statement, and the COMMIT after it rolls back
+		// instead of committing the handler's later writes. The session's
+		// lock is released with the row, so that it is never left held.
+		// The row keeps its expiry (an UPDATE that changes no indexed
+		// column can be a heap-only tuple update).
+		finish: r.Replace(`WITH u AS (UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
+metadata = $8::bytea, completed_at = pg_catalog.clock_timestamp()
+WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND xmin = pg_catalog.pg_current_xact_id()::xid
+RETURNING pg_catalog.pg_advisory_unlock({{lock_key}}))
+SELECT 1 / pg_catalog.count(*)::int FROM u`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
-		// is taken and released within the statement). Its snapshot is
-		// older than the lock attempt, so "free and no row" is confirmed
-		// under the lock before anything runs.
-		probe: r.Replace(`SELECT l.free, k.method, k.fingerprint, k.state, k.response_type, k.response, k.status, k.metadata, k.expires_at <= pg_catalog.now()
+		// is taken and released within the statement).
+		probe: r.Replace(`SELECT l.free, {{record_k}}
 FROM (SELECT pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) AS free) l
-LEFT JOIN {{table}} k ON k.scope = $1 AND k.key = $2`),
-		// Taken after the lock: rolling back to a savepoint releases the
-		// locks taken after it, and a final error must keep the key's.
-		savepoint:           "SAVEPOINT idempotency_call",
-		rollbackToSavepoint: "ROLLBACK TO SAVEPOINT idempotency_call",
-		// Whether the connection is still in the transaction the claim began
-		// at $1, for the paths where the INSERT's guard does not run.
-		sameTransaction: `SELECT pg_catalog.now() = $1`,
-		// The one write of a call's key: its result, with the COMMIT. A
-		// plain INSERT, so that a row that exists after all (written by a
-		// caller that did not take the lock) fails the statement and turns
-		// the COMMIT into a ROLLBACK instead of committing the handler's
-		// writes without their key. The TTL counts from here.
-		insert: r.Replace(insertRow),
-		// For a key whose call could not commit its result with its writes:
-		// outside any transaction, store the key's final error unless
-		// another call stored a result first.
-		insertIfAbsent: r.Replace(insertRow + `
+LEFT JOIN {{table}} k ON k.scope = $1::text AND k.key = $2::text`),
+		lookup: r.Replace(`SELECT {{record}} FROM {{table}} WHERE scope = $1::text AND key = $2::text`),
+		// A claim that a handler's own COMMIT made durable is settled as
+		// failed with $3, the status that says so, whoever finds it first.
+		// Only a committed row can match: another call's claim in progress
+		// is invisible.
+		abandon: r.Replace(`UPDATE {{table}} SET state = 'failed', response_type = NULL, response = NULL, status = $3::bytea, metadata = NULL,
+completed_at = pg_catalog.clock_timestamp() WHERE scope = $1::text AND key = $2::text AND state = 'running'`),
+		// A final outcome stored in a transaction of its own, unless the key
+		// has a row or another session holds its lock (a duplicate that
+		// took over the key, whose row this would wait for). The
+		// transaction's lock, taken here, lets the session release its own
+		// before the COMMIT.
+		insertFinal: r.Replace(`INSERT INTO {{table}} (scope, key, method, fingerprint, state, response_type, response, status, metadata, created_at, completed_at, expires_at)
+SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text, NULLIF($6::text, ''), $7::bytea, $8::bytea, $10::bytea, t.now, t.now, t.now + $9::bigint * interval '1 microsecond'
+FROM (SELECT pg_catalog.clock_timestamp() AS now) t WHERE pg_catalog.pg_try_advisory_xact_lock({{lock_key}})
 ON CONFLICT (scope, key) DO NOTHING`),
-		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1 AND key = $2 AND expires_at <= pg_catalog.now()`),
-		// After a commit that took a large part of the TTL: count the TTL
-		// from the commit, so a retry right after the call still replays.
-		extend: r.Replace(`UPDATE {{table}} SET expires_at = pg_catalog.clock_timestamp() + $3 * interval '1 microsecond'
-WHERE scope = $1 AND key = $2 AND expires_at < pg_catalog.clock_timestamp() + $3 * interval '1 microsecond'`),
+		unlock:           r.Replace(`SELECT pg_catalog.pg_advisory_unlock({{lock_key}})`),
+		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = $2::text AND expires_at <= pg_catalog.now()`),
+		// After a call that took a large part of the TTL: count the TTL
+		// from its end, so a retry right after the call still replays.
+		extend: r.Replace(`UPDATE {{table}} SET expires_at = pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'
+WHERE scope = $1::text AND key = $2::text AND expires_at < pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'`),
 		// The first of the stored keys $2 (a key in each transport's
-		// namespace) that has a row.
-		inspect: r.Replace(`SELECT key, method, state, created_at, expires_at, expires_at <= pg_catalog.now(), response_type, response, status, fingerprint, metadata
-FROM {{table}} WHERE scope = $1 AND key = ANY($2::text[]) ORDER BY pg_catalog.array_position($2::text[], key) LIMIT 1`),
+		// namespace) that has a row; times in microseconds since the epoch.
+		inspect: r.Replace(`SELECT key, method, state, (extract(epoch FROM created_at) * 1000000)::bigint,
+(extract(epoch FROM completed_at) * 1000000)::bigint, (extract(epoch FROM expires_at) * 1000000)::bigint,
+expires_at <= pg_catalog.now(), response_type, pg_catalog.encode(response, 'base64'), pg_catalog.encode(status, 'base64'),
+pg_catalog.encode(fingerprint, 'base64'), pg_catalog.encode(metadata, 'base64')
+FROM {{table}} WHERE scope = $1::text AND key = ANY($2::text[]) ORDER BY pg_catalog.array_position($2::text[], key) LIMIT 1`),
 		// Forget's: the locks of the stored keys $2 (as Inspect's), all of
 		// them free; then the first that has a row is deleted.
 		lockForget: r.Replace(`SELECT pg_catalog.bool_and(pg_catalog.pg_try_advisory_xact_lock({{lock_key_k}})) FROM pg_catalog.unnest($2::text[]) AS k`),
-		forget: r.Replace(`DELETE FROM {{table}} WHERE scope = $1 AND key = (SELECT key FROM {{table}} WHERE scope = $1 AND key = ANY($2::text[])
+		forget: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = (SELECT key FROM {{table}} WHERE scope = $1::text AND key = ANY($2::text[])
 ORDER BY pg_catalog.array_position($2::text[], key) LIMIT 1)`),
 		// No FOR UPDATE: locking each row first would write a lock record
 		// per key to the WAL on top of its delete. Two cleaners racing for
 		// the same rows only means one of them deletes fewer.
 		deleteExpired: r.Replace(`DELETE FROM {{table}}
-WHERE ctid = ANY (ARRAY(SELECT ctid FROM {{table}} WHERE expires_at <= pg_catalog.now() ORDER BY expires_at LIMIT $1))
+WHERE ctid = ANY (ARRAY(SELECT ctid FROM {{table}} WHERE expires_at <= pg_catalog.now() ORDER BY expires_at LIMIT $1::int))
 AND expires_at <= pg_catalog.now()`),
+		// Whether the session's role may write the key table: asked when
+		// writing the result as the transaction's role was refused.
+		rolePrivileges: `SELECT current_user::text, pg_catalog.has_table_privilege(` + schema.QuoteLiteral(ident) + `, 'SELECT') AND pg_catalog.has_table_privilege(` + schema.QuoteLiteral(ident) + `, 'UPDATE')`,
 	}
 }
 
-// insertRow writes a key's row; created_at is when it was written, and the
-// TTL counts from then.
-//
-// $11, when set, is the start of the call's transaction (its now(), read by
-// the claim): if the handler ended that transaction and began another, the
-// division by zero fails the statement, and the COMMIT after it turns into
-// a ROLLBACK, instead of the key committing apart from the handler's
-// earlier writes. It costs nothing, where a RELEASE of the call's savepoint
-// (which would fail the same way) costs a statement and a subtransaction
-// end.
-const insertRow = `INSERT INTO {{table}} (scope, key, method, fingerprint, state, response_type, response, status, metadata, created_at, expires_at)
-SELECT $1, $2, $3, $4, $5, NULLIF($6, ''), $7, $8, $10, c.t, c.t + $9 * interval '1 microsecond'
-FROM (SELECT pg_catalog.clock_timestamp() AS t) c
-WHERE 1 / ($11::timestamptz IS NULL OR pg_catalog.now() = $11)::int = 1`
+// claimInsert is the INSERT of a claim, up to its FROM: the key's row in
+// the state running, created now and expiring TTL ($5, in microseconds)
+// from now.
+const claimInsert = `INSERT INTO {{table}} (scope, key, method, fingerprint, state, created_at, expires_at)
+SELECT $1::text, $2::text, $3::text, $4::bytea, 'running', t.now, t.now + $5::bigint * interval '1 microsecond'`

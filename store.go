@@ -49,6 +49,9 @@ type Store struct {
 	// store's first call and the last claim at it saw it, is REPEATABLE
 	// READ or SERIALIZABLE.
 	defaultSnapshot atomic.Bool
+	// simpleProtocol: the pool's query mode is the simple protocol, which
+	// sends a batch as one string (see callTx.sendBatch).
+	simpleProtocol atomic.Bool
 }
 
 // NewStore returns a Store on db. The table must exist: run [Store.Migrate]
@@ -119,6 +122,7 @@ WHERE c.oid = pg_catalog.to_regclass($1)), pg_catalog.pg_backend_pid(), pg_catal
 		return nil, err
 	}
 	s.defaultSnapshot.Store(defaultLevel == "repeatable read" || defaultLevel == "serializable")
+	s.simpleProtocol.Store(pc.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeSimpleProtocol)
 	if schema == nil {
 		return nil, &pgconn.PgError{Severity: "ERROR", Code: sqlUndefinedTable, Message: fmt.Sprintf("relation %s does not exist", s.ident.Sanitize())}
 	}
@@ -167,7 +171,11 @@ type storeOptions struct {
 	finishTimeout  time.Duration
 	isolation      pgx.TxIsoLevel
 	tracer         Tracer
-	err            error // the first invalid option that cannot wait for validate
+	// noSQLCheck turns off the refusal of transaction control in a
+	// handler's SQL, for the tests that prove the key does not depend on
+	// it (export_test.go).
+	noSQLCheck bool
+	err        error // the first invalid option that cannot wait for validate
 }
 
 func defaultStoreOptions() storeOptions {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -22,14 +23,14 @@ import (
 //   - SQL that would end or reshape the transaction (COMMIT, ROLLBACK,
 //     BEGIN, SET TRANSACTION, and the others txControl lists) is refused
 //     before it reaches PostgreSQL, with an error wrapping ErrTxOwned, and
-//     the call then fails with codes.Internal, stored: a COMMIT that got
-//     through would release the key's lock with the handler's writes, and a
-//     duplicate could run in the gap.
+//     the call then fails with codes.Internal, stored. This check is for
+//     the error message only: a COMMIT that got past it (or was sent on
+//     Conn) commits the key's claim with the handler's writes, and the key
+//     never runs again all the same (see statements.claim).
 //   - Rows and batch results left open when the handler returns are closed,
 //     and the call fails the same way.
-//   - Conn returns the connection itself, whose statements cannot be
-//     checked; so its first use holds the key's lock for the session too,
-//     and a COMMIT sent there lets no duplicate in (see Conn).
+//   - Conn returns the connection itself, which is then closed when the
+//     call ends, rather than returned to the pool (see Conn).
 //
 // Once the call is over the transaction is dead, as a pgx Tx is after its
 // Commit: every method returns [pgx.ErrTxClosed], those of its savepoints
@@ -107,16 +108,35 @@ var ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempot
 
 // allow refuses SQL that would end or reshape the call's transaction. The
 // first refusal decides the call's outcome, whatever the handler does next.
-// Its caller holds t.use.
+// SQL that may change the session's state past the call marks the
+// connection to be closed when the call ends (see session.go). Its caller
+// holds t.use.
 func (t *callTx) allow(ctx context.Context, sql string) error {
-	what, preparedName := checkedSQL(sql)
-	if preparedName != "" {
-		what = t.preparedStatement(ctx, preparedName)
+	v := checkedSQL(sql)
+	if v.session != "" {
+		t.resetSession(v.session)
+	}
+	if t.attempt.s.opts.noSQLCheck {
+		return nil
+	}
+	what := v.what
+	if v.preparedName != "" {
+		what = t.preparedStatement(ctx, v.preparedName)
 	}
 	if what == "" {
 		return nil
 	}
 	return t.refuse(what)
+}
+
+// resetSession notes that the statement what may have changed the
+// session's state, so that the connection is closed when the call ends.
+func (t *callTx) resetSession(what string) {
+	t.state.Lock()
+	defer t.state.Unlock()
+	if t.attempt.reset == "" {
+		t.attempt.reset = "the handler sent " + what + ", which may change the session"
+	}
 }
 
 // refuse answers a statement that would end or reshape the call's
@@ -134,24 +154,29 @@ func (t *callTx) refuse(what string) error {
 	return err
 }
 
-// checkedSQL is txControl, remembered for the statements a process sends
-// again and again (most handlers' SQL is constant), up to a bound, so that
-// SQL built afresh for each call cannot grow it.
-func checkedSQL(sql string) (what, preparedName string) {
+// checkedSQL is txControl and sessionChange, remembered for the
+// statements a process sends again and again (most handlers' SQL is
+// constant), up to a bound, so that SQL built afresh for each call cannot
+// grow it.
+func checkedSQL(sql string) sqlVerdict {
 	if v, ok := checked.Load(sql); ok {
-		c := v.(sqlVerdict)
-		return c.what, c.preparedName
+		return v.(sqlVerdict)
 	}
-	what, preparedName = txControl(sql)
+	var v sqlVerdict
+	v.what, v.preparedName = txControl(sql)
+	v.session = sessionChange(sql)
 	if checkedCount.Load() < maxChecked && len(sql) <= maxCheckedLen {
-		if _, loaded := checked.LoadOrStore(sql, sqlVerdict{what, preparedName}); !loaded {
+		if _, loaded := checked.LoadOrStore(sql, v); !loaded {
 			checkedCount.Add(1)
 		}
 	}
-	return what, preparedName
+	return v
 }
 
-type sqlVerdict struct{ what, preparedName string }
+// sqlVerdict is what checkedSQL finds in a statement: what of it would end
+// or reshape the call's transaction, the name of the prepared statement it
+// may be, and what of it may change the session's state.
+type sqlVerdict struct{ what, preparedName, session string }
 
 var (
 	checked      sync.Map // SQL text -> sqlVerdict
@@ -176,8 +201,8 @@ func (t *callTx) preparedStatement(ctx context.Context, name string) string {
 	case err != nil:
 		return "the prepared statement " + name + " (its SQL could not be checked: " + err.Error() + ")"
 	}
-	if what, _ := txControl(sql); what != "" {
-		return what + " (as the prepared statement " + name + ")"
+	if v := checkedSQL(sql); v.what != "" {
+		return v.what + " (as the prepared statement " + name + ")"
 	}
 	return ""
 }
@@ -251,19 +276,17 @@ func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 
 // Conn returns the call's connection. Statements sent on it directly are in
 // the call's transaction only while the call runs, and are not checked:
-// Conn must not be used to begin, commit or roll back transactions. As it
-// could be, its first use in a call holds the key's lock for the session
-// (one statement), so that duplicates keep waiting even if the handler
-// ends the transaction there; the engine then stores the call's error
-// before it lets them in. If that statement fails (the transaction already
-// aborted), the call fails with codes.Internal, stored. The connection is
-// closed when the call ends, rather than returned to the pool, so that
-// nothing the handler kept of it can reach a later call: a call that uses
-// Conn costs a new connection afterwards. The Conn of the call's rows
-// (pgx.Rows.Conn) is this one. A library that calls Conn only to read the
-// connection's settings pays the same: River's pgx driver does when the
-// value it is given has no Config() *pgxpool.Config method (the payments
-// example's outbox gives it one).
+// Conn must not be used to begin, commit or roll back transactions. Should
+// a handler do so all the same, the key stays safe: the claim commits with
+// whatever a COMMIT commits, and the key's lock, held by the session,
+// outlives a ROLLBACK; the call then fails with codes.Internal, stored. The
+// connection is closed when the call ends, rather than returned to the
+// pool, so that nothing the handler kept of it (or changed in its session)
+// can reach a later call: a call that uses Conn costs a new connection
+// afterwards. The Conn of the call's rows (pgx.Rows.Conn) is this one. A
+// library that calls Conn only to read the connection's settings pays the
+// same: River's pgx driver does when the value it is given has no Config()
+// *pgxpool.Config method (the payments example's outbox gives it one).
 //
 // Conn called once the call is over (by a goroutine the handler left
 // behind) cannot be refused, and the connection may be serving another call
@@ -276,32 +299,16 @@ func (t *callTx) Conn() *pgx.Conn {
 		return t.conn
 	}
 	defer done()
-	t.holdKey()
+	t.handOut()
 	return t.conn
 }
 
-// holdKey takes the key's lock for the session, once, as the handler gets
-// the connection itself; the attempt then closes the connection when it
-// ends (see attempt.release). Its caller holds t.use.
-func (t *callTx) holdKey() {
+// handOut notes that the handler has the connection itself, which the
+// attempt then closes when it ends. Its caller holds t.use.
+func (t *callTx) handOut() {
 	t.state.Lock()
-	defer t.state.Unlock()
-	a := t.attempt
-	if a == nil {
-		return
-	}
-	a.rawConn = true
-	if a.session || t.refused != "" {
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), a.s.opts.finishTimeout)
-	defer cancel()
-	if _, err := t.conn.Exec(ctx, a.st.holdSession, a.call.Scope, a.key); err != nil {
-		t.refused = "idempotency: the handler used tx.Conn(), and the engine could not hold the key's lock across it (" + err.Error() + "); " +
-			"a COMMIT sent there could let a duplicate run. The key is kept with this error so that the call does not run again"
-		return
-	}
-	a.session = true
+	t.attempt.rawConn = true
+	t.state.Unlock()
 }
 
 // The statements of the call's transaction and of its savepoints: each
@@ -340,51 +347,28 @@ func (t *callTx) query(ctx context.Context, closed *atomic.Bool, sql string, arg
 }
 
 // callRows are rows of the call's transaction: their Conn is the
-// transaction's, with what that takes (see callTx.Conn). While the rows are
-// open the connection is busy with them and can take no lock, and cannot
-// run anything the handler sends on it either; so the key is held as soon
-// as they are done.
+// transaction's, with what that costs (see callTx.Conn).
 type callRows struct {
 	pgx.Rows
-	tx   *callTx
-	hold atomic.Bool // Conn was called while the rows were open
+	tx *callTx
 }
 
-func (r *callRows) Conn() *pgx.Conn {
-	if r.tx.conn.PgConn().IsBusy() {
-		r.hold.Store(true)
-		return r.tx.conn
-	}
-	return r.tx.Conn()
-}
-
-func (r *callRows) Next() bool {
-	if r.Rows.Next() {
-		return true
-	}
-	r.done() // pgx closes the rows after the last one
-	return false
-}
-
-func (r *callRows) Close() {
-	r.Rows.Close()
-	r.done()
-}
-
-func (r *callRows) done() {
-	if r.hold.Swap(false) {
-		r.tx.Conn()
-	}
-}
+func (r *callRows) Conn() *pgx.Conn { return r.tx.Conn() }
 
 // checkRewriters wraps the query rewriters among a statement's leading
 // options (pgx.NamedArgs, say), so that the SQL they produce is checked as
-// the SQL they were given is.
+// the SQL they were given is. The options pgx reads before the arguments
+// are skipped, in any order.
 func (t *callTx) checkRewriters(args []any) []any {
-	copied := false
+	args, _ = t.checkedRewriters(args)
+	return args
+}
+
+// checkedRewriters is checkRewriters, and reports whether it wrapped any.
+func (t *callTx) checkedRewriters(args []any) (_ []any, copied bool) {
 	for i := 0; i < len(args); i++ {
 		switch arg := args[i].(type) {
-		case pgx.QueryExecMode:
+		case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
 			continue
 		case pgx.QueryRewriter:
 			if !copied { // the caller's slice stays as it was
@@ -395,7 +379,7 @@ func (t *callTx) checkRewriters(args []any) []any {
 		}
 		break
 	}
-	return args
+	return args, copied
 }
 
 // checkedRewriter checks the SQL a query rewriter makes.
@@ -407,9 +391,7 @@ type checkedRewriter struct {
 func (r checkedRewriter) RewriteQuery(ctx context.Context, conn *pgx.Conn, sql string, args []any) (string, []any, error) {
 	sql, args, err := r.inner.RewriteQuery(ctx, conn, sql, args)
 	if err == nil {
-		if what, _ := txControl(sql); what != "" {
-			err = r.tx.refuse(what)
-		}
+		err = r.tx.allow(ctx, sql)
 	}
 	return sql, args, err
 }
@@ -426,21 +408,53 @@ func (t *callTx) sendBatch(ctx context.Context, closed *atomic.Bool, b *pgx.Batc
 		return closedBatch{pgx.ErrTxClosed}
 	}
 	defer done()
-	callbacks := false
 	for _, q := range b.QueuedQueries {
 		if err := t.allow(ctx, q.SQL); err != nil {
 			return closedBatch{err}
 		}
-		callbacks = callbacks || q.Fn != nil
 	}
-	if callbacks {
-		// pgx hands the callbacks (QueuedQuery's Query, QueryRow, Exec)
-		// rows whose Conn is the connection itself.
-		t.holdKey()
+	if t.attempt.s.simpleProtocol.Load() && len(b.QueuedQueries) > 1 {
+		// pgx joins the statements into one string, which may read as
+		// other statements than each alone.
+		sqls := make([]string, len(b.QueuedQueries))
+		for i, q := range b.QueuedQueries {
+			sqls[i] = q.SQL
+		}
+		if err := t.allow(ctx, strings.Join(sqls, "\n;")); err != nil {
+			return closedBatch{err}
+		}
 	}
-	br := t.conn.SendBatch(ctx, b)
+	br := t.conn.SendBatch(ctx, t.checkedBatch(b))
 	t.trackBatch(br)
 	return &callBatch{BatchResults: br, tx: t}
+}
+
+// checkedBatch is b as sent through the call's transaction: a copy, when
+// it needs changing, whose query rewriters are checked (see
+// checkRewriters) and whose callbacks get the call's rows, whose Conn is
+// the call's (pgx hands them rows of its own).
+func (t *callTx) checkedBatch(b *pgx.Batch) *pgx.Batch {
+	var c *pgx.Batch
+	for i, q := range b.QueuedQueries {
+		args, wrapped := t.checkedRewriters(q.Arguments)
+		if q.Fn == nil && !wrapped {
+			continue
+		}
+		if c == nil {
+			c = &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, len(b.QueuedQueries))}
+			copy(c.QueuedQueries, b.QueuedQueries)
+		}
+		qc := *q
+		qc.Arguments = args
+		if fn := q.Fn; fn != nil {
+			qc.Fn = func(br pgx.BatchResults) error { return fn(&callBatch{BatchResults: br, tx: t}) }
+		}
+		c.QueuedQueries[i] = &qc
+	}
+	if c == nil {
+		return b
+	}
+	return c
 }
 
 // callBatch is the results of a batch sent through the call's

@@ -101,12 +101,16 @@ func reserved(name string) bool {
 }
 
 // maybeStatementName reports whether sql could be the name of a prepared
-// statement rather than SQL: one word that no SQL statement starts with.
+// statement rather than SQL: no spaces, and not starting with a word that
+// SQL statements start with. (A name can be any string; one with spaces is
+// missed, which only costs the clearer error: see callTx.)
 func maybeStatementName(sql string) bool {
-	l := sqlLexer{s: sql}
-	w := l.word()
-	l.skipSpace()
-	return w != "" && l.i == len(sql) && !sqlCommands[w]
+	name := strings.TrimSpace(sql)
+	if name == "" || strings.ContainsAny(name, " \t\n\r\f\v;") {
+		return false
+	}
+	l := sqlLexer{s: name}
+	return !sqlCommands[l.word()]
 }
 
 // sqlCommands are the words SQL statements start with.
@@ -180,6 +184,14 @@ func (l *sqlLexer) word() string {
 		l.i++
 	}
 	return strings.ToLower(l.s[start:l.i])
+}
+
+// peekWord returns the next word without moving past it.
+func (l *sqlLexer) peekWord() string {
+	save := l.i
+	w := l.word()
+	l.i = save
+	return w
 }
 
 // ident reads an identifier, bare (lower-cased, as PostgreSQL folds it) or
@@ -288,7 +300,7 @@ func (l *sqlLexer) nextStatement() bool {
 			}
 			if parens == 0 && definesRoutine(leading) {
 				switch {
-				case word == "begin":
+				case word == "begin" && l.peekWord() == "atomic":
 					begins++
 				case word == "case" && begins > 0:
 					begins++
@@ -379,4 +391,119 @@ func isIdentByte(c byte, notFirst bool) bool {
 		return notFirst
 	}
 	return false
+}
+
+// sessionChange returns the first statement of sql that may change the
+// session's state past the call's transaction, named for a message; ""
+// when there is none. The connection of a call that sends one is closed
+// when the call ends, rather than returned to the pool (see session.go):
+//
+//   - SET and SET SESSION, but not SET LOCAL (nor SET CONSTRAINTS or SET
+//     TRANSACTION, which last as long as the transaction), and RESET;
+//   - DISCARD, DEALLOCATE, PREPARE, LISTEN, UNLISTEN and LOAD;
+//   - DO and CALL, whose code may do any of these;
+//   - CREATE TEMPORARY (and SELECT INTO TEMPORARY), DECLARE ... WITH HOLD;
+//   - a call of set_config (whose third argument may be false), an UPDATE
+//     of pg_settings (which calls it), a session-level advisory lock
+//     function, dblink_connect, or a name in pg_temp.
+//
+// Like txControl it reads both ways of quoting backslashes, and what either
+// finds counts.
+func sessionChange(sql string) string {
+	if what := scanSessionChange(sql, false); what != "" {
+		return what
+	}
+	return scanSessionChange(sql, true)
+}
+
+// sessionFunctions are the names whose mention anywhere in a statement
+// may change the session.
+var sessionFunctions = map[string]bool{
+	"set_config": true, "pg_settings": true, "pg_temp": true, "dblink_connect": true, "dblink_connect_u": true,
+	"pg_advisory_lock": true, "pg_advisory_lock_shared": true, "pg_try_advisory_lock": true, "pg_try_advisory_lock_shared": true,
+}
+
+// sessionCommands are the statements that change the session whatever
+// follows their first word.
+var sessionCommands = map[string]bool{
+	"reset": true, "discard": true, "deallocate": true, "listen": true, "unlisten": true, "load": true, "do": true, "call": true,
+}
+
+// scanSessionChange is sessionChange for one reading of backslashes.
+func scanSessionChange(sql string, backslashQuotes bool) string {
+	l := sqlLexer{s: sql, backslashQuotes: backslashQuotes}
+	var lead []string // the current statement's words, up to the fourth
+	var prev string
+	safe := false // the statement is a SET LOCAL (or the like)
+	for l.i < len(l.s) {
+		c := l.s[l.i]
+		var w string
+		quoted := false
+		switch {
+		case c == ';':
+			lead, prev, safe = lead[:0], "", false
+			l.i++
+			continue
+		case c == '\'':
+			if l.backslashQuotes {
+				l.skipEscapeString()
+			} else {
+				l.skipQuoted('\'')
+			}
+			continue
+		case (c == 'e' || c == 'E') && l.i+1 < len(l.s) && l.s[l.i+1] == '\'':
+			l.i++
+			l.skipEscapeString()
+			continue
+		case c == '$':
+			l.skipDollar()
+			continue
+		case c == '-' && strings.HasPrefix(l.s[l.i:], "--"), c == '/' && strings.HasPrefix(l.s[l.i:], "/*"):
+			l.skipSpace()
+			continue
+		case c == '"' || ((c == 'u' || c == 'U') && strings.HasPrefix(l.s[l.i+1:], "&\"")):
+			w, quoted = l.ident(), true
+		case isIdentByte(c, false):
+			w = l.word()
+		default:
+			l.i++
+			continue
+		}
+		if sessionFunctions[w] || (!quoted && sessionFunctions[strings.ToLower(w)]) {
+			return w
+		}
+		n := len(lead)
+		if n < 4 {
+			lead = append(lead, w)
+		}
+		switch {
+		case safe:
+		case n == 0 && !quoted && sessionCommands[w]:
+			return strings.ToUpper(w)
+		case n == 1 && lead[0] == "set":
+			switch w {
+			case "local", "constraints", "transaction":
+				safe = true
+			case "session":
+			default:
+				return "SET " + w
+			}
+		case n == 2 && lead[0] == "set" && lead[1] == "session":
+			if w == "characteristics" {
+				safe = true
+			} else {
+				return "SET SESSION " + w
+			}
+		case n == 1 && lead[0] == "prepare" && w != "transaction":
+			return "PREPARE"
+		case n <= 3 && lead[0] == "create" && (w == "temp" || w == "temporary"):
+			return "CREATE TEMPORARY"
+		case lead[0] == "declare" && prev == "with" && w == "hold":
+			return "DECLARE ... WITH HOLD"
+		case prev == "into" && (w == "temp" || w == "temporary"):
+			return "INTO TEMPORARY"
+		}
+		prev = w
+	}
+	return ""
 }

@@ -1,0 +1,241 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// attempt makes one try at running the call on a connection of its own,
+// in phases: claim the key, run fn, check what fn did, commit.
+func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, error) {
+	pc, err := c.s.db.Acquire(ctx)
+	if err != nil {
+		res, err := c.failed(ctx, "acquire connection", err)
+		return res, attemptDone, err
+	}
+	a := &attempt{callRun: c, pc: pc, conn: pc.Conn()}
+	a.params.read(a.conn.PgConn())
+	defer a.end(ctx)
+
+	start := c.tp.trace.now()
+	cl, err := a.claim(ctx)
+	c.tp.trace.since(phaseClaim, start)
+	switch {
+	case err != nil:
+		return a.claimFailed(ctx, err)
+	case !cl.locked:
+		return result{}, attemptWait, nil
+	case a.ctid.Valid:
+		// The key is this call's.
+	case cl.rec == nil:
+		// The INSERT met a row the statement's snapshot predates.
+		return result{}, attemptAgain, nil
+	case cl.rec.expired:
+		if err := a.replaceExpired(ctx); err != nil {
+			return a.claimFailed(ctx, err)
+		}
+		if !a.ctid.Valid {
+			return result{}, attemptAgain, nil
+		}
+	case cl.rec.state == stateRunning:
+		// A claim that its handler committed: nothing can change its
+		// outcome, which is settled now.
+		return a.settle(ctx, nil, nil, nil)
+	default:
+		res, err := c.replay(*cl.rec)
+		return res, attemptDone, err
+	}
+	h := a.run(ctx, fn)
+	defer c.tp.trace.since(phaseCommit, c.tp.trace.now())
+	return a.finish(ctx, h)
+}
+
+// attempt is one attempt's hold on a connection.
+type attempt struct {
+	*callRun
+	pc   *pgxpool.Conn
+	conn *pgx.Conn
+	// released: pc went back to the pool before the attempt ended (its
+	// connection died, and settling the key needs another).
+	released bool
+	// open: the connection may be inside a transaction (the call's, or one
+	// the handler began), to be rolled back before it goes back to the pool.
+	open bool
+	// session: the session may hold the key's lock, to be released before
+	// the connection goes back to the pool.
+	session bool
+	// ctid is the address of the claim's row, valid once the call's
+	// transaction inserted it.
+	ctid pgtype.TID
+	// claimed is when the claim was sent, from which the key's TTL counts.
+	claimed time.Time
+	// ran: fn ran, so what the key stores from here on is this attempt's
+	// answer (see settle).
+	ran bool
+	// rawConn: the handler had the connection itself (tx.Conn()).
+	rawConn bool
+	// reset, when set, says why the connection must be closed when the
+	// attempt ends rather than serve another call: the handler may have
+	// changed the session's state (see session.go).
+	reset string
+	// params are the settings PostgreSQL reports, as the attempt found them.
+	params sessionParams
+}
+
+// claimed is what a claim found.
+type claimed struct {
+	locked bool
+	// snapshotLevel: the transaction is REPEATABLE READ or SERIALIZABLE.
+	snapshotLevel bool
+	// rec is the key's row when the claim found one, nil when it inserted
+	// the call's (or did not get the lock).
+	rec *record
+}
+
+// claim opens the call's transaction with the claim (see
+// statements.claim): one round trip.
+func (a *attempt) claim(ctx context.Context) (claimed, error) {
+	b := &pgx.Batch{}
+	b.Queue(a.begin)
+	b.Queue(a.st.claim, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
+	// Until the claim's answer says otherwise, the transaction may be open
+	// and the session may hold the lock.
+	a.open, a.session = true, true
+	a.claimed = time.Now()
+	br := a.conn.SendBatch(ctx, b)
+	var cl claimed
+	_, err := br.Exec()
+	if err == nil {
+		cl.rec, err = scanRecord(br.QueryRow(), &cl.locked, &a.ctid, &cl.snapshotLevel)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return cl, err
+	}
+	a.session = cl.locked
+	if a.inherited {
+		a.s.defaultSnapshot.Store(cl.snapshotLevel)
+	}
+	return cl, nil
+}
+
+// replaceExpired claims a key whose row has expired (the cleaner has not
+// deleted it yet): the row is deleted and the claim's inserted, in the
+// call's transaction, under the lock the claim took.
+func (a *attempt) replaceExpired(ctx context.Context) error {
+	b := &pgx.Batch{}
+	b.Queue(a.st.deleteExpiredKey, a.call.Scope, a.key)
+	b.Queue(a.st.insertRunning, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
+	br := a.conn.SendBatch(ctx, b)
+	_, err := br.Exec()
+	if err == nil {
+		if err = br.QueryRow().Scan(&a.ctid); errors.Is(err, pgx.ErrNoRows) {
+			err = nil // a row took its place: claim again
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// claimFailed answers a claim the database refused; nothing ran.
+func (a *attempt) claimFailed(ctx context.Context, err error) (result, attemptNext, error) {
+	switch sqlState(err) {
+	case sqlSerializationFailure:
+		// At REPEATABLE READ and SERIALIZABLE, the INSERT met a row
+		// committed after the transaction's snapshot: look again.
+		return result{}, attemptAgain, nil
+	case sqlReadOnlyTransaction:
+		return a.readOnly(ctx, "the call's transaction is read-only", false)
+	case sqlInvalidStatementName:
+		// The connection lost the engine's prepared statements (a handler's
+		// DEALLOCATE in a function pgx could not see): pgx prepares them
+		// again on the next use, and the connection, whose other prepared
+		// statements are gone too, is not used again. A pooler that does
+		// not carry prepared statements fails the same way twice.
+		a.reset = "its prepared statements vanished"
+		res, err := a.failed(ctx, "claim", err)
+		return res, attemptRetry, err
+	}
+	res, err := a.failed(ctx, "claim", err)
+	return res, attemptDone, err
+}
+
+// end ends the attempt on every path, panics included: whatever is still
+// open is rolled back and the session's lock released, in one round trip,
+// even when ctx is cancelled (until then the key stays locked). A
+// connection that cannot be cleaned up is closed, which releases both; so
+// is one whose session the handler may have changed (see session.go), so
+// that nothing of the call reaches a later one.
+func (a *attempt) end(ctx context.Context) {
+	if a.released {
+		return
+	}
+	reset := a.resetReason()
+	if reset == "" && !a.open && !a.session {
+		a.pc.Release() // the common case: committed, nothing left to do
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
+	defer cancel()
+	if reset == "" {
+		b := &pgx.Batch{}
+		if err := a.endTx(rctx, b); err != nil {
+			reset = "it could not be cleaned up"
+		} else if a.session {
+			b.Queue(a.st.unlock, a.call.Scope, a.key)
+		}
+		if reset == "" && len(b.QueuedQueries) > 0 {
+			if _, err := sendAll(rctx, a.conn, b); err != nil {
+				reset = "it could not be cleaned up"
+			}
+		}
+	}
+	if reset != "" {
+		_ = a.conn.Close(rctx)
+	}
+	a.pc.Release()
+}
+
+// endTx ends the connection's open transaction: it queues the ROLLBACK at
+// the head of b (see rollbackAborted).
+func (a *attempt) endTx(ctx context.Context, b *pgx.Batch) error {
+	if err := a.rollbackAborted(ctx); err != nil || !a.open {
+		return err
+	}
+	b.Queue("ROLLBACK")
+	return nil
+}
+
+// rollbackAborted replaces a transaction that a failed statement aborted
+// with a new one, in a round trip of its own: PostgreSQL runs nothing but
+// a ROLLBACK in an aborted transaction, and pgx parses a statement new to
+// the connection in a round trip before the statements that use it. AND
+// CHAIN keeps the session inside a transaction, so that a transaction
+// pooler keeps the server connection, and the session's lock, with it
+// until the round trip that ends it.
+func (a *attempt) rollbackAborted(ctx context.Context) error {
+	if !a.open || a.conn.PgConn().TxStatus() != 'E' {
+		return nil
+	}
+	_, err := a.conn.Exec(ctx, "ROLLBACK AND CHAIN")
+	return err
+}
+
+// releaseConn hands a dead connection back to the pool at once, so that a
+// pool whose every connection is held (a pool of one) can give the attempt
+// another to settle the key on.
+func (a *attempt) releaseConn() {
+	if !a.released {
+		a.released, a.open, a.session = true, false, false
+		a.pc.Release()
+	}
+}

@@ -1,0 +1,272 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"google.golang.org/grpc/codes"
+	grpcstatus "google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// finish decides the call's outcome from what fn did, and commits it: fn's
+// writes with the result written over the claim, a final error alone
+// (settle), or nothing (the key released). From here the outcome is known;
+// it is finished even if the caller left, on a context of its own (see
+// finishError).
+func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, error) {
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
+	defer cancel()
+	if a.conn.IsClosed() {
+		return a.lost(ctx, fctx, h)
+	}
+	var final *finalError
+	isFinal := errors.As(h.err, &final)
+	txStatus := a.conn.PgConn().TxStatus()
+	switch {
+	case txStatus == 'I':
+		// fn ended the call's transaction and began none: whether it
+		// committed the claim or rolled it back, settle says.
+		a.open = false
+		return a.settleWith(fctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+	case h.refused != "":
+		return a.settleWith(fctx, grpcstatus.New(codes.Internal, h.refused))
+	case h.err != nil && !isFinal:
+		return a.releaseWith(ctx, fctx, h.err)
+	case txStatus == 'E' && !isFinal:
+		return a.settleWith(fctx, grpcstatus.New(codes.Internal, errIgnoredFailure))
+	case isFinal:
+		st := grpcstatus.Convert(final.err)
+		if !utf8.ValidString(st.Message()) {
+			// The caller gets what is stored, now and on every replay.
+			h.err = Final(grpcstatus.ErrorProto(sanitizeStatus(st.Proto())))
+		}
+		row, err := a.keyRow(h.resp, st, true)
+		if err != nil {
+			return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+		}
+		return a.settle(fctx, &row, h.resp, h.err)
+	}
+	if a.reset != "" || a.rawConn {
+		// fn may have deallocated the connection's prepared statements
+		// (see sessionChange), the commit's among them: pgx and the server
+		// agree again once both have none.
+		if err := a.conn.DeallocateAll(fctx); err != nil {
+			return a.finishFailed(fctx, err)
+		}
+	}
+	return a.commit(fctx, h.resp)
+}
+
+// commit writes the call's result over its claim and commits: one round
+// trip, the statement that writes the row (and releases the session's
+// lock; the transaction's covers the COMMIT) and the COMMIT.
+func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attemptNext, error) {
+	row, err := a.keyRow(resp, nil, true)
+	if err != nil {
+		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+	}
+	b := &pgx.Batch{}
+	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
+	b.Queue("COMMIT")
+	failed, err := sendAll(ctx, a.conn, b)
+	if failed != 0 {
+		a.session = false // the row's statement ran, and released the lock
+	}
+	switch {
+	case err == nil:
+		a.open = false
+	case failed == 0:
+		return a.finishRefused(ctx, err)
+	default:
+		a.open = a.conn.PgConn().TxStatus() != 'I'
+		return a.commitFailed(ctx, err)
+	}
+	if took := time.Since(a.claimed); took >= a.call.TTL/2 {
+		// Best effort: a failure leaves the TTL counted from the claim.
+		// At READ COMMITTED, for SERIALIZABLE's conflict tracking to leave
+		// it alone.
+		b := &pgx.Batch{}
+		b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
+		b.Queue(a.st.extend, a.call.Scope, a.key, a.call.TTL.Microseconds())
+		b.Queue("COMMIT")
+		_, _ = sendAll(ctx, a.conn, b)
+	}
+	return result{Result: Result{Response: resp, Outcome: OutcomeExecuted}, metadata: row.metadata, ownAnswer: true}, attemptDone, nil
+}
+
+// finishRefused answers a result that the database refused to write over
+// the claim; the call's transaction is aborted, fn's writes with it.
+func (a *attempt) finishRefused(ctx context.Context, err error) (result, attemptNext, error) {
+	switch sqlState(err) {
+	case sqlDivisionByZero:
+		// The statement's guard: the claim is not this transaction's, so fn
+		// ended the call's transaction and began another (see finish).
+		return a.settleWith(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+	case sqlReadOnlyTransaction:
+		return a.readOnly(ctx, "the key's row could not be written because the call's transaction is read-only", true)
+	case sqlInsufficientPrivilege:
+		return a.roleRefused(ctx, err)
+	case sqlInvalidStatementName:
+		a.reset = "its prepared statements vanished"
+		if err := a.rollbackAborted(ctx); err != nil {
+			return a.finishFailed(ctx, err)
+		}
+		if err := a.conn.DeallocateAll(ctx); err != nil {
+			return a.finishFailed(ctx, err)
+		}
+		return a.settleWith(ctx, grpcstatus.New(codes.Internal, errStatementsVanished))
+	}
+	return a.finishFailed(ctx, err)
+}
+
+// roleRefused answers a result that the transaction's role may not write:
+// either fn set another role for it (SET LOCAL ROLE, for row-level
+// security), and the call fails once, its error stored and naming the
+// cause, or the store's role lacks the privilege, which an operator must
+// grant (nothing is stored, so that the calls run once it is).
+func (a *attempt) roleRefused(ctx context.Context, cause error) (result, attemptNext, error) {
+	if err := a.rollbackAborted(ctx); err != nil {
+		return a.finishFailed(ctx, err)
+	}
+	var role string
+	var may bool
+	if err := a.conn.QueryRow(ctx, a.st.rolePrivileges).Scan(&role, &may); err != nil {
+		return a.finishFailed(ctx, err)
+	}
+	if !may {
+		err := a.s.finishError("store result", cause)
+		return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
+	}
+	return a.settleWith(ctx, grpcstatus.Newf(codes.Internal, "idempotency: the key's row could not be written as the role the handler set for the call's transaction "+
+		"(SET LOCAL ROLE, or set_config('role', ..., true)), which may not update the key table; the call's own role, %s, may. "+
+		"Set the role back before the handler returns (SET LOCAL ROLE %s), or grant the handler's role SELECT and UPDATE on the key table. "+
+		"Nothing was committed; the key is kept with this error so that the call does not run again", role, pgx.Identifier{role}.Sanitize()))
+}
+
+// readOnly answers a call whose transaction cannot write: on a standby
+// (a failover in progress), a retry can reach the new primary; on a
+// primary, the session's default (before the handler ran) or the handler
+// (ran: it set transaction_read_only) made the transaction read-only, and
+// a retry would fail the same way. A handler that did so fails once, its
+// error stored, as for anything else the engine cannot make safe.
+func (a *attempt) readOnly(ctx context.Context, what string, ran bool) (result, attemptNext, error) {
+	if err := a.rollbackAborted(ctx); err != nil {
+		return a.finishFailed(ctx, err)
+	}
+	var standby bool
+	if err := a.conn.QueryRow(ctx, "SELECT pg_catalog.pg_is_in_recovery()", pgx.QueryExecModeSimpleProtocol).Scan(&standby); err != nil || standby {
+		return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, ErrStoreUnavailable.with(what+" (the server is a standby)", err)
+	}
+	if ran {
+		return a.settleWith(ctx, grpcstatus.Newf(codes.Internal, "idempotency: %s on a primary server: the handler made it so "+
+			"(transaction_read_only); nothing was committed, and the key is kept with this error so that the call does not run again", what))
+	}
+	return result{Result: Result{Outcome: OutcomeMisconfigured}}, attemptDone, grpcstatus.Errorf(codes.Internal,
+		"idempotency: %s on a primary server: default_transaction_read_only is on for the store's role, database or connection; nothing ran", what)
+}
+
+// commitFailed handles a COMMIT that PostgreSQL refused: the transaction
+// rolled back, fn's writes with it.
+func (a *attempt) commitFailed(ctx context.Context, err error) (result, attemptNext, error) {
+	switch code := sqlState(err); {
+	case strings.HasPrefix(code, "23"):
+		return a.violatedAtCommit(ctx, err)
+	case code == sqlSerializationFailure || code == sqlDeadlockDetected:
+		res, err := a.failed(ctx, "commit", err)
+		res.Outcome = OutcomeReleased
+		return res, attemptDone, err
+	}
+	return a.finishFailed(ctx, err)
+}
+
+// violatedAtCommit handles a COMMIT that failed on a deferred constraint of
+// fn's writes: fn's failure, as if fn had returned FailedPrecondition, and
+// stored as such when the transport makes that code final.
+func (a *attempt) violatedAtCommit(ctx context.Context, err error) (result, attemptNext, error) {
+	var pgErr *pgconn.PgError
+	errors.As(err, &pgErr)
+	st := grpcstatus.Newf(codes.FailedPrecondition, "the call's writes violate constraint %s of table %s: %s", pgErr.ConstraintName, pgErr.TableName, pgErr.Message)
+	if a.tp.finalCode == nil || !a.tp.finalCode(codes.FailedPrecondition) {
+		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, st.Err()
+	}
+	return a.settleWith(ctx, st)
+}
+
+// finishFailed handles a failure to store the result: the transaction is
+// gone, and with it fn's writes. The outcome may be unknown (the
+// connection died during COMMIT); a retry with the same key replays it if
+// the commit happened, or runs again.
+func (a *attempt) finishFailed(_ context.Context, err error) (result, attemptNext, error) {
+	err = a.s.finishError("store result", err)
+	return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
+}
+
+// finishError is dbError for the statements that store a call's result:
+// they run on a context of their own, so a deadline there is the finish
+// timeout, an outage whose outcome may be unknown, not the caller's.
+func (s *Store) finishError(op string, err error) error {
+	return s.dbError(context.Background(), op, err)
+}
+
+// keyRow builds the row of the call's key for its result: the response,
+// and with a final error its status; withMetadata adds what the transport
+// recorded of the call (its headers), in the transport's encoding.
+func (a *attempt) keyRow(resp proto.Message, final *grpcstatus.Status, withMetadata bool) (keyRow, error) {
+	row := keyRow{scope: a.call.Scope, key: a.key, method: a.call.Method, fingerprint: a.call.Fingerprint, state: "succeeded", ttl: a.call.TTL,
+		own: withMetadata}
+	if withMetadata && a.tp.metadata != nil {
+		var err error
+		if row.metadata, err = a.tp.metadata(); err != nil {
+			return row, err
+		}
+	}
+	if resp != nil {
+		// The response, or, with a final error, the response of a transport
+		// whose final outcomes are responses of their own (an HTTP 404).
+		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(resp)
+		if err != nil {
+			return row, fmt.Errorf("idempotency: marshal response: %w", err)
+		}
+		row.responseType, row.response = string(resp.ProtoReflect().Descriptor().FullName()), b
+	}
+	if final != nil {
+		b, err := marshalStatus(final)
+		if err != nil {
+			return row, fmt.Errorf("idempotency: marshal status: %w", err)
+		}
+		row.state, row.status = "failed", b
+	}
+	return row, nil
+}
+
+// keyRow is a key's row as the engine writes it.
+type keyRow struct {
+	scope, key, method string
+	fingerprint        []byte
+	state              string
+	responseType       string
+	response, status   []byte
+	ttl                time.Duration
+	metadata           []byte
+	// own: the row is fn's own result (its response or final error, with
+	// what the transport recorded), not an error of the engine's.
+	own bool
+}
+
+// args are insertFinal's parameters.
+func (r *keyRow) args() []any {
+	return []any{r.scope, r.key, r.method, r.fingerprint, r.state, r.responseType, r.response, r.status, r.ttl.Microseconds(), r.metadata}
+}
+
+// finishArgs are finish's parameters, for the claim at ctid.
+func (r *keyRow) finishArgs(ctid pgtype.TID) []any {
+	return []any{r.scope, r.key, ctid, r.state, r.responseType, r.response, r.status, r.metadata}
+}
