@@ -23,32 +23,13 @@ func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, er
 	defer a.end(ctx)
 
 	start := c.tp.trace.now()
-	cl, err := a.claim(ctx)
+	inserted, err := a.claim(ctx)
 	c.tp.trace.since(phaseClaim, start)
 	switch {
 	case err != nil:
 		return a.claimFailed(ctx, err)
-	case !cl.locked:
-		return result{}, attemptWait, nil
-	case a.ctid.Valid:
-		// The key is this call's.
-	case cl.rec == nil:
-		// The INSERT met a row the statement's snapshot predates.
-		return result{}, attemptAgain, nil
-	case cl.rec.expired:
-		if err := a.replaceExpired(ctx); err != nil {
-			return a.claimFailed(ctx, err)
-		}
-		if !a.ctid.Valid {
-			return result{}, attemptAgain, nil
-		}
-	case cl.rec.state == stateRunning:
-		// A claim that its handler committed: nothing can change its
-		// outcome, which is settled now.
-		return a.settle(ctx, nil, nil, nil)
-	default:
-		res, err := c.replay(*cl.rec)
-		return res, attemptDone, err
+	case !inserted:
+		return a.missed(ctx)
 	}
 	h := a.run(ctx, fn)
 	defer c.tp.trace.since(phaseCommit, c.tp.trace.now())
@@ -87,19 +68,10 @@ type attempt struct {
 	params sessionParams
 }
 
-// claimed is what a claim found.
-type claimed struct {
-	locked bool
-	// snapshotLevel: the transaction is REPEATABLE READ or SERIALIZABLE.
-	snapshotLevel bool
-	// rec is the key's row when the claim found one, nil when it inserted
-	// the call's (or did not get the lock).
-	rec *record
-}
-
 // claim opens the call's transaction with the claim (see
-// statements.claim): one round trip.
-func (a *attempt) claim(ctx context.Context) (claimed, error) {
+// statements.claim): one round trip. inserted reports that the claim's row
+// is in: the key is this call's.
+func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
 	b := &pgx.Batch{}
 	b.Queue(a.begin)
 	b.Queue(a.st.claim, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
@@ -108,42 +80,67 @@ func (a *attempt) claim(ctx context.Context) (claimed, error) {
 	a.open, a.session = true, true
 	a.claimed = time.Now()
 	br := a.conn.SendBatch(ctx, b)
-	var cl claimed
-	_, err := br.Exec()
-	if err == nil {
-		cl.rec, err = scanRecord(br.QueryRow(), &cl.locked, &a.ctid, &cl.snapshotLevel)
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return cl, err
-	}
-	a.session = cl.locked
-	if a.inherited {
-		a.s.defaultSnapshot.Store(cl.snapshotLevel)
-	}
-	return cl, nil
-}
-
-// replaceExpired claims a key whose row has expired (the cleaner has not
-// deleted it yet): the row is deleted and the claim's inserted, in the
-// call's transaction, under the lock the claim took.
-func (a *attempt) replaceExpired(ctx context.Context) error {
-	b := &pgx.Batch{}
-	b.Queue(a.st.deleteExpiredKey, a.call.Scope, a.key)
-	b.Queue(a.st.insertRunning, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
-	br := a.conn.SendBatch(ctx, b)
-	_, err := br.Exec()
-	if err == nil {
-		if err = br.QueryRow().Scan(&a.ctid); errors.Is(err, pgx.ErrNoRows) {
-			err = nil // a row took its place: claim again
+	var snapshotLevel bool
+	if _, err = br.Exec(); err == nil {
+		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			err = nil
+		case err == nil:
+			inserted = true
 		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return err
+	if inserted && a.inherited {
+		a.s.defaultSnapshot.Store(snapshotLevel)
+	}
+	return inserted, err
+}
+
+// missed answers a claim that inserted nothing, in one round trip: the
+// call's transaction is rolled back, the key's expired row (if the
+// session got the lock) deleted, the session's lock released if it got
+// it, and the key probed, as a duplicate's probe does.
+func (a *attempt) missed(ctx context.Context) (result, attemptNext, error) {
+	b := &pgx.Batch{}
+	b.Queue("ROLLBACK")
+	b.Queue(a.st.deleteExpiredIfHeld, a.call.Scope, a.key)
+	b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
+	b.Queue(a.st.probe, a.call.Scope, a.key)
+	br := a.conn.SendBatch(ctx, b)
+	var err error
+	for i := 0; i < 3 && err == nil; i++ {
+		_, err = br.Exec()
+	}
+	var rec *record
+	var free bool
+	if err == nil {
+		rec, err = scanRecord(br.QueryRow(), &free)
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		res, err := a.failed(ctx, "claim", err)
+		return res, attemptDone, err
+	}
+	a.open, a.session = false, false
+	switch {
+	case rec != nil && !rec.expired && rec.state == stateRunning:
+		// A claim that its handler committed: nothing can change its
+		// outcome, which is settled now.
+		return a.settle(ctx, nil, nil, nil)
+	case rec != nil && !rec.expired:
+		res, err := a.replay(*rec)
+		return res, attemptDone, err
+	case free:
+		// The key's row expired and is gone, or its holder finished
+		// without one: claim again.
+		return result{}, attemptAgain, nil
+	}
+	return result{}, attemptWait, nil
 }
 
 // claimFailed answers a claim the database refused; nothing ran.
@@ -191,7 +188,7 @@ func (a *attempt) end(ctx context.Context) {
 		if err := a.endTx(rctx, b); err != nil {
 			reset = "it could not be cleaned up"
 		} else if a.session {
-			b.Queue(a.st.unlock, a.call.Scope, a.key)
+			b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 		}
 		if reset == "" && len(b.QueuedQueries) > 0 {
 			if _, err := sendAll(rctx, a.conn, b); err != nil {

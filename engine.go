@@ -93,11 +93,12 @@ func (s *Store) execute(ctx context.Context, call Call, tp *transport, fn Func) 
 			}
 		case attemptAgain:
 			// The key's row appeared after the claim's snapshot was taken,
-			// or expired while this call used it. Rare; look again, a few
+			// or its expired row was deleted. Rare; claim again, a few
 			// times at most.
 			if conflicts++; conflicts == 3 {
 				return result{Result: Result{Outcome: OutcomeInProgress}}, inProgress("the key kept changing while it was being claimed", s.opts.retryDelay)
 			}
+			continue
 		case attemptRetry:
 			// The connection lost what the engine's statements need (its
 			// prepared statements): once more, on another connection.

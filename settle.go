@@ -45,7 +45,7 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 	}
 	b.Queue(c.st.lookup, c.call.Scope, c.key)
 	if unlock {
-		b.Queue(c.st.unlock, c.call.Scope, c.key)
+		b.Queue(c.st.unlockIfHeld, c.call.Scope, c.key)
 	}
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
@@ -153,7 +153,7 @@ func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err 
 	}
 	b.Queue(a.st.abandon, a.call.Scope, a.key, abandonedStatus)
 	if a.session {
-		b.Queue(a.st.unlock, a.call.Scope, a.key)
+		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
 	br := a.conn.SendBatch(ctx, b)
 	for i := 0; i < len(b.QueuedQueries) && err == nil; i++ {

@@ -8,13 +8,14 @@ import (
 
 // statements are the SQL texts of a store, rendered once for its table.
 type statements struct {
-	claim, insertRunning, finish string
-	probe, lookup                string
-	abandon, insertFinal, unlock string
-	deleteExpiredKey, extend     string
-	deleteExpired                string
-	inspect, lockForget, forget  string
-	rolePrivileges               string
+	claim, finish                     string
+	deleteExpiredIfHeld, unlockIfHeld string
+	probe, lookup                     string
+	abandon, insertFinal              string
+	deleteExpiredKey, extend          string
+	deleteExpired                     string
+	inspect, lockForget, forget       string
+	rolePrivileges                    string
 }
 
 // renderStatements renders the statements for the table named by ident, a
@@ -48,8 +49,9 @@ func renderStatements(ident string) statements {
 		"{{record}}", record(""), "{{record_k}}", record("k."))
 	return statements{
 		// The claim, in one statement, the first of the call's transaction:
-		// the key's lock, without waiting for it, then the key's row in the
-		// state running, then what the key already held.
+		// the key's lock, without waiting for it, and, if it was free, the
+		// key's row in the state running. It returns a row only when it
+		// inserted one (see statements.missed for the other case).
 		//
 		// The row is what no handler can undo. It is written in the call's
 		// transaction, so a crash or a rollback takes it away with the
@@ -59,7 +61,11 @@ func renderStatements(ident string) statements {
 		// may have committed anything, which every later caller finds and
 		// none runs again (see abandon). The primary key decides: of two
 		// writers of one key, the second's INSERT finds the first's row,
-		// committed or not.
+		// committed or not. At REPEATABLE READ and SERIALIZABLE, a row
+		// committed after the transaction's snapshot fails the INSERT with
+		// a serialization failure, and the engine claims again; the INSERT
+		// reads no index page with the snapshot, so SERIALIZABLE's conflict
+		// tracking stays off the key table.
 		//
 		// The lock is taken twice, for the session and for the
 		// transaction. The session's survives whatever the handler does to
@@ -68,38 +74,38 @@ func renderStatements(ident string) statements {
 		// settled the key; finish releases it in the statement that stores
 		// the result, and the transaction's covers the COMMIT after it. A
 		// duplicate that does not get the lock inserts nothing, so it never
-		// waits on the holder's uncommitted row.
-		//
-		// The lookup runs only when the INSERT found a row (the subquery's
-		// conditions are a one-time filter): a fresh call reads no index
-		// page for it, which keeps SERIALIZABLE's conflict
-		// tracking off the key table. Its snapshot is the statement's, a
-		// moment older than the lock, so a row committed in between is
-		// missed; the INSERT cannot miss it (at READ COMMITTED it does
-		// nothing, at REPEATABLE READ and SERIALIZABLE it fails with a
-		// serialization failure), and the engine looks again.
-		claim: r.Replace(`WITH l AS (SELECT pg_catalog.pg_try_advisory_lock({{lock_key}}) AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) AS locked),
-c AS (` + claimInsert + ` FROM l, (SELECT pg_catalog.clock_timestamp() AS now) t WHERE l.locked ON CONFLICT (scope, key) DO NOTHING RETURNING ctid)
-SELECT l.locked, (SELECT ctid FROM c), pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'), {{record_k}}
-FROM l LEFT JOIN (SELECT * FROM {{table}} WHERE (SELECT ctid FROM c) IS NULL AND (SELECT locked FROM l) AND scope = $1::text AND key = $2::text) k ON true`),
-		// The claim of a key whose expired row the transaction just
-		// deleted, under the lock the claim took.
-		insertRunning: r.Replace(claimInsert + ` FROM (SELECT pg_catalog.clock_timestamp() AS now) t ON CONFLICT (scope, key) DO NOTHING RETURNING ctid`),
+		// waits on the holder's uncommitted row. The WHERE is evaluated
+		// once, left to right: a session lock not granted asks no more.
+		claim: r.Replace(claimInsert + ` FROM (SELECT pg_catalog.clock_timestamp() AS now) t
+WHERE pg_catalog.pg_try_advisory_lock({{lock_key}}) AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable')`),
+		// After a claim that inserted nothing (the lock was held, or the key
+		// has a row), in the same round trip as the call's ROLLBACK: an
+		// expired row is deleted if the session got the lock, which is then
+		// released, and the key is probed (see probe) for what it holds.
+		deleteExpiredIfHeld: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = $2::text AND expires_at <= pg_catalog.now()
+AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})`),
+		// Releases the session's lock if it holds it: the transaction's try
+		// succeeds then (a session's locks do not exclude each other), and
+		// fails if another session holds it, which is left alone.
+		unlockIfHeld: r.Replace(`SELECT CASE WHEN pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) THEN pg_catalog.pg_advisory_unlock({{lock_key}}) END`),
 		// The result, written over the claim, with the COMMIT after it. The
 		// row is found by its address (a TID scan reads no index, so
-		// SERIALIZABLE tracks no conflict with other keys), and only if
-		// this very transaction inserted it: if the handler ended the
-		// call's transaction and began another, no row matches, the
-		// division fails the statement, and the COMMIT after it rolls back
-		// instead of committing the handler's later writes. The session's
-		// lock is released with the row, so that it is never left held.
-		// The row keeps its expiry (an UPDATE that changes no indexed
-		// column can be a heap-only tuple update).
-		finish: r.Replace(`WITH u AS (UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
+		// SERIALIZABLE tracks no conflict with other keys). If the handler
+		// committed the call's transaction and began another, the claim is
+		// there, committed by another transaction, and the division fails
+		// the statement, so that the COMMIT after it rolls back instead of
+		// committing the handler's later writes; if the handler rolled the
+		// claim back, no row matches. Either way the engine settles the
+		// key (see finishRefused and commit). The session's lock is
+		// released with the row, so that it is never left held. The row
+		// keeps its expiry (an UPDATE that changes no indexed column can be
+		// a heap-only tuple update).
+		finish: r.Replace(`UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
 metadata = $8::bytea, completed_at = pg_catalog.clock_timestamp()
-WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND xmin = pg_catalog.pg_current_xact_id()::xid
-RETURNING pg_catalog.pg_advisory_unlock({{lock_key}}))
-SELECT 1 / pg_catalog.count(*)::int FROM u`),
+WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND 1 / (xmin = pg_catalog.pg_current_xact_id()::xid)::int = 1
+RETURNING pg_catalog.pg_advisory_unlock({{lock_key}})`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
 		// is taken and released within the statement).
@@ -122,7 +128,6 @@ completed_at = pg_catalog.clock_timestamp() WHERE scope = $1::text AND key = $2:
 SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text, NULLIF($6::text, ''), $7::bytea, $8::bytea, $10::bytea, t.now, t.now, t.now + $9::bigint * interval '1 microsecond'
 FROM (SELECT pg_catalog.clock_timestamp() AS now) t WHERE pg_catalog.pg_try_advisory_xact_lock({{lock_key}})
 ON CONFLICT (scope, key) DO NOTHING`),
-		unlock:           r.Replace(`SELECT pg_catalog.pg_advisory_unlock({{lock_key}})`),
 		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = $2::text AND expires_at <= pg_catalog.now()`),
 		// After a call that took a large part of the TTL: count the TTL
 		// from its end, so a retry right after the call still replays.
