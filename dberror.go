@@ -2,9 +2,14 @@ package idempotency
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"strings"
+	"syscall"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"google.golang.org/grpc/codes"
@@ -12,16 +17,22 @@ import (
 )
 
 // dbError turns an error of the engine's own statements into what the
-// caller is told, by SQLSTATE class: only what a retry can fix is
-// Unavailable. A cancelled or expired ctx is reported as such (the caller
-// gave up; the database may be fine).
+// caller is told, by SQLSTATE class, or for an error without one by what
+// failed: only what a retry can fix is Unavailable. A cancelled or expired
+// ctx is reported as such (the caller gave up; the database may be fine).
 //
 //	connection lost or refused, shutdown, too many connections, out of
 //	memory or disk, I/O error, read-only (failover), statement_timeout
 //	                                       Unavailable (ErrStoreUnavailable)
 //	serialization failure, deadlock        Aborted (retry the same key)
 //	table or column missing, privileges,
-//	login refused, any other error         Internal, saying what to do
+//	login refused, a TLS certificate that
+//	cannot be verified, a missing library
+//	file, a protocol violation, a database
+//	dropped, an answer pgx cannot decode,
+//	any other error                        Internal, saying what to do
+//
+// TESTING.md lists every class with the test that proves its code.
 func (s *Store) dbError(ctx context.Context, op string, err error) error {
 	if ctxErr := ctx.Err(); ctxErr != nil && errors.Is(err, ctxErr) {
 		return contextError{ctxErr}
@@ -32,8 +43,7 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 	}
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) {
-		// No answer from the server: the network, or a connection that died.
-		return ErrStoreUnavailable.with(op, err)
+		return s.clientError(op, err)
 	}
 	switch code := pgErr.Code; {
 	case strings.HasPrefix(code, "28") || code == sqlInvalidCatalogName:
@@ -42,6 +52,16 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 		return s.misconfigured(op, pgErr, "PostgreSQL refused the login: check the database URL, role and password (and that the database exists)")
 	case code == sqlInsufficientPrivilege && pgErr.Severity == "FATAL":
 		return s.misconfigured(op, pgErr, "PostgreSQL refused the login: the role may not connect to the database; grant it CONNECT")
+	case code == sqlUndefinedFile || code == sqlDuplicateFile:
+		return s.misconfigured(op, pgErr, "the server cannot load a file its configuration names (an extension or a library: shared_preload_libraries, "+
+			"session_preload_libraries, local_preload_libraries): install it, or remove it from the setting")
+	case code == sqlProtocolViolation:
+		return s.misconfigured(op, pgErr, "the server (or a pooler in front of it) refused what pgx sent as a protocol violation: "+
+			"check the pooler's mode and the pool's default_query_exec_mode")
+	case code == sqlDatabaseDropped:
+		return s.misconfigured(op, pgErr, "the database was dropped: point the store's pool at one that exists")
+	case code == sqlConfigurationLimit:
+		return s.misconfigured(op, pgErr, "the server's configuration refuses the statement (a configuration limit): the server's log names it")
 	case pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC":
 		// The server ended the session (idle_in_transaction_session_timeout,
 		// an administrator, a crash): the connection is gone, not the
@@ -64,6 +84,64 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 			"otherwise set default_query_exec_mode=cache_describe or exec")
 	}
 	return s.misconfigured(op, pgErr, "unexpected database error; the server's log has it")
+}
+
+// clientError classifies an error that has no SQLSTATE: the network or a
+// connection that died, which a retry can get past; a TLS handshake that
+// can never succeed as configured; or an answer pgx could not use (a value
+// it cannot decode), which no retry changes.
+func (s *Store) clientError(op string, err error) error {
+	switch {
+	case tlsUnverifiable(err):
+		return &dbFailure{code: codes.Internal, op: op, err: err, msg: "the TLS handshake with the server cannot succeed as configured (its certificate does not verify, " +
+			"or the server refuses TLS): give sslrootcert the CA that signed the server's certificate, use a host name the certificate names, or change sslmode"}
+	case connectionTrouble(err):
+		return ErrStoreUnavailable.with(op, err)
+	}
+	return &dbFailure{code: codes.Internal, op: op, err: err, msg: "pgx could not use the server's answer (" + err.Error() + "); no retry changes that: " +
+		"a custom type registered on the pool's connections, or a change to the key table's columns, may be the cause"}
+}
+
+// tlsUnverifiable reports whether err is a TLS failure that no retry
+// fixes.
+func tlsUnverifiable(err error) bool {
+	var verify *tls.CertificateVerificationError
+	var authority x509.UnknownAuthorityError
+	var host x509.HostnameError
+	var invalid x509.CertificateInvalidError
+	var alert tls.AlertError
+	if errors.As(err, &verify) || errors.As(err, &authority) || errors.As(err, &host) || errors.As(err, &invalid) || errors.As(err, &alert) {
+		return true
+	}
+	// sslmode=require against a server without TLS; pgconn's error has no
+	// type of its own, and is wrapped in a ConnectError.
+	for e := err; e != nil; e = errors.Unwrap(e) {
+		if _, ok := e.(*pgconn.ConnectError); !ok && e.Error() == "server refused TLS connection" {
+			return true
+		}
+	}
+	return false
+}
+
+// connectionTrouble reports whether err is the network's, or a
+// connection's that died or could not be made: a retry, later or on
+// another connection, can succeed.
+func connectionTrouble(err error) bool {
+	var netErr net.Error
+	var connect *pgconn.ConnectError
+	switch {
+	case errors.As(err, &netErr), errors.As(err, &connect):
+		return true
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, net.ErrClosed):
+		return true
+	case errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE),
+		errors.Is(err, syscall.ECONNABORTED), errors.Is(err, syscall.ETIMEDOUT), errors.Is(err, syscall.EHOSTUNREACH), errors.Is(err, syscall.ENETUNREACH):
+		return true
+	}
+	// A connection that is closed or busy fails before anything is sent;
+	// so does the Acquire of a pool being closed (puddle's ErrClosedPool,
+	// matched by its text to keep puddle an indirect dependency).
+	return pgconn.SafeToRetry(err) || pgconn.Timeout(err) || err.Error() == "closed pool"
 }
 
 // handlerError gives a handler's raw database error the status that tells
@@ -128,6 +206,11 @@ const (
 	sqlIdleInTransactionTimeout = "25P03"
 	sqlTransactionTimeout       = "25P04"
 	sqlLockNotAvailable         = "55P03"
+	sqlUndefinedFile            = "58P01" // a file the server needs is missing: an extension, a library
+	sqlDuplicateFile            = "58P02"
+	sqlProtocolViolation        = "08P01"
+	sqlDatabaseDropped          = "57P04"
+	sqlConfigurationLimit       = "53400"
 )
 
 // sqlState returns the SQLSTATE of a PostgreSQL error, or "".
@@ -143,13 +226,13 @@ func sqlState(err error) string {
 // a retry, after a while, can succeed.
 func transientCode(code string) bool {
 	switch {
-	case strings.HasPrefix(code, "08"): // connection exception
+	case strings.HasPrefix(code, "08") && code != sqlProtocolViolation: // connection exception
 		return true
-	case strings.HasPrefix(code, "53"): // insufficient resources: disk, memory, connections
+	case strings.HasPrefix(code, "53") && code != sqlConfigurationLimit: // insufficient resources: disk, memory, connections
 		return true
-	case strings.HasPrefix(code, "58"): // system error: I/O
+	case strings.HasPrefix(code, "58") && code != sqlUndefinedFile && code != sqlDuplicateFile: // system error: I/O
 		return true
-	case strings.HasPrefix(code, "57P"): // admin or crash shutdown, cannot connect now
+	case strings.HasPrefix(code, "57P") && code != sqlDatabaseDropped: // admin or crash shutdown, cannot connect now
 		return true
 	}
 	switch code {
@@ -175,6 +258,7 @@ type dbFailure struct {
 	code    codes.Code
 	msg, op string
 	cause   *pgconn.PgError
+	err     error // the cause when it is not the server's (cause is nil)
 }
 
 func (e *dbFailure) Error() string {
@@ -186,7 +270,7 @@ func (e *dbFailure) Error() string {
 
 func (e *dbFailure) Unwrap() error {
 	if e.cause == nil {
-		return nil
+		return e.err
 	}
 	return e.cause
 }

@@ -2,9 +2,13 @@ package idempotency
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"syscall"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -49,6 +53,18 @@ func TestUnitDatabaseErrorClassification(t *testing.T) {
 		{&pgconn.PgError{Code: "26000"}, codes.Internal, "max_prepared_statements"},
 		{&pgconn.PgError{Code: "25P03", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
 		{&pgconn.PgError{Code: "XX000", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
+		{&pgconn.PgError{Code: "58030"}, codes.Unavailable, "key store unavailable"},
+		{&pgconn.PgError{Code: "58P01", Severity: "FATAL"}, codes.Internal, "cannot load a file its configuration names"},
+		{&pgconn.PgError{Code: "58P01"}, codes.Internal, "cannot load a file its configuration names"},
+		{&pgconn.PgError{Code: "58P02"}, codes.Internal, "cannot load a file its configuration names"},
+		{&pgconn.PgError{Code: "08P01", Severity: "FATAL"}, codes.Internal, "protocol violation"},
+		{&pgconn.PgError{Code: "57P04", Severity: "FATAL"}, codes.Internal, "the database was dropped"},
+		{&pgconn.PgError{Code: "53400"}, codes.Internal, "configuration limit"},
+		{&net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, codes.Unavailable, "key store unavailable"},
+		{fmt.Errorf("write: %w", syscall.EPIPE), codes.Unavailable, "key store unavailable"},
+		{x509.UnknownAuthorityError{}, codes.Internal, "TLS handshake with the server cannot succeed"},
+		{&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, codes.Internal, "TLS handshake with the server cannot succeed"},
+		{errors.New("can't scan into dest[1]: cannot scan tid (OID 27) in binary format into *pgtype.TID"), codes.Internal, "pgx could not use the server's answer"},
 	} {
 		name := fmt.Sprintf("%T %v", tc.err, tc.err)
 		err := s.dbError(context.Background(), "claim", tc.err)
@@ -63,4 +79,26 @@ func TestUnitDatabaseErrorClassification(t *testing.T) {
 	require.Equal(t, codes.Canceled, status.Code(err), "the caller's own cancellation")
 	require.ErrorIs(t, err, context.Canceled)
 	require.False(t, errors.Is(err, ErrStoreUnavailable))
+}
+
+// A handler's own database error is told as the engine's are: only what a
+// retry can fix is Unavailable; a missing library file is passed on as it
+// is, never as an outage.
+func TestUnitHandlerErrorClassification(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		code string
+		want codes.Code
+	}{
+		{"40001", codes.Aborted},
+		{"08006", codes.Unavailable},
+		{"58030", codes.Unavailable},
+		{"58P01", codes.Unknown},
+		{"08P01", codes.Unknown},
+		{"57P04", codes.Unknown},
+		{"23505", codes.Unknown},
+	} {
+		err := handlerError(&pgconn.PgError{Code: tc.code})
+		require.Equal(t, tc.want, status.Code(err), tc.code)
+	}
 }
