@@ -146,7 +146,7 @@ func (a *attempt) roleRefused(ctx context.Context, cause error) (result, attempt
 		return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
 	}
 	return a.settleWith(ctx, grpcstatus.Newf(codes.Internal, "idempotency: the key's row could not be written as the role the handler set for the call's transaction "+
-		"(SET LOCAL ROLE, or set_config('role', ..., true)), which may not update the key table; the call's own role, %s, may. "+
+		"(SET LOCAL ROLE, SET ROLE or set_config('role', ...)), which may not update the key table; the call's own role, %s, may. "+
 		"Set the role back before the handler returns (SET LOCAL ROLE %s), or grant the handler's role SELECT and UPDATE on the key table. "+
 		"Nothing was committed; the key is kept with this error so that the call does not run again", role, pgx.Identifier{role}.Sanitize()))
 }

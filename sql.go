@@ -92,20 +92,20 @@ AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})`),
 		unlockIfHeld: r.Replace(`SELECT CASE WHEN pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) THEN pg_catalog.pg_advisory_unlock({{lock_key}}) END`),
 		// The result, written over the claim, with the COMMIT after it. The
 		// row is found by its address (a TID scan reads no index, so
-		// SERIALIZABLE tracks no conflict with other keys). If the handler
-		// committed the call's transaction and began another, the claim is
-		// there, committed by another transaction, and the division fails
-		// the statement, so that the COMMIT after it rolls back instead of
-		// committing the handler's later writes; if the handler rolled the
-		// claim back, no row matches. Either way the engine settles the
-		// key (see finishRefused and commit). The session's lock is
-		// released with the row, so that it is never left held. The row
-		// keeps its expiry (an UPDATE that changes no indexed column can be
-		// a heap-only tuple update).
-		finish: r.Replace(`UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
+		// SERIALIZABLE tracks no conflict with other keys), and only if
+		// this very transaction inserted it: if the handler ended the
+		// call's transaction (and began another), no row matches, the
+		// division fails the statement, and the COMMIT after it rolls back
+		// instead of committing a transaction the engine did not begin.
+		// The engine then settles the key (see finishRefused). The
+		// session's lock is released with the row, so that it is never
+		// left held. The row keeps its expiry (an UPDATE that changes no
+		// indexed column can be a heap-only tuple update).
+		finish: r.Replace(`WITH u AS (UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
 metadata = $8::bytea, completed_at = pg_catalog.clock_timestamp()
-WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND 1 / (xmin = pg_catalog.pg_current_xact_id()::xid)::int = 1
-RETURNING pg_catalog.pg_advisory_unlock({{lock_key}})`),
+WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND xmin = pg_catalog.pg_current_xact_id()::xid
+RETURNING pg_catalog.pg_advisory_unlock({{lock_key}}))
+SELECT 1 / pg_catalog.count(*)::int FROM u`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
 		// is taken and released within the statement).
