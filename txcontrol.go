@@ -496,7 +496,8 @@ func scanSessionChange(sql string, backslashQuotes bool) string {
 			}
 		case n == 1 && lead[0] == "prepare" && w != "transaction":
 			return "PREPARE"
-		case n <= 3 && lead[0] == "create" && (w == "temp" || w == "temporary"):
+		case lead[0] == "create" && (w == "temp" || w == "temporary") &&
+			(n == 1 || (n == 2 && (lead[1] == "global" || lead[1] == "local")) || (n == 3 && lead[1] == "or" && lead[2] == "replace")):
 			return "CREATE TEMPORARY"
 		case lead[0] == "declare" && prev == "with" && w == "hold":
 			return "DECLARE ... WITH HOLD"

@@ -97,3 +97,86 @@ func FuzzTxControl(f *testing.F) {
 		txControl(sql) // must terminate without panicking on any input
 	})
 }
+
+// The ways past the check a review found, now caught: a CREATE FUNCTION
+// whose name is begin (not a BEGIN ATOMIC body), and statement names that
+// are not one word.
+func TestUnitTxControlCatchesWhatGotPast(t *testing.T) {
+	if got, _ := txControl("CREATE FUNCTION begin() RETURNS int LANGUAGE sql AS 'SELECT 1'; COMMIT"); got != "COMMIT" {
+		t.Errorf("a function named begin hid the COMMIT after it: %q", got)
+	}
+	if got, _ := txControl("CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END; COMMIT"); got != "COMMIT" {
+		t.Errorf("COMMIT after a BEGIN ATOMIC body: %q", got)
+	}
+	for _, name := range []string{"finish-batch", "stmt.1", "a:b"} {
+		if _, got := txControl(name); got != name {
+			t.Errorf("txControl(%q) names prepared statement %q", name, got)
+		}
+	}
+}
+
+// What may change the session past the call's transaction, and what may
+// not.
+func TestUnitSessionChange(t *testing.T) {
+	changes := map[string]string{
+		"SET search_path = x":                              "SET search_path",
+		"set session statement_timeout = 1":                "SET SESSION statement_timeout",
+		`SET "work_mem" = '1MB'`:                           "SET work_mem",
+		"RESET ALL":                                        "RESET",
+		"DISCARD ALL":                                      "DISCARD",
+		"DEALLOCATE ALL":                                   "DEALLOCATE",
+		"PREPARE q AS SELECT 1":                            "PREPARE",
+		"LISTEN ch":                                        "LISTEN",
+		"LOAD 'x'":                                         "LOAD",
+		"DO $$ BEGIN PERFORM 1; END $$":                    "DO",
+		"CALL p()":                                         "CALL",
+		"SELECT 1; SET x.y = 1":                            "SET x",
+		"CREATE OR REPLACE TEMP VIEW v AS SELECT 1":        "CREATE TEMPORARY",
+		"CREATE TEMP TABLE t (a int)":                      "CREATE TEMPORARY",
+		"CREATE GLOBAL TEMPORARY TABLE t (a int)":          "CREATE TEMPORARY",
+		"SELECT 1 INTO TEMP t":                             "INTO TEMPORARY",
+		"DECLARE c CURSOR WITH HOLD FOR SELECT 1":          "DECLARE ... WITH HOLD",
+		"SELECT set_config('a.b', 'c', false)":             "set_config",
+		`SELECT "set_config"('a.b', 'c', false)`:           "set_config",
+		"UPDATE pg_settings SET setting = 'x'":             "pg_settings",
+		"SELECT pg_advisory_lock(1)":                       "pg_advisory_lock",
+		"INSERT INTO pg_temp.t VALUES (1)":                 "pg_temp",
+		"SELECT 1 /* ; */; set role x":                     "SET role",
+		"SELECT E'\\''; SET x = 1":                         "SET x",
+		"SELECT dblink_connect('c', 'dbname=x')":           "dblink_connect",
+		"SELECT pg_catalog.pg_try_advisory_lock_shared(1)": "pg_try_advisory_lock_shared",
+	}
+	for sql, want := range changes {
+		if got := sessionChange(sql); got != want {
+			t.Errorf("sessionChange(%q) = %q, want %q", sql, got, want)
+		}
+	}
+	for _, sql := range []string{
+		"SELECT 1",
+		"SET LOCAL search_path = tenant_1",
+		"SET CONSTRAINTS ALL IMMEDIATE",
+		"SET TRANSACTION READ ONLY",
+		"SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY",
+		"INSERT INTO ledger (note) VALUES ('SET search_path = x; set_config')",
+		"SELECT $$ RESET ALL $$",
+		"SELECT 1 -- SET x = 1",
+		"SELECT temp FROM readings",
+		"SELECT pg_try_advisory_xact_lock(1)",
+		"SELECT set_config_value FROM t",
+		"CREATE TABLE t (temp int)",
+		"WITH reset AS (SELECT 1) SELECT * FROM reset",
+	} {
+		if got := sessionChange(sql); got != "" {
+			t.Errorf("sessionChange(%q) = %q, want none", sql, got)
+		}
+	}
+}
+
+func FuzzSessionChange(f *testing.F) {
+	for _, s := range []string{"SET x = 1", "SELECT 'a'; RESET ALL", `"set_config"(`, "U&\"x\"", "E'\\'"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, sql string) {
+		sessionChange(sql) // must terminate without panicking on any input
+	})
+}
