@@ -28,10 +28,10 @@ type Call struct {
 	// during a rolling deploy never turns a retry into ErrKeyReused. Other
 	// byte strings are compared byte for byte.
 	Fingerprint []byte
-	// TTL is how long the key is kept, counted from when the call's result
-	// was stored (a commit that takes a large part of the TTL has it counted
-	// from the commit), so a retry right after the call always replays it.
-	// Defaults to [DefaultTTL].
+	// TTL is how long the key is kept, counted from when the call claimed
+	// it (a call that takes a large part of the TTL has it counted from its
+	// commit), so a retry right after the call always replays it. Defaults
+	// to [DefaultTTL].
 	TTL time.Duration
 	// Retry says the call may have run before: the transport marks it as a
 	// retry attempt (gRPC's grpc-previous-rpc-attempts, go-grpc-middleware's

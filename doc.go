@@ -17,15 +17,23 @@
 //
 // This holds across restarts and across any number of replicas sharing the
 // database, because the only state is the key table and PostgreSQL's own
-// locks. A call holds its key with a transaction-scoped advisory lock while
-// it runs (a crash releases it with the transaction), and writes the key's
-// row, with its result, as the last statement before COMMIT. The row is a
-// plain INSERT under the table's primary key (scope, key): if any other
-// writer has committed a row for the key, the INSERT fails and the whole
-// transaction, business writes included, rolls back. Nothing is decided by
-// checking first and inserting later. A fresh call thus costs one more row
-// in the handler's own commit, and no more round trips than the handler's
-// own BEGIN and COMMIT.
+// locks, and it holds whatever the handler does to its transaction. The
+// call's transaction begins with the claim: one statement that takes the
+// key's advisory lock (without waiting for it) and inserts the key's row in
+// the state running. The call's result is written over that row, and
+// committed, in the round trip of the COMMIT. Nothing is decided by
+// checking first and inserting later: the table's primary key (scope, key)
+// decides. And since the claim is in the handler's transaction from its
+// first statement, a handler that commits that transaction itself (on
+// tx.Conn(), or by any SQL at all) commits the claim with its writes: a key
+// whose handler may have committed anything then holds a running row that
+// every later caller finds, and the first to find it stores
+// codes.Internal saying what happened, the answer of every caller. The
+// key's lock is also held by the session, which outlives a handler's
+// ROLLBACK, so a duplicate keeps waiting until the engine has settled the
+// key. A fresh call costs one more statement in its first round trip, a
+// row written twice in its commit, and no more round trips than the
+// handler's own BEGIN and COMMIT.
 //
 // # Server
 //
@@ -59,20 +67,25 @@
 // refused with an error wrapping [ErrTxOwned], and the call then fails with
 // codes.Internal, stored, so that it never runs again; so does a call whose
 // handler ends the transaction on tx.Conn(), returns success after one of
-// its statements failed, or leaves a query's rows open. Nested transactions
-// (tx.Begin) are savepoints and work as usual.
+// its statements failed, or leaves a query's rows open. The refusal only
+// makes the error clearer: what gets past it (a COMMIT in a disguise the
+// check does not read) is caught by the claim all the same. Nested
+// transactions (tx.Begin) are savepoints and work as usual. A handler
+// that changes its session past the transaction (SET without LOCAL,
+// set_config(..., false), RESET, DEALLOCATE, LISTEN, a DO block, CALL,
+// tx.Conn()) costs its connection: it is closed after the call rather than
+// returned to the pool, so that no later call inherits the change.
 //
 // The transaction runs at the database's default isolation level, or at
 // the one chosen with [WithIsolation], [Call.Isolation], the isolation field
 // of the method's proto option or [WithHTTPIsolation]. Every guarantee holds
-// at every level. At REPEATABLE READ and SERIALIZABLE the claim locks and
-// looks up the key in a short READ COMMITTED transaction just before the
-// call's transaction begins, so that the transaction's snapshot sees
-// everything the key's previous holders committed and the engine's reads
-// never count in SERIALIZABLE's conflict tracking (three more statements in
-// the claim's round trip, one in the commit's), and a serialization failure
-// or deadlock of the handler's work is returned as codes.Aborted: nothing
-// committed, retry with the same key.
+// at every level. At REPEATABLE READ and SERIALIZABLE a key committed after
+// the transaction's snapshot was taken makes the claim fail with a
+// serialization failure, and the engine claims again; the engine's reads
+// and writes of the key table read no index page inside the call's
+// transaction, so SERIALIZABLE never fails a call for another key's sake. A
+// serialization failure or deadlock of the handler's work is returned as
+// codes.Aborted: nothing committed, retry with the same key.
 //
 // Which methods need a key is written in the .proto files: the
 // (idempotency.v1.method) option of proto/idempotency/v1/idempotency.proto,

@@ -231,11 +231,10 @@ func (o storeOptions) validate() error {
 // where the call sets none (Call.Isolation, a method's proto option, an
 // HTTP middleware's WithHTTPIsolation). Handlers cannot raise it
 // themselves: SET TRANSACTION fails after a transaction's first statement,
-// and the engine refuses it. Every guarantee holds at every level; at
-// REPEATABLE READ and SERIALIZABLE a fresh call runs three more statements
-// in its claim's round trip and one in its commit's, and a serialization
-// failure of the handler's work is returned as codes.Aborted, to retry with
-// the same key.
+// and the engine refuses it. Every guarantee holds at every level, at the
+// same cost; at REPEATABLE READ and SERIALIZABLE a serialization failure of
+// the handler's work is returned as codes.Aborted, to retry with the same
+// key.
 // Defaults to "", the database's default_transaction_isolation.
 func WithIsolation(level pgx.TxIsoLevel) StoreOption {
 	return func(o *storeOptions) { o.isolation = level }
