@@ -66,15 +66,35 @@ type attempt struct {
 	reset string
 	// params are the settings PostgreSQL reports, as the attempt found them.
 	params sessionParams
+	// pair holds the claim's batch, then the commit's: the two every call
+	// sends, in storage of the attempt's.
+	pair batchPair
+}
+
+// batchPair is a batch of two statements that allocates nothing of its
+// own beyond its arguments.
+type batchPair struct {
+	b    pgx.Batch
+	q    [2]pgx.QueuedQuery
+	p    [2]*pgx.QueuedQuery
+	args [8]any
+}
+
+// of returns the batch of first (with args) and second, which takes none.
+func (p *batchPair) of(first string, args []any, second string) *pgx.Batch {
+	n := copy(p.args[:], args)
+	p.q = [2]pgx.QueuedQuery{{SQL: first, Arguments: p.args[:n:n]}, {SQL: second}}
+	p.p = [2]*pgx.QueuedQuery{&p.q[0], &p.q[1]}
+	p.b = pgx.Batch{QueuedQueries: p.p[:]}
+	return &p.b
 }
 
 // claim opens the call's transaction with the claim (see
 // statements.claim): one round trip. inserted reports that the claim's row
 // is in: the key is this call's.
 func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
-	b := &pgx.Batch{}
-	b.Queue(a.begin)
-	b.Queue(a.st.claim, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
+	b := a.pair.of(a.begin, nil, a.st.claim)
+	b.QueuedQueries[1].Arguments = append(a.pair.args[:0], a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
 	// Until the claim's answer says otherwise, the transaction may be open
 	// and the session may hold the lock.
 	a.open, a.session = true, true

@@ -73,10 +73,7 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 	if err != nil {
 		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
 	}
-	b := &pgx.Batch{}
-	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
-	b.Queue("COMMIT")
-	failed, err := sendAll(ctx, a.conn, b)
+	failed, err := sendAll(ctx, a.conn, a.pair.of(a.st.finish, row.finishArgs(a.ctid), "COMMIT"))
 	if failed != 0 {
 		a.session = false // the row's statement ran, and released the lock
 	}
