@@ -174,6 +174,7 @@ type inspected struct {
 	Method       string          `json:"method"`
 	State        string          `json:"state"`
 	CreatedAt    time.Time       `json:"created_at"`
+	CompletedAt  *time.Time      `json:"completed_at,omitempty"`
 	ExpiresAt    time.Time       `json:"expires_at"`
 	Expired      bool            `json:"expired"`
 	ResponseType string          `json:"response_type,omitempty"`
@@ -201,6 +202,9 @@ func recordJSON(rec idempotency.Record) inspected {
 		Scope: rec.Scope, Key: rec.Key, Transport: string(rec.Transport), Method: rec.Method, State: rec.State,
 		CreatedAt: rec.CreatedAt, ExpiresAt: rec.ExpiresAt, Expired: rec.Expired,
 		ResponseType: rec.ResponseType, Fingerprint: hex.EncodeToString(rec.Fingerprint),
+	}
+	if !rec.CompletedAt.IsZero() {
+		out.CompletedAt = &rec.CompletedAt
 	}
 	if code, header, body, ok := rec.HTTPResponse(); ok {
 		out.ResponseType = ""
