@@ -203,7 +203,7 @@ func TestSQLFilesForMigrationTools(t *testing.T) {
 		base = append(base, filepath.Base(n))
 	}
 	require.Equal(t, []string{"001_create_keys.down.sql", "001_create_keys.up.sql", "002_add_metadata.down.sql", "002_add_metadata.up.sql",
-		"003_namespace_keys.down.sql", "003_namespace_keys.up.sql"}, base)
+		"003_namespace_keys.down.sql", "003_namespace_keys.up.sql", "004_claim_fillfactor.down.sql", "004_claim_fillfactor.up.sql"}, base)
 	up, err := os.ReadFile(filepath.Join(dir, "001_create_keys.up.sql"))
 	require.NoError(t, err)
 	require.Contains(t, string(up), "THEN CREATE SCHEMA \"app\"; END IF;")
