@@ -3,7 +3,6 @@ package idempotency
 import (
 	"context"
 	"errors"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -53,13 +52,16 @@ type attempt struct {
 	// ctid is the address of the claim's row, valid once the call's
 	// transaction inserted it.
 	ctid pgtype.TID
-	// claimed is when the claim was sent, from which the key's TTL counts.
-	claimed time.Time
+	// tempSchema is the session's temporary schema as the claim found it,
+	// 0 for none yet (see finish).
+	tempSchema int64
 	// ran: fn ran, so what the key stores from here on is this attempt's
 	// answer (see settle).
 	ran bool
 	// rawConn: the handler had the connection itself (tx.Conn()).
 	rawConn bool
+	// ended: fn left the connection outside any transaction.
+	ended bool
 	// reset, when set, says why the connection must be closed when the
 	// attempt ends rather than serve another call: the handler may have
 	// changed the session's state (see session.go).
@@ -77,7 +79,7 @@ type batchPair struct {
 	b    pgx.Batch
 	q    [2]pgx.QueuedQuery
 	p    [2]*pgx.QueuedQuery
-	args [8]any
+	args [9]any
 }
 
 // of returns the batch of first (with args) and second, which takes none.
@@ -96,13 +98,13 @@ func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
 	b := a.pair.of(a.begin, nil, a.st.claim)
 	b.QueuedQueries[1].Arguments = append(a.pair.args[:0], a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
 	// Until the claim's answer says otherwise, the transaction may be open
-	// and the session may hold the lock.
-	a.open, a.session = true, true
-	a.claimed = time.Now()
+	// and the session may hold the lock (but never behind a pooler: see
+	// renderStatements).
+	a.open, a.session = true, !a.s.pooled.Load()
 	br := a.conn.SendBatch(ctx, b)
 	var snapshotLevel bool
 	if _, err = br.Exec(); err == nil {
-		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel)
+		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel, &a.tempSchema)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			err = nil
@@ -127,11 +129,13 @@ func (a *attempt) missed(ctx context.Context) (result, attemptNext, error) {
 	b := &pgx.Batch{}
 	b.Queue("ROLLBACK")
 	b.Queue(a.st.deleteExpiredIfHeld, a.call.Scope, a.key)
-	b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
+	if a.session {
+		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
+	}
 	b.Queue(a.st.probe, a.call.Scope, a.key)
 	br := a.conn.SendBatch(ctx, b)
 	var err error
-	for i := 0; i < 3 && err == nil; i++ {
+	for i := 0; i < len(b.QueuedQueries)-1 && err == nil; i++ {
 		_, err = br.Exec()
 	}
 	var rec *record

@@ -34,7 +34,7 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 	case txStatus == 'I':
 		// fn ended the call's transaction and began none: whether it
 		// committed the claim or rolled it back, settle says.
-		a.open = false
+		a.open, a.ended = false, true
 		return a.settleWith(fctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
 	case h.refused != "":
 		return a.settleWith(fctx, grpcstatus.New(codes.Internal, h.refused))
@@ -73,23 +73,54 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 	if err != nil {
 		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
 	}
-	failed, err := sendAll(ctx, a.conn, a.pair.of(a.st.finish, row.finishArgs(a.ctid), "COMMIT"))
-	if failed != 0 {
-		a.session = false // the row's statement ran, and released the lock
+	var b *pgx.Batch
+	if a.s.pooled.Load() && (a.reset != "" || a.rawConn) {
+		// Behind a pooler the session is the pooler's server connection,
+		// which outlives this client's: what fn set for it is reset, with
+		// the commit (RESET ALL keeps the values the server connection
+		// started with).
+		b = &pgx.Batch{}
+		b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
+		b.Queue("RESET ALL")
+		b.Queue("RESET ROLE")
+		b.Queue("COMMIT")
+	} else {
+		b = a.pair.of(a.st.finish, row.finishArgs(a.ctid), "COMMIT")
 	}
-	switch {
-	case err == nil:
-		a.open = false
-	case failed == 0:
+	start := time.Now()
+	br := a.conn.SendBatch(ctx, b)
+	var one, tempSchema int64
+	if err = br.QueryRow().Scan(&one, &tempSchema); err != nil {
+		_ = br.Close()
 		return a.finishRefused(ctx, err)
-	default:
+	}
+	a.session = false // the row's statement ran, and released the lock
+	if tempSchema != a.tempSchema && a.reset == "" {
+		a.reset = "the handler created a temporary object"
+	}
+	for _, q := range b.QueuedQueries[1:] {
+		tag, e := br.Exec()
+		if e == nil && q.SQL == "COMMIT" && tag.String() != "COMMIT" {
+			e = fmt.Errorf("transaction rolled back: COMMIT returned %s", tag)
+		}
+		if e != nil {
+			err = e
+			break
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
 		a.open = a.conn.PgConn().TxStatus() != 'I'
 		return a.commitFailed(ctx, err)
 	}
-	if took := time.Since(a.claimed); took >= a.call.TTL/2 {
-		// Best effort: a failure leaves the TTL counted from the claim.
-		// At READ COMMITTED, for SERIALIZABLE's conflict tracking to leave
-		// it alone.
+	a.open = false
+	if took := time.Since(start); took >= a.call.TTL/2 {
+		// The COMMIT itself took a large part of the TTL (the call's own
+		// length is counted in finish): count the TTL from its end. Best
+		// effort; at READ COMMITTED, for SERIALIZABLE's conflict tracking
+		// to leave it alone.
 		b := &pgx.Batch{}
 		b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED")
 		b.Queue(a.st.extend, a.call.Scope, a.key, a.call.TTL.Microseconds())
@@ -201,7 +232,13 @@ func (a *attempt) violatedAtCommit(ctx context.Context, err error) (result, atte
 // gone, and with it fn's writes. The outcome may be unknown (the
 // connection died during COMMIT); a retry with the same key replays it if
 // the commit happened, or runs again.
-func (a *attempt) finishFailed(_ context.Context, err error) (result, attemptNext, error) {
+func (a *attempt) finishFailed(ctx context.Context, err error) (result, attemptNext, error) {
+	if a.conn.IsClosed() && a.rawConn && a.ended && !a.released {
+		// fn had the connection and ended the call's transaction on it
+		// (so it may have committed anything there), and the connection
+		// died before the key was settled: it is settled on another.
+		return a.lost(ctx, ctx, handled{})
+	}
 	err = a.s.finishError("store result", err)
 	return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
 }
@@ -265,5 +302,5 @@ func (r *keyRow) args() []any {
 
 // finishArgs are finish's parameters, for the claim at ctid.
 func (r *keyRow) finishArgs(ctid pgtype.TID) []any {
-	return []any{r.scope, r.key, ctid, r.state, r.responseType, r.response, r.status, r.metadata}
+	return []any{r.scope, r.key, ctid, r.state, r.responseType, r.response, r.status, r.metadata, r.ttl.Microseconds()}
 }

@@ -29,7 +29,12 @@ type statements struct {
 // TimeZone and extra_float_digits change nothing, in any query mode.
 // Parameters carry explicit types, for the query modes that send them
 // untyped.
-func renderStatements(ident string) statements {
+//
+// Behind a connection pooler (pooled), the key's lock is the transaction's
+// alone: a session's lock would stay on the server connection whenever a
+// handler ended the call's transaction, where another client of the
+// pooler could inherit it.
+func renderStatements(ident string, pooled bool) statements {
 	// The advisory lock of a key is a 64-bit hash of the key table's OID,
 	// the scope and the stored key: stores on two tables never share locks,
 	// and the lock space of the application's own advisory locks is left
@@ -45,8 +50,14 @@ func renderStatements(ident string) statements {
 		return strings.Join([]string{c("method"), b64("fingerprint"), c("state"), c("response_type"), b64("response"), b64("status"), b64("metadata"),
 			c("expires_at") + " <= pg_catalog.now()"}, ", ")
 	}
-	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", lockKey("$2::text"), "{{lock_key_k}}", lockKey("k"),
-		"{{record}}", record(""), "{{record_k}}", record("k."))
+	key := lockKey("$2::text")
+	claimLock := "pg_catalog.pg_try_advisory_lock(" + key + ") AND pg_catalog.pg_try_advisory_xact_lock(" + key + ")"
+	unlock := "pg_catalog.pg_advisory_unlock(" + key + ")"
+	if pooled {
+		claimLock, unlock = "pg_catalog.pg_try_advisory_xact_lock("+key+")", "true"
+	}
+	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", key, "{{lock_key_k}}", lockKey("k"),
+		"{{record}}", record(""), "{{record_k}}", record("k."), "{{claim_lock}}", claimLock, "{{unlock}}", unlock)
 	return statements{
 		// The claim, in one statement, the first of the call's transaction:
 		// the key's lock, without waiting for it, and, if it was free, the
@@ -77,9 +88,9 @@ func renderStatements(ident string) statements {
 		// waits on the holder's uncommitted row. The WHERE is evaluated
 		// once, left to right: a session lock not granted asks no more.
 		claim: r.Replace(claimInsert + ` FROM (SELECT pg_catalog.clock_timestamp() AS now) t
-WHERE pg_catalog.pg_try_advisory_lock({{lock_key}}) AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})
+WHERE {{claim_lock}}
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable')`),
+RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'), pg_catalog.pg_my_temp_schema()::bigint`),
 		// After a claim that inserted nothing (the lock was held, or the key
 		// has a row), in the same round trip as the call's ROLLBACK: an
 		// expired row is deleted if the session got the lock, which is then
@@ -89,6 +100,10 @@ AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})`),
 		// Releases the session's lock if it holds it: the transaction's try
 		// succeeds then (a session's locks do not exclude each other), and
 		// fails if another session holds it, which is left alone.
+		// After a COMMIT that took a large part of the TTL: count the TTL
+		// from its end, so a retry right after the call still replays.
+		extend: r.Replace(`UPDATE {{table}} SET expires_at = pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'
+WHERE scope = $1::text AND key = $2::text AND expires_at < pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'`),
 		unlockIfHeld: r.Replace(`SELECT CASE WHEN pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) THEN pg_catalog.pg_advisory_unlock({{lock_key}}) END`),
 		// The result, written over the claim, with the COMMIT after it. The
 		// row is found by its address (a TID scan reads no index, so
@@ -99,13 +114,20 @@ AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})`),
 		// instead of committing a transaction the engine did not begin.
 		// The engine then settles the key (see finishRefused). The
 		// session's lock is released with the row, so that it is never
-		// left held. The row keeps its expiry (an UPDATE that changes no
-		// indexed column can be a heap-only tuple update).
+		// left held. The row keeps its expiry unless the call took more
+		// than half of its TTL ($9), which then counts from now, in the
+		// same commit: a retry right after the call always finds it. (An
+		// UPDATE that leaves every indexed column as it was can be a
+		// heap-only tuple update.) It also reads the session's temporary
+		// schema, which the claim read too: a handler that created a
+		// temporary object, by any path, changed its session.
 		finish: r.Replace(`WITH u AS (UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
-metadata = $8::bytea, completed_at = pg_catalog.clock_timestamp()
+metadata = $8::bytea, completed_at = pg_catalog.clock_timestamp(),
+expires_at = CASE WHEN expires_at < pg_catalog.clock_timestamp() + $9::bigint * interval '0.5 microsecond'
+  THEN pg_catalog.clock_timestamp() + $9::bigint * interval '1 microsecond' ELSE expires_at END
 WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND xmin = pg_catalog.pg_current_xact_id()::xid
-RETURNING pg_catalog.pg_advisory_unlock({{lock_key}}))
-SELECT 1 / pg_catalog.count(*)::int FROM u`),
+RETURNING {{unlock}})
+SELECT 1 / pg_catalog.count(*)::int, pg_catalog.pg_my_temp_schema()::bigint FROM u`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
 		// is taken and released within the statement).
@@ -129,10 +151,6 @@ SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text, NULLIF($6::text, ''), 
 FROM (SELECT pg_catalog.clock_timestamp() AS now) t WHERE pg_catalog.pg_try_advisory_xact_lock({{lock_key}})
 ON CONFLICT (scope, key) DO NOTHING`),
 		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = $2::text AND expires_at <= pg_catalog.now()`),
-		// After a call that took a large part of the TTL: count the TTL
-		// from its end, so a retry right after the call still replays.
-		extend: r.Replace(`UPDATE {{table}} SET expires_at = pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'
-WHERE scope = $1::text AND key = $2::text AND expires_at < pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'`),
 		// The first of the stored keys $2 (a key in each transport's
 		// namespace) that has a row; times in microseconds since the epoch.
 		inspect: r.Replace(`SELECT key, method, state, (extract(epoch FROM created_at) * 1000000)::bigint,

@@ -52,6 +52,9 @@ type Store struct {
 	// simpleProtocol: the pool's query mode is the simple protocol, which
 	// sends a batch as one string (see callTx.sendBatch).
 	simpleProtocol atomic.Bool
+	// pooled: the store's connections reach PostgreSQL through a
+	// connection pooler (see renderStatements and finish).
+	pooled atomic.Bool
 }
 
 // NewStore returns a Store on db. The table must exist: run [Store.Migrate]
@@ -121,12 +124,15 @@ WHERE c.oid = pg_catalog.to_regclass($1)), pg_catalog.pg_backend_pid(), pg_catal
 	if err := checkQueryMode(pc.Conn(), backendPID); err != nil {
 		return nil, err
 	}
+	// A pooler hands out process IDs of its own for cancel requests.
+	pooled := pc.Conn().PgConn().PID() != backendPID
+	s.pooled.Store(pooled)
 	s.defaultSnapshot.Store(defaultLevel == "repeatable read" || defaultLevel == "serializable")
 	s.simpleProtocol.Store(pc.Conn().Config().DefaultQueryExecMode == pgx.QueryExecModeSimpleProtocol)
 	if schema == nil {
 		return nil, &pgconn.PgError{Severity: "ERROR", Code: sqlUndefinedTable, Message: fmt.Sprintf("relation %s does not exist", s.ident.Sanitize())}
 	}
-	st := renderStatements(pgx.Identifier{*schema, s.opts.table}.Sanitize())
+	st := renderStatements(pgx.Identifier{*schema, s.opts.table}.Sanitize(), pooled)
 	s.stmts.Store(&st)
 	return &st, nil
 }

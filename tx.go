@@ -112,6 +112,12 @@ var ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempot
 // connection to be closed when the call ends (see session.go). Its caller
 // holds t.use.
 func (t *callTx) allow(ctx context.Context, sql string) error {
+	if t.conn.PgConn().TxStatus() == 'I' {
+		// The call's transaction has ended (a COMMIT or ROLLBACK got
+		// through): what the handler sends now would commit on its own,
+		// outside the call. A fact of the protocol, not of the SQL.
+		return t.refuseEnded()
+	}
 	v := checkedSQL(sql)
 	if v.session != "" {
 		t.resetSession(v.session)
@@ -152,6 +158,18 @@ func (t *callTx) refuse(what string) error {
 			"Nothing it wrote was committed; the key is kept with this error so that the call does not run again"
 	}
 	return err
+}
+
+// refuseEnded answers a statement sent after the call's transaction
+// ended, and makes the call fail.
+func (t *callTx) refuseEnded() error {
+	t.state.Lock()
+	defer t.state.Unlock()
+	if t.refused == "" {
+		t.refused = "idempotency: the handler ended the call's transaction itself, then sent more statements through it, which the engine " +
+			"refused: they would have committed outside the call. The key is kept with this error so that the call does not run again"
+	}
+	return fmt.Errorf("%w: the call's transaction has ended; the statement was not sent", ErrTxOwned)
 }
 
 // checkedSQL is txControl and sessionChange, remembered for the
@@ -482,6 +500,10 @@ func (t *callTx) prepare(ctx context.Context, closed *atomic.Bool, name, sql str
 	if err := t.allow(ctx, sql); err != nil {
 		return nil, err
 	}
+	if name != "" {
+		// A named prepared statement outlives the call on its session.
+		t.resetSession("a statement prepared as " + strconv.Quote(name))
+	}
 	return t.conn.Prepare(ctx, name, sql)
 }
 
@@ -492,6 +514,9 @@ func (t *callTx) copyFrom(ctx context.Context, closed *atomic.Bool, table pgx.Id
 		return 0, pgx.ErrTxClosed
 	}
 	defer done()
+	if t.conn.PgConn().TxStatus() == 'I' {
+		return 0, t.refuseEnded()
+	}
 	return t.conn.CopyFrom(ctx, table, cols, src)
 }
 

@@ -405,7 +405,9 @@ func isIdentByte(c byte, notFirst bool) bool {
 //   - CREATE TEMPORARY (and SELECT INTO TEMPORARY), DECLARE ... WITH HOLD;
 //   - a call of set_config (whose third argument may be false), an UPDATE
 //     of pg_settings (which calls it), a session-level advisory lock
-//     function, dblink_connect, or a name in pg_temp.
+//     function, dblink_connect, a function that runs SQL given as text
+//     (query_to_xml, dblink), a name in pg_temp, or any identifier written
+//     U&"...", whose escapes could spell any of these.
 //
 // Like txControl it reads both ways of quoting backslashes, and what either
 // finds counts.
@@ -421,6 +423,9 @@ func sessionChange(sql string) string {
 var sessionFunctions = map[string]bool{
 	"set_config": true, "pg_settings": true, "pg_temp": true, "dblink_connect": true, "dblink_connect_u": true,
 	"pg_advisory_lock": true, "pg_advisory_lock_shared": true, "pg_try_advisory_lock": true, "pg_try_advisory_lock_shared": true,
+	// Functions that run SQL given as text, which this reading cannot see.
+	"query_to_xml": true, "query_to_xmlschema": true, "query_to_xml_and_xmlschema": true,
+	"dblink": true, "dblink_exec": true, "dblink_open": true, "dblink_send_query": true,
 }
 
 // sessionCommands are the statements that change the session whatever
@@ -471,6 +476,9 @@ func scanSessionChange(sql string, backslashQuotes bool) string {
 		}
 		if sessionFunctions[w] || (!quoted && sessionFunctions[strings.ToLower(w)]) {
 			return w
+		}
+		if w == unicodeIdent {
+			return "an identifier written " + unicodeIdent // its escapes could spell any name
 		}
 		n := len(lead)
 		if n < 4 {

@@ -145,6 +145,8 @@ func TestUnitSessionChange(t *testing.T) {
 		"SELECT E'\\''; SET x = 1":                         "SET x",
 		"SELECT dblink_connect('c', 'dbname=x')":           "dblink_connect",
 		"SELECT pg_catalog.pg_try_advisory_lock_shared(1)": "pg_try_advisory_lock_shared",
+		`SELECT U&"\0073et_config"('a.b', 'c', false)`:     `an identifier written U&"..."`,
+		"SELECT query_to_xml('SELECT 1', true, true, '')":  "query_to_xml",
 	}
 	for sql, want := range changes {
 		if got := sessionChange(sql); got != want {
