@@ -58,7 +58,10 @@ func TestWaysPastTheSQLCheckNeverRunTwice(t *testing.T) {
 				if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('first')`); err != nil {
 					return nil, err
 				}
-				if err := tc.end(ctx, tx); tc.refused != errors.Is(err, idempotency.ErrTxOwned) || (err != nil && !tc.refused) {
+				switch err := tc.end(ctx, tx); {
+				case tc.refused && !errors.Is(err, idempotency.ErrTxOwned):
+					t.Errorf("ending the transaction: want ErrTxOwned, got %v", err)
+				case !tc.refused && err != nil:
 					t.Errorf("ending the transaction: %v", err)
 				}
 				ended.Store(true)

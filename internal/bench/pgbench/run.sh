@@ -29,6 +29,7 @@ CREATE TABLE ledger (id bigserial PRIMARY KEY, amount bigint NOT NULL, created_a
 CREATE TABLE keys_pk (scope text NOT NULL, key text NOT NULL, method text NOT NULL, fingerprint bytea NOT NULL, state text NOT NULL, response_type text, response bytea, status bytea, metadata bytea, created_at timestamptz NOT NULL DEFAULT now(), completed_at timestamptz, expires_at timestamptz NOT NULL, PRIMARY KEY (scope, key));
 CREATE TABLE keys_lib (LIKE keys_pk INCLUDING ALL);
 CREATE INDEX ON keys_lib (expires_at);
+ALTER TABLE keys_lib SET (fillfactor = 90); -- as migration 004 sets it
 SQL
 datadir=$($P -d $db -Atc 'SHOW data_directory')
 postmaster=$(head -n 1 "$datadir/postmaster.pid" 2>/dev/null || sudo -u postgres head -n 1 "$datadir/postmaster.pid")
