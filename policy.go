@@ -155,18 +155,22 @@ func resolveKeyField(msg protoreflect.MessageDescriptor, path string) ([]protore
 	return fields, nil
 }
 
-// keyFromField reads the key from the request; "" when a message on the
-// path is unset or the string is empty.
+// keyFromField reads the key from the request; "" when a field on the path
+// is unset or the string is empty. Unset means missing even when the field
+// declares a default (proto2, editions): the default is the same for every
+// request, so as a key it would make all of them one call.
 func (p methodPolicy) keyFromField(req proto.Message) string {
 	m := req.ProtoReflect()
-	last := len(p.keyField) - 1
-	for _, fd := range p.keyField[:last] {
+	for _, fd := range p.keyField {
 		if !m.Has(fd) {
 			return ""
 		}
+		if fd.Kind() == protoreflect.StringKind {
+			return m.Get(fd).String()
+		}
 		m = m.Get(fd).Message()
 	}
-	return m.Get(p.keyField[last]).String()
+	return ""
 }
 
 // clientGeneratesKey reports whether the client interceptor should attach a
