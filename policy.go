@@ -131,7 +131,9 @@ func resolvePolicy(fullMethod string) methodPolicy {
 }
 
 // resolveKeyField turns a dotted path such as "meta.request_id" into the
-// fields it names: singular messages, then a singular string.
+// fields it names: singular messages, then a singular string. A message
+// field may be a proto2 group or an editions DELIMITED field (GroupKind):
+// only its encoding differs.
 func resolveKeyField(msg protoreflect.MessageDescriptor, path string) ([]protoreflect.FieldDescriptor, error) {
 	names := strings.Split(path, ".")
 	fields := make([]protoreflect.FieldDescriptor, 0, len(names))
@@ -142,13 +144,13 @@ func resolveKeyField(msg protoreflect.MessageDescriptor, path string) ([]protore
 			return nil, fmt.Errorf("%s has no field %q (path %q)", msg.FullName(), name, path)
 		case fd.IsList() || fd.IsMap():
 			return nil, fmt.Errorf("field %s is repeated; the key must be a singular string", fd.FullName())
-		case i < len(names)-1 && fd.Kind() != protoreflect.MessageKind:
+		case i < len(names)-1 && fd.Message() == nil:
 			return nil, fmt.Errorf("field %s is not a message, so %q cannot continue past it", fd.FullName(), path)
 		case i == len(names)-1 && fd.Kind() != protoreflect.StringKind:
 			return nil, fmt.Errorf("field %s is %s; the key must be a string field", fd.FullName(), fd.Kind())
 		}
 		fields = append(fields, fd)
-		if fd.Kind() == protoreflect.MessageKind {
+		if fd.Message() != nil {
 			msg = fd.Message()
 		}
 	}

@@ -323,6 +323,36 @@ func TestPolicyProto2DefaultIsNotAKey(t *testing.T) {
 	})
 }
 
+// Issue item 12: a key field reached through an editions DELIMITED message
+// field or a proto2 group works like one through a message field.
+func TestPolicyKeyFieldThroughDelimitedMessage(t *testing.T) {
+	t.Parallel()
+	db, store := newRuntimeDB(t)
+	conn := dial(t, runtimeServer(t, db, store, nil, editionsOrders, proto2Orders))
+	for _, m := range []protoreflect.MethodDescriptor{
+		editionsOrders.Methods().ByName("Charge"),
+		proto2Orders.Methods().ByName("ChargeGroup"),
+	} {
+		t.Run(string(m.FullName()), func(t *testing.T) {
+			key := "delimited-" + string(m.Parent().Parent().Name())
+			var ids []int64
+			for _, replayed := range []bool{false, true} {
+				c := &rtCall{method: m, fields: map[string]string{"meta.request_id": key, "body": key}}
+				require.NoError(t, c.do(conn))
+				require.Equal(t, replayed, c.replayed)
+				ids = append(ids, c.ledgerID)
+			}
+			require.Equal(t, ids[0], ids[1])
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, key))
+
+			c := &rtCall{method: m, fields: map[string]string{"body": key}}
+			require.Equal(t, "meta.request_id", badRequestField(t, c.do(conn)), "unset delimited message")
+			c = &rtCall{method: m, fields: map[string]string{"meta": "", "body": key}}
+			require.Equal(t, "meta.request_id", badRequestField(t, c.do(conn)), "unset key inside it (proto2: despite its default)")
+		})
+	}
+}
+
 // dialWith is dial with more options.
 func dialWith(t *testing.T, addr string, opts ...grpc.DialOption) *grpc.ClientConn {
 	t.Helper()
