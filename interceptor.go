@@ -52,7 +52,7 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		panic(err.Error())
 	}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (_ any, err error) {
-		pol := policyFor(info.FullMethod)
+		pol := policyForRequest(info.FullMethod, req)
 		_, inCall := TxFromContext(ctx)
 		if (pol.mode == modePassThrough && pol.err == nil) || inCall {
 			// The interceptor chained twice protects a call once.

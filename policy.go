@@ -33,8 +33,10 @@ const (
 
 // methodPolicy is the resolved idempotency policy of one method.
 type methodPolicy struct {
-	// known is false when the method's descriptor is not in the global
-	// registry (no generated code linked in, or a hand-written ServiceDesc).
+	// known is false when no descriptor of the method was found: not in
+	// the global registry (no generated code linked in) nor in the file of
+	// the request's type (a hand-written ServiceDesc), or no request was at
+	// hand to look there.
 	known bool
 	mode  keyMode
 	// ttl overrides the interceptor's TTL when positive.
@@ -61,24 +63,53 @@ var isolationLevels = map[idempotencyv1.MethodPolicy_Isolation]pgx.TxIsoLevel{
 	idempotencyv1.MethodPolicy_ISOLATION_SERIALIZABLE:    pgx.Serializable,
 }
 
-// policies caches methodPolicy by full method name ("/pkg.Service/Method"),
-// so descriptors are read once per method, not once per call.
-var policies sync.Map
+// methodKey names a method as the calls of one descriptor see it: its full
+// name ("/pkg.Service/Method") and the descriptor of its request type, nil
+// when no request is at hand. Two descriptors of one method (two versions
+// of a service built at run time) are two keys.
+type methodKey struct {
+	method string
+	req    protoreflect.MessageDescriptor
+}
 
+// policies caches methodPolicy by methodKey, so descriptors are read once
+// per method and request type, not once per call.
+var policies sync.Map // methodKey -> methodPolicy
+
+// policyFor returns the policy of fullMethod as the global registry of
+// descriptors declares it. Use [policyForRequest] when the request is at
+// hand: it also finds services built at run time.
 func policyFor(fullMethod string) methodPolicy {
-	if p, ok := policies.Load(fullMethod); ok {
+	return cachedPolicy(methodKey{method: fullMethod})
+}
+
+// policyForRequest returns the policy of fullMethod for a call with req:
+// declared in the file of req's type (a service built at run time, with
+// dynamicpb, never in the global registry), else in the global registry;
+// its key_field is resolved in req's own descriptor.
+func policyForRequest(fullMethod string, req any) methodPolicy {
+	m, ok := req.(proto.Message)
+	if !ok || m == nil {
+		return policyFor(fullMethod)
+	}
+	return cachedPolicy(methodKey{fullMethod, m.ProtoReflect().Descriptor()})
+}
+
+func cachedPolicy(key methodKey) methodPolicy {
+	if p, ok := policies.Load(key); ok {
 		return p.(methodPolicy)
 	}
-	p := resolvePolicy(fullMethod)
-	policies.Store(fullMethod, p)
+	p := resolvePolicy(key.method, key.req)
+	policies.Store(key, p)
 	return p
 }
 
 // resolvePolicy applies the precedence documented in idempotency.proto:
 // the explicit (idempotency.v1.method) option, then idempotency_level, then
-// the interceptor's defaults (modeDefault).
-func resolvePolicy(fullMethod string) methodPolicy {
-	md := methodDescriptor(fullMethod)
+// the interceptor's defaults (modeDefault). req is the request's
+// descriptor, or nil.
+func resolvePolicy(fullMethod string, req protoreflect.MessageDescriptor) methodPolicy {
+	md := findMethod(fullMethod, req)
 	if md == nil {
 		return methodPolicy{}
 	}
@@ -121,7 +152,11 @@ func resolvePolicy(fullMethod string) methodPolicy {
 		p.ttl = ttl.AsDuration()
 	}
 	if path := mp.GetKeyField(); path != "" {
-		p.keyField, p.err = resolveKeyField(md.Input(), path)
+		input := md.Input()
+		if req != nil {
+			input = req // the fields of the message the call carries
+		}
+		p.keyField, p.err = resolveKeyField(input, path)
 		p.keyPath = path
 		if p.err != nil {
 			p.err = fmt.Errorf("method %s: option (idempotency.v1.method).key_field: %w", fullMethod, p.err)
@@ -196,12 +231,19 @@ func (p methodPolicy) retrySafeWithoutKey() bool {
 	return p.safeLevel || p.keyField != nil
 }
 
-// methodDescriptor finds "/pkg.Service/Method" in the global registry of
-// generated descriptors, or returns nil.
-func methodDescriptor(fullMethod string) protoreflect.MethodDescriptor {
-	svc, method, ok := strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
+// findMethod finds "/pkg.Service/Method" among the services of the file
+// that declares req (when not nil), else in the global registry of
+// descriptors; nil when neither declares it.
+func findMethod(fullMethod string, req protoreflect.MessageDescriptor) protoreflect.MethodDescriptor {
+	svc, method, ok := splitMethod(fullMethod)
 	if !ok {
 		return nil
+	}
+	if req != nil && req.ParentFile() != nil {
+		services := req.ParentFile().Services()
+		if sd := services.ByName(protoreflect.FullName(svc).Name()); sd != nil && string(sd.FullName()) == svc {
+			return sd.Methods().ByName(protoreflect.Name(method))
+		}
 	}
 	d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(svc))
 	if err != nil {
@@ -214,32 +256,29 @@ func methodDescriptor(fullMethod string) protoreflect.MethodDescriptor {
 	return sd.Methods().ByName(protoreflect.Name(method))
 }
 
-// responseTypes caches declaredResponseType by method and request type.
-var responseTypes sync.Map // responseTypeKey -> protoreflect.MessageType, nil when unknown
-
-type responseTypeKey struct {
-	method string
-	req    protoreflect.MessageDescriptor
+// splitMethod splits "/pkg.Service/Method" into its service's full name
+// and the method's name.
+func splitMethod(fullMethod string) (svc, method string, ok bool) {
+	return strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
 }
 
+// responseTypes caches declaredResponseType by method and request type.
+var responseTypes sync.Map // methodKey -> protoreflect.MessageType, nil when unknown
+
 // declaredResponseType returns the type a method declares for its
-// response: from the global registry of descriptors, or else from the file
-// that declares the request's type (a service built at run time with
-// dynamicpb). A message type built from that descriptor is used when the
-// generated one is not linked in. Nil when the method is not described
-// anywhere (a hand-written ServiceDesc).
+// response, found as [policyForRequest] finds its policy: in the file that
+// declares the request's type, else in the global registry. A message type
+// built from that descriptor is used when the generated one is not linked
+// in. Nil when the method is not described anywhere (a hand-written
+// ServiceDesc).
 func declaredResponseType(fullMethod string, req proto.Message) protoreflect.MessageType {
-	key := responseTypeKey{fullMethod, req.ProtoReflect().Descriptor()}
+	key := methodKey{fullMethod, req.ProtoReflect().Descriptor()}
 	if mt, ok := responseTypes.Load(key); ok {
 		mt, _ := mt.(protoreflect.MessageType)
 		return mt
 	}
-	md := methodDescriptor(fullMethod)
-	if md == nil {
-		md = methodInFile(req.ProtoReflect().Descriptor().ParentFile(), fullMethod)
-	}
 	var mt protoreflect.MessageType
-	if md != nil {
+	if md := findMethod(fullMethod, key.req); md != nil {
 		out := md.Output()
 		if linked, err := protoregistry.GlobalTypes.FindMessageByName(out.FullName()); err == nil && linked.Descriptor() == out {
 			mt = linked
@@ -249,19 +288,4 @@ func declaredResponseType(fullMethod string, req proto.Message) protoreflect.Mes
 	}
 	responseTypes.Store(key, mt)
 	return mt
-}
-
-// methodInFile finds "/pkg.Service/Method" among the services of fd.
-func methodInFile(fd protoreflect.FileDescriptor, fullMethod string) protoreflect.MethodDescriptor {
-	svc, method, ok := strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
-	if fd == nil || !ok {
-		return nil
-	}
-	services := fd.Services()
-	for i := 0; i < services.Len(); i++ {
-		if sd := services.Get(i); string(sd.FullName()) == svc {
-			return sd.Methods().ByName(protoreflect.Name(method))
-		}
-	}
-	return nil
 }

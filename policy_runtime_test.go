@@ -279,6 +279,59 @@ func newRuntimeDB(t *testing.T) (*testdb.DB, *idempotency.Store) {
 	return db, store
 }
 
+// Issue item 3: the (idempotency.v1.method) option and idempotency_level of
+// a service built at run time are honoured, read from the file that
+// declares the request's type, and per descriptor: two descriptors of one
+// method name keep their own policies.
+func TestPolicyOfServiceBuiltAtRunTime(t *testing.T) {
+	t.Parallel()
+	db, store := newRuntimeDB(t)
+	v1 := runtimePayments(required("request_id"))
+	conn := dial(t, runtimeServer(t, db, store, nil, v1))
+	charge := v1.Methods().ByName("Charge")
+	ledger := func(note string) int { return db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, note) }
+
+	t.Run("a call without a key anywhere is rejected, naming the field", func(t *testing.T) {
+		c := &rtCall{method: charge, fields: map[string]string{"body": "keyless"}}
+		require.Equal(t, "request_id", badRequestField(t, c.do(conn)))
+		require.Equal(t, 0, ledger("keyless"))
+	})
+
+	t.Run("request_id is the key: a retry replays, the charge runs once", func(t *testing.T) {
+		first := &rtCall{method: charge, fields: map[string]string{"request_id": "rt-1", "body": "rt-1"}}
+		require.NoError(t, first.do(conn))
+		require.False(t, first.replayed)
+		again := &rtCall{method: charge, fields: map[string]string{"request_id": "rt-1", "body": "rt-1"}}
+		require.NoError(t, again.do(conn))
+		require.True(t, again.replayed)
+		require.Equal(t, first.ledgerID, again.ledgerID)
+		require.Equal(t, 1, ledger("rt-1"))
+		require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'rt-1'`))
+	})
+
+	t.Run("a method its descriptor marks NO_SIDE_EFFECTS passes under WithKeyRequired", func(t *testing.T) {
+		strict := dial(t, runtimeServer(t, db, store, []idempotency.ServerOption{idempotency.WithKeyRequired()}, runtimePayments(nil)))
+		c := &rtCall{method: v1.Methods().ByName("Lookup"), fields: map[string]string{"body": "lookup"}}
+		require.NoError(t, c.do(strict))
+		require.Equal(t, 1, ledger("lookup"))
+	})
+
+	t.Run("another descriptor of the same method keeps its own policy", func(t *testing.T) {
+		disabled := runtimePayments(withPolicy(&idempotencyv1.MethodPolicy{Mode: idempotencyv1.MethodPolicy_MODE_DISABLED}))
+		other := dial(t, runtimeServer(t, db, store, nil, disabled))
+		for range 2 {
+			c := &rtCall{method: disabled.Methods().ByName("Charge"), fields: map[string]string{"request_id": "rt-2", "body": "rt-2"}}
+			require.NoError(t, c.do(other))
+			require.False(t, c.replayed)
+		}
+		require.Equal(t, 2, ledger("rt-2"), "MODE_DISABLED: every call runs")
+		require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'rt-2'`))
+
+		c := &rtCall{method: charge, fields: map[string]string{"body": "keyless-again"}}
+		require.Equal(t, "request_id", badRequestField(t, c.do(conn)), "the first descriptor still requires its key")
+	})
+}
+
 // Issue item 4: a proto2 key field left unset is a missing key, not its
 // declared default; the client's CaptureKey says the same.
 func TestPolicyProto2DefaultIsNotAKey(t *testing.T) {
