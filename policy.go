@@ -48,7 +48,8 @@ type methodPolicy struct {
 	// err is a configuration error in the method's option, reported on
 	// every call of the method rather than guessed around.
 	err error
-	// safeLevel: idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT.
+	// safeLevel: idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT, or one
+	// of gRPC's infrastructure services: a call is safe to repeat.
 	safeLevel bool
 	// isolation is the level of the method's transactions, "" for the
 	// store's.
@@ -104,11 +105,35 @@ func cachedPolicy(key methodKey) methodPolicy {
 	return p
 }
 
+// infrastructureServices are the services of gRPC itself that grpc-go
+// registers on an application's server, beside its own: health checking
+// (Kubernetes probes, grpc_health_probe, Envoy, load balancers), reflection
+// (grpcurl, Postman), channelz and CSDS (admin.Register), ORCA load reports,
+// profiling, and the grpclb, RLS and ALTS handshaker protocols. They read
+// state or set connections up, are not the application's operations, and
+// none of their clients sends a key: their calls pass through, whatever
+// the interceptor's options, and the client interceptor sends them none.
+var infrastructureServices = map[string]bool{
+	"grpc.health.v1.Health":                                true,
+	"grpc.reflection.v1.ServerReflection":                  true,
+	"grpc.reflection.v1alpha.ServerReflection":             true,
+	"grpc.channelz.v1.Channelz":                            true,
+	"envoy.service.status.v3.ClientStatusDiscoveryService": true,
+	"xds.service.orca.v3.OpenRcaService":                   true,
+	"grpc.go.profiling.v1alpha.Profiling":                  true,
+	"grpc.lb.v1.LoadBalancer":                              true,
+	"grpc.lookup.v1.RouteLookupService":                    true,
+	"grpc.gcp.HandshakerService":                           true,
+}
+
 // resolvePolicy applies the precedence documented in idempotency.proto:
 // the explicit (idempotency.v1.method) option, then idempotency_level, then
-// the interceptor's defaults (modeDefault). req is the request's
-// descriptor, or nil.
+// the interceptor's defaults (modeDefault). gRPC's infrastructure services
+// come before all of them. req is the request's descriptor, or nil.
 func resolvePolicy(fullMethod string, req protoreflect.MessageDescriptor) methodPolicy {
+	if svc, _, ok := splitMethod(fullMethod); ok && infrastructureServices[svc] {
+		return methodPolicy{known: true, mode: modePassThrough, safeLevel: true}
+	}
 	md := findMethod(fullMethod, req)
 	if md == nil {
 		return methodPolicy{}

@@ -77,3 +77,28 @@ func TestUnitPolicyForRequestIsCached(t *testing.T) {
 	require.Zero(t, allocs, "a cached policy is looked up, not resolved again")
 	require.Equal(t, policyFor(method), policyForRequest(method, "not a proto message"))
 }
+
+// gRPC's own services pass through on the server, get no key from the
+// client and may be retried, whether or not their descriptors are linked
+// in; a service that only looks like one does not.
+func TestUnitPolicyInfrastructureServices(t *testing.T) {
+	t.Parallel()
+	for _, method := range []string{
+		"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List",
+		"/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+		"/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+		"/grpc.channelz.v1.Channelz/GetTopChannels",
+		"/envoy.service.status.v3.ClientStatusDiscoveryService/FetchClientStatus",
+		"/xds.service.orca.v3.OpenRcaService/StreamCoreMetrics",
+		"/grpc.lookup.v1.RouteLookupService/RouteLookup",
+	} {
+		p := policyFor(method)
+		require.Equal(t, modePassThrough, p.mode, method)
+		require.NoError(t, p.err, method)
+		require.False(t, p.clientGeneratesKey(true), method)
+		require.True(t, p.retrySafeWithoutKey(), method)
+	}
+	for _, method := range []string{"/grpc.health.v2.Health/Check", "/acme.grpc.health.v1.Health/Check", "/grpc.testing.TestService/UnaryCall"} {
+		require.Equal(t, modeDefault, policyFor(method).mode, method)
+	}
+}
