@@ -193,7 +193,7 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 			}
 		}
 		if key == "" {
-			if retryHints && !policyFor(method).retrySafeWithoutKey() {
+			if retryHints && !policyForRequest(method, req).retrySafeWithoutKey() {
 				// Nothing would deduplicate a retry of this call.
 				opts = append(opts, retry.Disable())
 			}
@@ -214,7 +214,7 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 // requestKey is the key a request carries in its method's key_field, ""
 // when the method has none or the request is not a proto message.
 func requestKey(method string, req any) string {
-	pol := policyFor(method)
+	pol := policyForRequest(method, req)
 	m, ok := req.(proto.Message)
 	if pol.keyField == nil || !ok {
 		return ""

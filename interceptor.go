@@ -52,7 +52,7 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		panic(err.Error())
 	}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (_ any, err error) {
-		pol := policyFor(info.FullMethod)
+		pol := policyForRequest(info.FullMethod, req)
 		_, inCall := TxFromContext(ctx)
 		if (pol.mode == modePassThrough && pol.err == nil) || inCall {
 			// The interceptor chained twice protects a call once.
@@ -135,17 +135,19 @@ func (o *serverOptions) validate() error {
 // DefaultFinalCodes returns the handler error codes that are final by
 // default: they mean the request was decided and repeating it gives the
 // same answer, so they are stored and replayed: NotFound, AlreadyExists,
-// PermissionDenied, FailedPrecondition, OutOfRange and Unimplemented.
+// PermissionDenied, FailedPrecondition and OutOfRange.
 //
 // Every other code releases the key so a retry runs the handler again:
-// the transient ones (Unavailable, Aborted, DeadlineExceeded, ...), and the
+// the transient ones (Unavailable, Aborted, DeadlineExceeded, ...), the
 // two that say the request was never processed, InvalidArgument (it failed
 // validation) and Unauthenticated, so that the corrected request can be
-// sent with the same key.
+// sent with the same key, and Unimplemented: during a rolling deploy a
+// replica may have a method's stub before its implementation, and the
+// retry may reach one that has both.
 func DefaultFinalCodes() []codes.Code {
 	return []codes.Code{
 		codes.NotFound, codes.AlreadyExists, codes.PermissionDenied,
-		codes.FailedPrecondition, codes.OutOfRange, codes.Unimplemented,
+		codes.FailedPrecondition, codes.OutOfRange,
 	}
 }
 

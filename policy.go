@@ -33,8 +33,10 @@ const (
 
 // methodPolicy is the resolved idempotency policy of one method.
 type methodPolicy struct {
-	// known is false when the method's descriptor is not in the global
-	// registry (no generated code linked in, or a hand-written ServiceDesc).
+	// known is false when no descriptor of the method was found: not in
+	// the global registry (no generated code linked in) nor in the file of
+	// the request's type (a hand-written ServiceDesc), or no request was at
+	// hand to look there.
 	known bool
 	mode  keyMode
 	// ttl overrides the interceptor's TTL when positive.
@@ -46,7 +48,8 @@ type methodPolicy struct {
 	// err is a configuration error in the method's option, reported on
 	// every call of the method rather than guessed around.
 	err error
-	// safeLevel: idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT.
+	// safeLevel: idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT, or one
+	// of gRPC's infrastructure services: a call is safe to repeat.
 	safeLevel bool
 	// isolation is the level of the method's transactions, "" for the
 	// store's.
@@ -61,24 +64,77 @@ var isolationLevels = map[idempotencyv1.MethodPolicy_Isolation]pgx.TxIsoLevel{
 	idempotencyv1.MethodPolicy_ISOLATION_SERIALIZABLE:    pgx.Serializable,
 }
 
-// policies caches methodPolicy by full method name ("/pkg.Service/Method"),
-// so descriptors are read once per method, not once per call.
-var policies sync.Map
+// methodKey names a method as the calls of one descriptor see it: its full
+// name ("/pkg.Service/Method") and the descriptor of its request type, nil
+// when no request is at hand. Two descriptors of one method (two versions
+// of a service built at run time) are two keys.
+type methodKey struct {
+	method string
+	req    protoreflect.MessageDescriptor
+}
 
+// policies caches methodPolicy by methodKey, so descriptors are read once
+// per method and request type, not once per call.
+var policies sync.Map // methodKey -> methodPolicy
+
+// policyFor returns the policy of fullMethod as the global registry of
+// descriptors declares it. Use [policyForRequest] when the request is at
+// hand: it also finds services built at run time.
 func policyFor(fullMethod string) methodPolicy {
-	if p, ok := policies.Load(fullMethod); ok {
+	return cachedPolicy(methodKey{method: fullMethod})
+}
+
+// policyForRequest returns the policy of fullMethod for a call with req:
+// declared in the file of req's type (a service built at run time, with
+// dynamicpb, never in the global registry), else in the global registry;
+// its key_field is resolved in req's own descriptor.
+func policyForRequest(fullMethod string, req any) methodPolicy {
+	m, ok := req.(proto.Message)
+	if !ok || m == nil {
+		return policyFor(fullMethod)
+	}
+	return cachedPolicy(methodKey{fullMethod, m.ProtoReflect().Descriptor()})
+}
+
+func cachedPolicy(key methodKey) methodPolicy {
+	if p, ok := policies.Load(key); ok {
 		return p.(methodPolicy)
 	}
-	p := resolvePolicy(fullMethod)
-	policies.Store(fullMethod, p)
+	p := resolvePolicy(key.method, key.req)
+	policies.Store(key, p)
 	return p
+}
+
+// infrastructureServices are the services of gRPC itself that grpc-go
+// registers on an application's server, beside its own: health checking
+// (Kubernetes probes, grpc_health_probe, Envoy, load balancers), reflection
+// (grpcurl, Postman), channelz and CSDS (admin.Register), ORCA load reports,
+// profiling, and the grpclb, RLS and ALTS handshaker protocols. They read
+// state or set connections up, are not the application's operations, and
+// none of their clients sends a key: their calls pass through, whatever
+// the interceptor's options, and the client interceptor sends them none.
+var infrastructureServices = map[string]bool{
+	"grpc.health.v1.Health":                                true,
+	"grpc.reflection.v1.ServerReflection":                  true,
+	"grpc.reflection.v1alpha.ServerReflection":             true,
+	"grpc.channelz.v1.Channelz":                            true,
+	"envoy.service.status.v3.ClientStatusDiscoveryService": true,
+	"xds.service.orca.v3.OpenRcaService":                   true,
+	"grpc.go.profiling.v1alpha.Profiling":                  true,
+	"grpc.lb.v1.LoadBalancer":                              true,
+	"grpc.lookup.v1.RouteLookupService":                    true,
+	"grpc.gcp.HandshakerService":                           true,
 }
 
 // resolvePolicy applies the precedence documented in idempotency.proto:
 // the explicit (idempotency.v1.method) option, then idempotency_level, then
-// the interceptor's defaults (modeDefault).
-func resolvePolicy(fullMethod string) methodPolicy {
-	md := methodDescriptor(fullMethod)
+// the interceptor's defaults (modeDefault). gRPC's infrastructure services
+// come before all of them. req is the request's descriptor, or nil.
+func resolvePolicy(fullMethod string, req protoreflect.MessageDescriptor) methodPolicy {
+	if svc, _, ok := splitMethod(fullMethod); ok && infrastructureServices[svc] {
+		return methodPolicy{known: true, mode: modePassThrough, safeLevel: true}
+	}
+	md := findMethod(fullMethod, req)
 	if md == nil {
 		return methodPolicy{}
 	}
@@ -121,7 +177,11 @@ func resolvePolicy(fullMethod string) methodPolicy {
 		p.ttl = ttl.AsDuration()
 	}
 	if path := mp.GetKeyField(); path != "" {
-		p.keyField, p.err = resolveKeyField(md.Input(), path)
+		input := md.Input()
+		if req != nil {
+			input = req // the fields of the message the call carries
+		}
+		p.keyField, p.err = resolveKeyField(input, path)
 		p.keyPath = path
 		if p.err != nil {
 			p.err = fmt.Errorf("method %s: option (idempotency.v1.method).key_field: %w", fullMethod, p.err)
@@ -131,7 +191,9 @@ func resolvePolicy(fullMethod string) methodPolicy {
 }
 
 // resolveKeyField turns a dotted path such as "meta.request_id" into the
-// fields it names: singular messages, then a singular string.
+// fields it names: singular messages, then a singular string. A message
+// field may be a proto2 group or an editions DELIMITED field (GroupKind):
+// only its encoding differs.
 func resolveKeyField(msg protoreflect.MessageDescriptor, path string) ([]protoreflect.FieldDescriptor, error) {
 	names := strings.Split(path, ".")
 	fields := make([]protoreflect.FieldDescriptor, 0, len(names))
@@ -142,31 +204,35 @@ func resolveKeyField(msg protoreflect.MessageDescriptor, path string) ([]protore
 			return nil, fmt.Errorf("%s has no field %q (path %q)", msg.FullName(), name, path)
 		case fd.IsList() || fd.IsMap():
 			return nil, fmt.Errorf("field %s is repeated; the key must be a singular string", fd.FullName())
-		case i < len(names)-1 && fd.Kind() != protoreflect.MessageKind:
+		case i < len(names)-1 && fd.Message() == nil:
 			return nil, fmt.Errorf("field %s is not a message, so %q cannot continue past it", fd.FullName(), path)
 		case i == len(names)-1 && fd.Kind() != protoreflect.StringKind:
 			return nil, fmt.Errorf("field %s is %s; the key must be a string field", fd.FullName(), fd.Kind())
 		}
 		fields = append(fields, fd)
-		if fd.Kind() == protoreflect.MessageKind {
+		if fd.Message() != nil {
 			msg = fd.Message()
 		}
 	}
 	return fields, nil
 }
 
-// keyFromField reads the key from the request; "" when a message on the
-// path is unset or the string is empty.
+// keyFromField reads the key from the request; "" when a field on the path
+// is unset or the string is empty. Unset means missing even when the field
+// declares a default (proto2, editions): the default is the same for every
+// request, so as a key it would make all of them one call.
 func (p methodPolicy) keyFromField(req proto.Message) string {
 	m := req.ProtoReflect()
-	last := len(p.keyField) - 1
-	for _, fd := range p.keyField[:last] {
+	for _, fd := range p.keyField {
 		if !m.Has(fd) {
 			return ""
 		}
+		if fd.Kind() == protoreflect.StringKind {
+			return m.Get(fd).String()
+		}
 		m = m.Get(fd).Message()
 	}
-	return m.Get(p.keyField[last]).String()
+	return ""
 }
 
 // clientGeneratesKey reports whether the client interceptor should attach a
@@ -190,12 +256,19 @@ func (p methodPolicy) retrySafeWithoutKey() bool {
 	return p.safeLevel || p.keyField != nil
 }
 
-// methodDescriptor finds "/pkg.Service/Method" in the global registry of
-// generated descriptors, or returns nil.
-func methodDescriptor(fullMethod string) protoreflect.MethodDescriptor {
-	svc, method, ok := strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
+// findMethod finds "/pkg.Service/Method" among the services of the file
+// that declares req (when not nil), else in the global registry of
+// descriptors; nil when neither declares it.
+func findMethod(fullMethod string, req protoreflect.MessageDescriptor) protoreflect.MethodDescriptor {
+	svc, method, ok := splitMethod(fullMethod)
 	if !ok {
 		return nil
+	}
+	if req != nil && req.ParentFile() != nil {
+		services := req.ParentFile().Services()
+		if sd := services.ByName(protoreflect.FullName(svc).Name()); sd != nil && string(sd.FullName()) == svc {
+			return sd.Methods().ByName(protoreflect.Name(method))
+		}
 	}
 	d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(svc))
 	if err != nil {
@@ -208,32 +281,29 @@ func methodDescriptor(fullMethod string) protoreflect.MethodDescriptor {
 	return sd.Methods().ByName(protoreflect.Name(method))
 }
 
-// responseTypes caches declaredResponseType by method and request type.
-var responseTypes sync.Map // responseTypeKey -> protoreflect.MessageType, nil when unknown
-
-type responseTypeKey struct {
-	method string
-	req    protoreflect.MessageDescriptor
+// splitMethod splits "/pkg.Service/Method" into its service's full name
+// and the method's name.
+func splitMethod(fullMethod string) (svc, method string, ok bool) {
+	return strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
 }
 
+// responseTypes caches declaredResponseType by method and request type.
+var responseTypes sync.Map // methodKey -> protoreflect.MessageType, nil when unknown
+
 // declaredResponseType returns the type a method declares for its
-// response: from the global registry of descriptors, or else from the file
-// that declares the request's type (a service built at run time with
-// dynamicpb). A message type built from that descriptor is used when the
-// generated one is not linked in. Nil when the method is not described
-// anywhere (a hand-written ServiceDesc).
+// response, found as [policyForRequest] finds its policy: in the file that
+// declares the request's type, else in the global registry. A message type
+// built from that descriptor is used when the generated one is not linked
+// in. Nil when the method is not described anywhere (a hand-written
+// ServiceDesc).
 func declaredResponseType(fullMethod string, req proto.Message) protoreflect.MessageType {
-	key := responseTypeKey{fullMethod, req.ProtoReflect().Descriptor()}
+	key := methodKey{fullMethod, req.ProtoReflect().Descriptor()}
 	if mt, ok := responseTypes.Load(key); ok {
 		mt, _ := mt.(protoreflect.MessageType)
 		return mt
 	}
-	md := methodDescriptor(fullMethod)
-	if md == nil {
-		md = methodInFile(req.ProtoReflect().Descriptor().ParentFile(), fullMethod)
-	}
 	var mt protoreflect.MessageType
-	if md != nil {
+	if md := findMethod(fullMethod, key.req); md != nil {
 		out := md.Output()
 		if linked, err := protoregistry.GlobalTypes.FindMessageByName(out.FullName()); err == nil && linked.Descriptor() == out {
 			mt = linked
@@ -243,19 +313,4 @@ func declaredResponseType(fullMethod string, req proto.Message) protoreflect.Mes
 	}
 	responseTypes.Store(key, mt)
 	return mt
-}
-
-// methodInFile finds "/pkg.Service/Method" among the services of fd.
-func methodInFile(fd protoreflect.FileDescriptor, fullMethod string) protoreflect.MethodDescriptor {
-	svc, method, ok := strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
-	if fd == nil || !ok {
-		return nil
-	}
-	services := fd.Services()
-	for i := 0; i < services.Len(); i++ {
-		if sd := services.Get(i); string(sd.FullName()) == svc {
-			return sd.Methods().ByName(protoreflect.Name(method))
-		}
-	}
-	return nil
 }
