@@ -106,7 +106,7 @@ func TestUnitFingerprintAny(t *testing.T) {
 	join := func(parts ...[]byte) []byte { return []byte(strings.Join(toStrings(parts), "")) }
 	require.Equal(t, packed("type.googleapis.com/acme.Unlinked", join(a, b, c)), packed("example.com/acme.Unlinked", join(c, a, b)), "map order of an unlinked type")
 	require.False(t, sameRequest(packed("x/acme.Unlinked", join(a, b)), packed("x/acme.Unlinked", join(a, c))))
-	require.True(t, sameRequest(packed("x/acme.Unlinked", join(a, b)), packed("x/google.protobuf.StringValue", sv)) == false, "another type name")
+	require.False(t, sameRequest(packed("x/acme.Unlinked", join(a, b)), packed("x/google.protobuf.StringValue", sv)), "another type name")
 }
 
 func slicesClone(b []byte) []byte { return append([]byte(nil), b...) }
