@@ -56,7 +56,10 @@ type captureKey struct {
 // (idempotency.v1.method) option with MODE_DISABLED or a key_field (the
 // request carries its key), or idempotency_level NO_SIDE_EFFECTS or
 // IDEMPOTENT without an explicit mode. Methods whose descriptor is not
-// linked in get a key unless [WithKeysForUnknownMethods](false).
+// linked in get a key unless [WithKeysForUnknownMethods](false). A key in
+// the binary metadata "idempotency-key-bin" is refused with
+// codes.InvalidArgument before anything is sent, as the server would
+// refuse it: it is another header to gRPC, not the key.
 //
 // Retries must happen below this interceptor, so that they reuse the key:
 // put it before go-grpc-middleware's retry interceptor in the chain (or use
@@ -228,6 +231,8 @@ func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, 
 	vals := md.Get(MetadataKey)
 	chosen, hasChosen := ctx.Value(outgoingKey{}).(string)
 	switch {
+	case len(md.Get(binaryMetadataKey)) > 0:
+		return "", false, binaryKey()
 	case len(vals) > 1:
 		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed", len(vals)))
 	case len(vals) == 1:

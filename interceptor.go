@@ -293,6 +293,17 @@ func isRetryAttempt(ctx context.Context) bool {
 		len(metadata.ValueFromIncomingContext(ctx, retryAttempt)) > 0
 }
 
+// binaryMetadataKey is the binary form of [MetadataKey]. To gRPC it is
+// another header, so a call carrying it is refused wherever it is seen
+// (client and server, beside a text key or not): ignoring it would leave
+// the call unprotected, and honouring it beside a text key would leave two
+// keys for one call.
+const binaryMetadataKey = MetadataKey + "-bin"
+
+func binaryKey() error {
+	return invalidKey(binaryMetadataKey, fmt.Sprintf("the key was sent as binary metadata %s; send it as the text metadata %s", binaryMetadataKey, MetadataKey))
+}
+
 // missingKey is ErrMissingKey naming where the key is expected.
 func missingKey(pol methodPolicy) error {
 	if pol.keyField != nil {
@@ -304,14 +315,12 @@ func missingKey(pol methodPolicy) error {
 // keyFromIncoming returns the key of an incoming call. ok is false when the
 // call has none; more than one value, or an invalid one, is an error.
 func keyFromIncoming(ctx context.Context) (key string, ok bool, err error) {
+	if len(metadata.ValueFromIncomingContext(ctx, binaryMetadataKey)) > 0 {
+		return "", false, binaryKey()
+	}
 	vals := metadata.ValueFromIncomingContext(ctx, MetadataKey)
 	switch len(vals) {
 	case 0:
-		if bin := metadata.ValueFromIncomingContext(ctx, MetadataKey+"-bin"); len(bin) > 0 {
-			// A binary header is a different key to gRPC; ignoring it would
-			// leave the call unprotected.
-			return "", false, invalidKey(MetadataKey+"-bin", fmt.Sprintf("the key was sent as binary metadata %s-bin; send it as the text metadata %s", MetadataKey, MetadataKey))
-		}
 		return "", false, nil
 	case 1:
 		if err := ValidateKey(vals[0]); err != nil {

@@ -113,7 +113,7 @@ func (r *recordingStream) encode() ([]byte, error) {
 // reserved keys, not HTTP/2 pseudo-headers, not this package's own.
 func storable(key string) bool {
 	return !strings.HasPrefix(key, "grpc-") && !strings.HasPrefix(key, ":") &&
-		key != ReplayedTrailer && key != MetadataKey && key != MetadataKey+"-bin"
+		key != ReplayedTrailer && key != MetadataKey && key != binaryMetadataKey
 }
 
 // The stored form, in protobuf's wire format: field 1 holds the header
