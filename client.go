@@ -79,9 +79,10 @@ func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 // to retry because they carry a key: up to 5 retries on [RetryCodes] and a
 // per-attempt DeadlineExceeded, with exponential backoff and jitter,
 // waiting at least the delay of the server's RetryInfo when it sends one.
-// Calls that carry no key are not retried, unless protobuf marks the method
-// NO_SIDE_EFFECTS or IDEMPOTENT or its request carries the key (key_field):
-// nothing would deduplicate them.
+// Calls that carry no key in the metadata are not retried, unless protobuf
+// marks the method NO_SIDE_EFFECTS or IDEMPOTENT or its request carries the
+// key (key_field): nothing would deduplicate them. Those are retried the
+// same way, with the same codes, backoff and RetryInfo.
 //
 // It panics if an option is invalid.
 //
@@ -195,19 +196,19 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 				}
 			}
 		}
-		if key == "" {
-			if retryHints && !policyFor(method).retrySafeWithoutKey() {
-				// Nothing would deduplicate a retry of this call.
-				opts = append(opts, retry.Disable())
-			}
-			return invoker(ctx, method, req, reply, cc, opts...)
-		}
-		if !inMetadata {
+		if key != "" && !inMetadata {
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
 		}
-		if retryHints {
-			// Per-call retry options come first so the caller's own retry
-			// call options still override them.
+		switch {
+		case !retryHints:
+		case key == "" && !policyFor(method).retrySafeWithoutKey():
+			// Nothing would deduplicate a retry of this call.
+			opts = append(opts, retry.Disable())
+		default:
+			// A key in the metadata or in the request (key_field), or a
+			// method safe to repeat: retried alike, with the chain's codes,
+			// backoff and RetryInfo. Per-call retry options come first so
+			// the caller's own retry call options still override them.
 			opts = append(o.retryHints(), opts...)
 		}
 		return invoker(ctx, method, req, reply, cc, opts...)
