@@ -203,3 +203,39 @@ func replayMetadata(ctx context.Context, stored []byte) error {
 	_ = grpc.SetTrailer(ctx, metadata.Join(trailer, metadata.Pairs(ReplayedTrailer, "true")))
 	return nil
 }
+
+// SetSendCompressor is [grpc.SetSendCompressor] for handlers behind
+// [UnaryServerInterceptor]; call it instead, with the handler's ctx. To
+// hold back and store what a handler sets, the interceptor gives a keyed
+// call's handler a stream of its own in ctx, and grpc-go's function only
+// works with grpc-go's own (internal) stream type, so it fails there with
+// "failed to fetch the stream from the given context". This one reaches the
+// call's real stream, and works the same on calls the interceptor passed
+// through. The compressor applies to this call's response only: it is not
+// stored, and a replay is compressed as gRPC chooses by default.
+func SetSendCompressor(ctx context.Context, name string) error {
+	return grpc.SetSendCompressor(transportContext(ctx), name)
+}
+
+// ClientSupportedCompressors is [grpc.ClientSupportedCompressors] for
+// handlers behind [UnaryServerInterceptor]; see [SetSendCompressor] for
+// why grpc-go's own fails on keyed calls.
+func ClientSupportedCompressors(ctx context.Context) ([]string, error) {
+	return grpc.ClientSupportedCompressors(transportContext(ctx))
+}
+
+// transportContext returns ctx with the call's real stream in place of the
+// recorders this package put there.
+func transportContext(ctx context.Context) context.Context {
+	r, ok := grpc.ServerTransportStreamFromContext(ctx).(*recordingStream)
+	if !ok {
+		return ctx
+	}
+	for {
+		inner, ok := r.ServerTransportStream.(*recordingStream)
+		if !ok {
+			return grpc.NewContextWithServerTransportStream(ctx, r.ServerTransportStream)
+		}
+		r = inner
+	}
+}
