@@ -96,7 +96,7 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		if err != nil {
 			return nil, err
 		}
-		return res.Response, nil
+		return exactResponse(res), nil
 	}
 }
 
