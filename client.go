@@ -65,9 +65,13 @@ type captureKey struct {
 // put it before go-grpc-middleware's retry interceptor in the chain (or use
 // [UnaryClientInterceptors], which does), or rely on gRPC's own retry
 // policy, which runs below every interceptor. A call that arrives as a retry
-// attempt of that retry interceptor without a key is refused with
-// [ErrChainOrder] instead of getting a fresh key, which would make the retry
-// a second, different operation.
+// attempt of that retry interceptor (or of go-grpc-middleware v1's, whose
+// marker is x-retry-attempty) without a key is refused with [ErrChainOrder]
+// instead of getting a fresh key, which would make the retry a second,
+// different operation. A retry loop of another kind above this interceptor
+// marks nothing, so each of its attempts is a new call with a new key: such
+// a loop must carry the key itself ([CaptureKey] on the first attempt,
+// [WithOutgoingKey] on the others) or run below this interceptor.
 //
 // It panics if an option is invalid.
 func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
@@ -253,7 +257,7 @@ func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, 
 	if !policyFor(method).clientGeneratesKey(o.unknownMethodKeys) {
 		return "", false, nil
 	}
-	if len(md.Get(retry.AttemptMetadataKey)) > 0 {
+	if isMarkedRetry(md) {
 		return "", false, ErrChainOrder.with(method, nil)
 	}
 	if k, ok := DownstreamKey(ctx, method); ok {

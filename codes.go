@@ -55,7 +55,9 @@ var (
 	// ErrChainOrder is returned by the client interceptor for a retry
 	// attempt that has no key: the retry interceptor runs before (outside)
 	// the key interceptor, so each attempt would get a new key and could run
-	// the operation again. Put the key interceptor first.
+	// the operation again. Put the key interceptor first. Only retries that
+	// say so are recognised: those of go-grpc-middleware's retry
+	// interceptor (v2's x-retry-attempt, v1's x-retry-attempty).
 	ErrChainOrder = &Error{code: codes.Internal, reason: "CHAIN_ORDER", msg: "retry attempt without an idempotency key: chain idempotency.UnaryClientInterceptor before the retry interceptor"}
 	// ErrStreamingUnsupported: the call is a streaming one, which this
 	// package does not protect, and it asks for protection (its method is

@@ -279,18 +279,30 @@ func (o *serverOptions) serve(ctx context.Context, tp *transport, store *Store, 
 	return res, rec, err
 }
 
-// Metadata that marks an attempt as a retry: gRPC's own retry policy sends
-// the first, go-grpc-middleware's retry interceptor the second.
-const (
-	grpcPreviousAttempts = "grpc-previous-rpc-attempts"
-	retryAttempt         = retry.AttemptMetadataKey
-)
+// grpcPreviousAttempts is the metadata gRPC's own retry policy adds to a
+// retry attempt.
+const grpcPreviousAttempts = "grpc-previous-rpc-attempts"
+
+// retryMarkers are the metadata that retry interceptors add to a retry
+// attempt: go-grpc-middleware v2's, and v1's, which many copies of it keep.
+// A retry loop that adds none cannot be told from a new call.
+var retryMarkers = []string{retry.AttemptMetadataKey, "x-retry-attempty"}
 
 // isRetryAttempt reports whether the client marked the call as a retry, so
 // the engine looks for a stored result before anything else.
 func isRetryAttempt(ctx context.Context) bool {
-	return len(metadata.ValueFromIncomingContext(ctx, grpcPreviousAttempts)) > 0 ||
-		len(metadata.ValueFromIncomingContext(ctx, retryAttempt)) > 0
+	md, _ := metadata.FromIncomingContext(ctx)
+	return len(md.Get(grpcPreviousAttempts)) > 0 || isMarkedRetry(md)
+}
+
+// isMarkedRetry reports whether md carries a retry interceptor's marker.
+func isMarkedRetry(md metadata.MD) bool {
+	for _, k := range retryMarkers {
+		if len(md.Get(k)) > 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // binaryMetadataKey is the binary form of [MetadataKey]. To gRPC it is
