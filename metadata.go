@@ -42,8 +42,19 @@ func recordMetadata(ctx context.Context) (context.Context, *recordingStream) {
 		return ctx, nil
 	}
 	r := &recordingStream{ServerTransportStream: st}
+	// An interceptor outside may have sent the headers already; then the
+	// handler's must fail as they would without this recorder, not be
+	// recorded and lost. grpc-go refuses any SetHeader once the headers are
+	// sent, and sends no header field for a key without values, so a key
+	// set with none asks without changing what the client gets.
+	if st.SetHeader(metadata.MD{headerProbe: nil}) != nil {
+		r.headerSent = true
+	}
 	return grpc.NewContextWithServerTransportStream(ctx, r), r
 }
+
+// headerProbe is the key recordMetadata sets, with no values.
+const headerProbe = "idempotency-header-probe"
 
 // reset forgets what an earlier run of the handler set.
 func (r *recordingStream) reset() {
