@@ -44,17 +44,23 @@ func recordMetadata(ctx context.Context) (context.Context, *recordingStream) {
 	r := &recordingStream{ServerTransportStream: st}
 	// An interceptor outside may have sent the headers already; then the
 	// handler's must fail as they would without this recorder, not be
-	// recorded and lost. grpc-go refuses any SetHeader once the headers are
-	// sent, and sends no header field for a key without values, so a key
-	// set with none asks without changing what the client gets.
-	if st.SetHeader(metadata.MD{headerProbe: nil}) != nil {
+	// recorded and lost. grpc-go's stream refuses a new send compressor
+	// once the headers are sent; setting the one it has asks without
+	// changing anything. (Setting a header would: any header makes an
+	// error response a separate header frame, which gRPC's retry policy
+	// does not retry.)
+	if c, ok := st.(sendCompressor); ok && c.SetSendCompress(c.SendCompress()) != nil {
 		r.headerSent = true
 	}
 	return grpc.NewContextWithServerTransportStream(ctx, r), r
 }
 
-// headerProbe is the key recordMetadata sets, with no values.
-const headerProbe = "idempotency-header-probe"
+// sendCompressor is the part of grpc-go's server stream that tells whether
+// its headers were sent.
+type sendCompressor interface {
+	SendCompress() string
+	SetSendCompress(name string) error
+}
 
 // reset forgets what an earlier run of the handler set.
 func (r *recordingStream) reset() {
