@@ -38,6 +38,9 @@ const (
 // key ignored), then this interceptor's options: without
 // [WithKeyRequired], calls without a key pass through unchanged.
 //
+// It protects unary calls only; install [StreamServerInterceptor] beside
+// it, which refuses the streaming calls that ask for protection.
+//
 // It panics if store is nil or an option is invalid, as those are
 // programming errors found at startup.
 func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServerInterceptor {
