@@ -56,15 +56,22 @@ type captureKey struct {
 // (idempotency.v1.method) option with MODE_DISABLED or a key_field (the
 // request carries its key), or idempotency_level NO_SIDE_EFFECTS or
 // IDEMPOTENT without an explicit mode. Methods whose descriptor is not
-// linked in get a key unless [WithKeysForUnknownMethods](false).
+// linked in get a key unless [WithKeysForUnknownMethods](false). A key in
+// the binary metadata "idempotency-key-bin" is refused with
+// codes.InvalidArgument before anything is sent, as the server would
+// refuse it: it is another header to gRPC, not the key.
 //
 // Retries must happen below this interceptor, so that they reuse the key:
 // put it before go-grpc-middleware's retry interceptor in the chain (or use
 // [UnaryClientInterceptors], which does), or rely on gRPC's own retry
 // policy, which runs below every interceptor. A call that arrives as a retry
-// attempt of that retry interceptor without a key is refused with
-// [ErrChainOrder] instead of getting a fresh key, which would make the retry
-// a second, different operation.
+// attempt of that retry interceptor (or of go-grpc-middleware v1's, whose
+// marker is x-retry-attempty) without a key is refused with [ErrChainOrder]
+// instead of getting a fresh key, which would make the retry a second,
+// different operation. A retry loop of another kind above this interceptor
+// marks nothing, so each of its attempts is a new call with a new key: such
+// a loop must carry the key itself ([CaptureKey] on the first attempt,
+// [WithOutgoingKey] on the others) or run below this interceptor.
 //
 // It panics if an option is invalid.
 func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
@@ -76,9 +83,10 @@ func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 // to retry because they carry a key: up to 5 retries on [RetryCodes] and a
 // per-attempt DeadlineExceeded, with exponential backoff and jitter,
 // waiting at least the delay of the server's RetryInfo when it sends one.
-// Calls that carry no key are not retried, unless protobuf marks the method
-// NO_SIDE_EFFECTS or IDEMPOTENT or its request carries the key (key_field):
-// nothing would deduplicate them.
+// Calls that carry no key in the metadata are not retried, unless protobuf
+// marks the method NO_SIDE_EFFECTS or IDEMPOTENT or its request carries the
+// key (key_field): nothing would deduplicate them. Those are retried the
+// same way, with the same codes, backoff and RetryInfo.
 //
 // It panics if an option is invalid.
 //
@@ -180,7 +188,7 @@ func WithPerAttemptTimeout(d time.Duration) ClientOption {
 
 func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		key, inMetadata, err := o.keyFor(ctx, method)
+		key, inMetadata, err := o.keyFor(ctx, method, req)
 		if err != nil {
 			return err
 		}
@@ -192,19 +200,19 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 				}
 			}
 		}
-		if key == "" {
-			if retryHints && !policyForRequest(method, req).retrySafeWithoutKey() {
-				// Nothing would deduplicate a retry of this call.
-				opts = append(opts, retry.Disable())
-			}
-			return invoker(ctx, method, req, reply, cc, opts...)
-		}
-		if !inMetadata {
+		if key != "" && !inMetadata {
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
 		}
-		if retryHints {
-			// Per-call retry options come first so the caller's own retry
-			// call options still override them.
+		switch {
+		case !retryHints:
+		case key == "" && !policyForRequest(method, req).retrySafeWithoutKey():
+			// Nothing would deduplicate a retry of this call.
+			opts = append(opts, retry.Disable())
+		default:
+			// A key in the metadata or in the request (key_field), or a
+			// method safe to repeat: retried alike, with the chain's codes,
+			// backoff and RetryInfo. Per-call retry options come first so
+			// the caller's own retry call options still override them.
 			opts = append(o.retryHints(), opts...)
 		}
 		return invoker(ctx, method, req, reply, cc, opts...)
@@ -223,11 +231,13 @@ func requestKey(method string, req any) string {
 }
 
 // keyFor picks the key of a call; "" means the call needs none.
-func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, inMetadata bool, err error) {
+func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (key string, inMetadata bool, err error) {
 	md, _ := metadata.FromOutgoingContext(ctx)
 	vals := md.Get(MetadataKey)
 	chosen, hasChosen := ctx.Value(outgoingKey{}).(string)
 	switch {
+	case len(md.Get(binaryMetadataKey)) > 0:
+		return "", false, binaryKey()
 	case len(vals) > 1:
 		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed", len(vals)))
 	case len(vals) == 1:
@@ -244,10 +254,10 @@ func (o *clientOptions) keyFor(ctx context.Context, method string) (key string, 
 		}
 		return chosen, false, nil
 	}
-	if !policyFor(method).clientGeneratesKey(o.unknownMethodKeys) {
+	if !policyForRequest(method, req).clientGeneratesKey(o.unknownMethodKeys) {
 		return "", false, nil
 	}
-	if len(md.Get(retry.AttemptMetadataKey)) > 0 {
+	if isMarkedRetry(md) {
 		return "", false, ErrChainOrder.with(method, nil)
 	}
 	if k, ok := DownstreamKey(ctx, method); ok {

@@ -32,7 +32,7 @@ func TestUnitClientKeyChoice(t *testing.T) {
 	ctx := context.Background()
 	const method = "/no.such.Service/Charge" // unknown: gets a key by default
 
-	k, inMD, err := o.keyFor(ctx, method)
+	k, inMD, err := o.keyFor(ctx, method, nil)
 	require.NoError(t, err)
 	require.False(t, inMD)
 	require.EqualValues(t, 7, uuid.MustParse(k).Version(), "a generated key is a UUIDv7")
@@ -53,26 +53,26 @@ func TestUnitClientKeyChoice(t *testing.T) {
 		require.Empty(t, md.Get("idempotency-key-new"))
 	}
 
-	k, inMD, err = o.keyFor(WithOutgoingKey(ctx, "order-42"), method)
+	k, inMD, err = o.keyFor(WithOutgoingKey(ctx, "order-42"), method, nil)
 	require.NoError(t, err)
 	require.Equal(t, "order-42", k)
 	require.False(t, inMD)
 
-	k, inMD, err = o.keyFor(metadata.AppendToOutgoingContext(ctx, MetadataKey, "md"), method)
+	k, inMD, err = o.keyFor(metadata.AppendToOutgoingContext(ctx, MetadataKey, "md"), method, nil)
 	require.NoError(t, err)
 	require.Equal(t, "md", k)
 	require.True(t, inMD)
 
-	_, _, err = o.keyFor(WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, MetadataKey, "a"), "b"), method)
+	_, _, err = o.keyFor(WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, MetadataKey, "a"), "b"), method, nil)
 	require.ErrorIs(t, err, ErrInvalidKey)
-	_, _, err = o.keyFor(WithOutgoingKey(ctx, ""), method)
+	_, _, err = o.keyFor(WithOutgoingKey(ctx, ""), method, nil)
 	require.ErrorContains(t, err, "WithOutgoingKey: key is empty")
 
-	_, _, err = o.keyFor(metadata.AppendToOutgoingContext(ctx, retry.AttemptMetadataKey, "1"), method)
+	_, _, err = o.keyFor(metadata.AppendToOutgoingContext(ctx, retry.AttemptMetadataKey, "1"), method, nil)
 	require.ErrorIs(t, err, ErrChainOrder, "a retry attempt without a key")
 	require.Equal(t, codes.Internal, status.Code(err))
 
-	k, _, err = evaluateClientOptions([]ClientOption{WithKeysForUnknownMethods(false)}).keyFor(ctx, method)
+	k, _, err = evaluateClientOptions([]ClientOption{WithKeysForUnknownMethods(false)}).keyFor(ctx, method, nil)
 	require.NoError(t, err)
 	require.Empty(t, k)
 }
@@ -91,7 +91,7 @@ func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 	k, ok = CallKeyFromContext(served)
 	require.True(t, ok)
 	require.Equal(t, "served-key", k)
-	chosen, _, err := evaluateClientOptions(nil).keyFor(served, "/no.such.Service/Charge")
+	chosen, _, err := evaluateClientOptions(nil).keyFor(served, "/no.such.Service/Charge", nil)
 	require.NoError(t, err)
 	require.NotEqual(t, "served-key", chosen, "a served call's key is not reused for outgoing calls by accident")
 }

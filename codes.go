@@ -27,6 +27,7 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 //	key required but missing              InvalidArgument     ErrorInfo, BadRequest
 //	database unreachable or failing       Unavailable         ErrorInfo
 //	retry chained outside the key (client) Internal           ErrorInfo
+//	key or annotation on a streaming call Unimplemented       ErrorInfo
 //
 // A handler's own errors are passed through unchanged; a [Final] one is
 // stored and replayed with its details. A replay carries no ErrorInfo of
@@ -54,8 +55,15 @@ var (
 	// ErrChainOrder is returned by the client interceptor for a retry
 	// attempt that has no key: the retry interceptor runs before (outside)
 	// the key interceptor, so each attempt would get a new key and could run
-	// the operation again. Put the key interceptor first.
+	// the operation again. Put the key interceptor first. Only retries that
+	// say so are recognised: those of go-grpc-middleware's retry
+	// interceptor (v2's x-retry-attempt, v1's x-retry-attempty).
 	ErrChainOrder = &Error{code: codes.Internal, reason: "CHAIN_ORDER", msg: "retry attempt without an idempotency key: chain idempotency.UnaryClientInterceptor before the retry interceptor"}
+	// ErrStreamingUnsupported: the call is a streaming one, which this
+	// package does not protect, and it asks for protection (its method is
+	// annotated, or it carries a key); see [StreamServerInterceptor] and
+	// [CheckStreamingMethods]. Retrying cannot succeed.
+	ErrStreamingUnsupported = &Error{code: codes.Unimplemented, reason: "STREAMING_UNSUPPORTED", msg: "idempotency keys are not supported on streaming methods"}
 )
 
 // Error is an outcome of the idempotency layer, convertible to a gRPC status

@@ -38,6 +38,9 @@ const (
 // key ignored), then this interceptor's options: without
 // [WithKeyRequired], calls without a key pass through unchanged.
 //
+// It protects unary calls only; install [StreamServerInterceptor] beside
+// it, which refuses the streaming calls that ask for protection.
+//
 // It panics if store is nil or an option is invalid, as those are
 // programming errors found at startup.
 func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServerInterceptor {
@@ -96,7 +99,7 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		if err != nil {
 			return nil, err
 		}
-		return res.Response, nil
+		return exactResponse(res), nil
 	}
 }
 
@@ -281,18 +284,41 @@ func (o *serverOptions) serve(ctx context.Context, tp *transport, store *Store, 
 	return res, rec, err
 }
 
-// Metadata that marks an attempt as a retry: gRPC's own retry policy sends
-// the first, go-grpc-middleware's retry interceptor the second.
-const (
-	grpcPreviousAttempts = "grpc-previous-rpc-attempts"
-	retryAttempt         = retry.AttemptMetadataKey
-)
+// grpcPreviousAttempts is the metadata gRPC's own retry policy adds to a
+// retry attempt.
+const grpcPreviousAttempts = "grpc-previous-rpc-attempts"
+
+// retryMarkers are the metadata that retry interceptors add to a retry
+// attempt: go-grpc-middleware v2's, and v1's, which many copies of it keep.
+// A retry loop that adds none cannot be told from a new call.
+var retryMarkers = []string{retry.AttemptMetadataKey, "x-retry-attempty"}
 
 // isRetryAttempt reports whether the client marked the call as a retry, so
 // the engine looks for a stored result before anything else.
 func isRetryAttempt(ctx context.Context) bool {
-	return len(metadata.ValueFromIncomingContext(ctx, grpcPreviousAttempts)) > 0 ||
-		len(metadata.ValueFromIncomingContext(ctx, retryAttempt)) > 0
+	md, _ := metadata.FromIncomingContext(ctx)
+	return len(md.Get(grpcPreviousAttempts)) > 0 || isMarkedRetry(md)
+}
+
+// isMarkedRetry reports whether md carries a retry interceptor's marker.
+func isMarkedRetry(md metadata.MD) bool {
+	for _, k := range retryMarkers {
+		if len(md.Get(k)) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// binaryMetadataKey is the binary form of [MetadataKey]. To gRPC it is
+// another header, so a call carrying it is refused wherever it is seen
+// (client and server, beside a text key or not): ignoring it would leave
+// the call unprotected, and honouring it beside a text key would leave two
+// keys for one call.
+const binaryMetadataKey = MetadataKey + "-bin"
+
+func binaryKey() error {
+	return invalidKey(binaryMetadataKey, fmt.Sprintf("the key was sent as binary metadata %s; send it as the text metadata %s", binaryMetadataKey, MetadataKey))
 }
 
 // missingKey is ErrMissingKey naming where the key is expected.
@@ -306,14 +332,12 @@ func missingKey(pol methodPolicy) error {
 // keyFromIncoming returns the key of an incoming call. ok is false when the
 // call has none; more than one value, or an invalid one, is an error.
 func keyFromIncoming(ctx context.Context) (key string, ok bool, err error) {
+	if len(metadata.ValueFromIncomingContext(ctx, binaryMetadataKey)) > 0 {
+		return "", false, binaryKey()
+	}
 	vals := metadata.ValueFromIncomingContext(ctx, MetadataKey)
 	switch len(vals) {
 	case 0:
-		if bin := metadata.ValueFromIncomingContext(ctx, MetadataKey+"-bin"); len(bin) > 0 {
-			// A binary header is a different key to gRPC; ignoring it would
-			// leave the call unprotected.
-			return "", false, invalidKey(MetadataKey+"-bin", fmt.Sprintf("the key was sent as binary metadata %s-bin; send it as the text metadata %s", MetadataKey, MetadataKey))
-		}
 		return "", false, nil
 	case 1:
 		if err := ValidateKey(vals[0]); err != nil {

@@ -42,7 +42,24 @@ func recordMetadata(ctx context.Context) (context.Context, *recordingStream) {
 		return ctx, nil
 	}
 	r := &recordingStream{ServerTransportStream: st}
+	// An interceptor outside may have sent the headers already; then the
+	// handler's must fail as they would without this recorder, not be
+	// recorded and lost. grpc-go's stream refuses a new send compressor
+	// once the headers are sent; setting the one it has asks without
+	// changing anything. (Setting a header would: any header makes an
+	// error response a separate header frame, which gRPC's retry policy
+	// does not retry.)
+	if c, ok := st.(sendCompressor); ok && c.SetSendCompress(c.SendCompress()) != nil {
+		r.headerSent = true
+	}
 	return grpc.NewContextWithServerTransportStream(ctx, r), r
+}
+
+// sendCompressor is the part of grpc-go's server stream that tells whether
+// its headers were sent.
+type sendCompressor interface {
+	SendCompress() string
+	SetSendCompress(name string) error
 }
 
 // reset forgets what an earlier run of the handler set.
@@ -113,7 +130,7 @@ func (r *recordingStream) encode() ([]byte, error) {
 // reserved keys, not HTTP/2 pseudo-headers, not this package's own.
 func storable(key string) bool {
 	return !strings.HasPrefix(key, "grpc-") && !strings.HasPrefix(key, ":") &&
-		key != ReplayedTrailer && key != MetadataKey && key != MetadataKey+"-bin"
+		key != ReplayedTrailer && key != MetadataKey && key != binaryMetadataKey
 }
 
 // The stored form, in protobuf's wire format: field 1 holds the header
@@ -202,4 +219,40 @@ func replayMetadata(ctx context.Context, stored []byte) error {
 	}
 	_ = grpc.SetTrailer(ctx, metadata.Join(trailer, metadata.Pairs(ReplayedTrailer, "true")))
 	return nil
+}
+
+// SetSendCompressor is [grpc.SetSendCompressor] for handlers behind
+// [UnaryServerInterceptor]; call it instead, with the handler's ctx. To
+// hold back and store what a handler sets, the interceptor gives a keyed
+// call's handler a stream of its own in ctx, and grpc-go's function only
+// works with grpc-go's own (internal) stream type, so it fails there with
+// "failed to fetch the stream from the given context". This one reaches the
+// call's real stream, and works the same on calls the interceptor passed
+// through. The compressor applies to this call's response only: it is not
+// stored, and a replay is compressed as gRPC chooses by default.
+func SetSendCompressor(ctx context.Context, name string) error {
+	return grpc.SetSendCompressor(transportContext(ctx), name)
+}
+
+// ClientSupportedCompressors is [grpc.ClientSupportedCompressors] for
+// handlers behind [UnaryServerInterceptor]; see [SetSendCompressor] for
+// why grpc-go's own fails on keyed calls.
+func ClientSupportedCompressors(ctx context.Context) ([]string, error) {
+	return grpc.ClientSupportedCompressors(transportContext(ctx))
+}
+
+// transportContext returns ctx with the call's real stream in place of the
+// recorders this package put there.
+func transportContext(ctx context.Context) context.Context {
+	r, ok := grpc.ServerTransportStreamFromContext(ctx).(*recordingStream)
+	if !ok {
+		return ctx
+	}
+	for {
+		inner, ok := r.ServerTransportStream.(*recordingStream)
+		if !ok {
+			return grpc.NewContextWithServerTransportStream(ctx, r.ServerTransportStream)
+		}
+		r = inner
+	}
 }
