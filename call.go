@@ -23,9 +23,11 @@ type Call struct {
 	// Fingerprint identifies the request body (e.g. [Fingerprint]). The same
 	// key with a different fingerprint is rejected with [ErrKeyReused].
 	// Fingerprints made by this package carry the version of their
-	// algorithm and a digest of the request's schema; two that differ in
-	// those are not compared, so that a new release or a schema change
-	// during a rolling deploy never turns a retry into ErrKeyReused. Other
+	// algorithm; those of proto requests ([Fingerprint]) hold a hash per
+	// field and are compared on the fields both schemas know, so that a
+	// field added or linked in during a rolling deploy neither turns a
+	// retry into ErrKeyReused nor lets another request replay the old
+	// response. Fingerprints of different versions are not compared. Other
 	// byte strings are compared byte for byte.
 	Fingerprint []byte
 	// TTL is how long the key is kept, counted from when the call claimed

@@ -29,6 +29,7 @@ func TestUnitErrorStatus(t *testing.T) {
 		{ErrMissingKey.with("", nil).about(MetadataKey), codes.InvalidArgument, "MISSING_KEY", []string{"BadRequest"}},
 		{ErrStoreUnavailable.with("claim", errors.New("secret host db-7")), codes.Unavailable, "STORE_UNAVAILABLE", nil},
 		{ErrChainOrder.with("/m", nil), codes.Internal, "CHAIN_ORDER", nil},
+		{ErrStreamingUnsupported.with("/m", nil), codes.Unimplemented, "STREAMING_UNSUPPORTED", nil},
 	} {
 		st := status.Convert(tc.err)
 		require.Equal(t, tc.code, st.Code(), tc.reason)

@@ -309,6 +309,19 @@ func TestPolicyOfServiceBuiltAtRunTime(t *testing.T) {
 		require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'rt-1'`))
 	})
 
+	t.Run("through the library's client chain, the request's key is the key", func(t *testing.T) {
+		// The client reads the same descriptor: it sends no generated key
+		// beside request_id (which would win on the server and make each
+		// logical call a new key), so two calls with one request_id run once.
+		chained := dialWith(t, runtimeServer(t, db, store, nil, v1), grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+		for range 2 {
+			c := &rtCall{method: charge, fields: map[string]string{"request_id": "rt-3", "body": "rt-3"}}
+			require.NoError(t, c.do(chained))
+		}
+		require.Equal(t, 1, ledger("rt-3"))
+		require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'rt-3'`))
+	})
+
 	t.Run("a method its descriptor marks NO_SIDE_EFFECTS passes under WithKeyRequired", func(t *testing.T) {
 		strict := dial(t, runtimeServer(t, db, store, []idempotency.ServerOption{idempotency.WithKeyRequired()}, runtimePayments(nil)))
 		c := &rtCall{method: v1.Methods().ByName("Lookup"), fields: map[string]string{"body": "lookup"}}
