@@ -95,7 +95,7 @@ func TestWaysPastTheSQLCheckNeverRunTwice(t *testing.T) {
 			require.Equal(t, status.Convert(errFirst).Proto().String(), status.Convert(err).Proto().String(), "one answer for every caller")
 			require.EqualValues(t, 1, runs.Load(), "the handler ran once")
 			require.Equal(t, tc.ledger, db.Count(t, `SELECT count(*) FROM ledger`))
-			require.Zero(t, heldKeyLocks(t, db, "", []string{"k"}), "no lock outlives the calls")
+			requireNoKeyLocks(t, db, "", []string{"k"}, "no lock outlives the calls")
 		})
 	}
 }

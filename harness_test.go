@@ -538,6 +538,15 @@ func createLedger(t testing.TB, db *testdb.DB) {
 	require.NoError(t, err)
 }
 
+// requireNoKeyLocks asserts that no backend holds the lock of any of keys.
+// A connection the engine closed holds its locks until its backend has
+// seen the close and exited, a moment after the call returned: the check
+// waits for that, and a lock a live connection keeps fails it.
+func requireNoKeyLocks(t testing.TB, db *testdb.DB, scope string, keys []string, msg string) {
+	t.Helper()
+	require.Eventually(t, func() bool { return heldKeyLocks(t, db, scope, keys) == 0 }, liveness, 5*time.Millisecond, msg)
+}
+
 // heldKeyLocks counts the advisory locks that backends hold on the keys of
 // scope in db's key table: a lock's 64-bit key is the hash the engine
 // computes (see renderStatements), split by pg_locks into classid and objid.

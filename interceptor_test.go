@@ -614,7 +614,7 @@ func TestHeldKeyLocksSeesARunningCall(t *testing.T) {
 	}})
 	require.NoError(t, e.call(context.Background(), methodCharge, "k", "x").err)
 	require.EqualValues(t, 1, during.Load(), "the running call's lock")
-	require.Zero(t, heldKeyLocks(t, e.db, "", []string{"k"}), "and none after it")
+	requireNoKeyLocks(t, e.db, "", []string{"k"}, "and none after it")
 
 	var h *httpEnv
 	h = newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
@@ -643,7 +643,7 @@ func TestPanicRollsBackAndLeavesNoKey(t *testing.T) {
 	require.Equal(t, 0, e.ledgerRows())
 	require.Equal(t, 0, e.keyRows())
 
-	require.Zero(t, heldKeyLocks(t, e.db, "", []string{"k"}), "no lock outlives the panicking call")
+	requireNoKeyLocks(t, e.db, "", []string{"k"}, "no lock outlives the panicking call")
 	r = e.call(context.Background(), methodCharge, "k", "x")
 	require.NoError(t, r.err)
 	require.False(t, r.replayed)

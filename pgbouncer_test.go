@@ -223,7 +223,7 @@ func TestThroughPgBouncerAtSerializableNoLockOutlivesItsCall(t *testing.T) {
 	for k := range keys {
 		names = append(names, fmt.Sprint("pgb-ser-", k))
 	}
-	require.Zero(t, heldKeyLocks(t, db, "", names))
+	requireNoKeyLocks(t, db, "", names, "a key's lock outlived its calls")
 }
 
 // describe_exec prepares a statement in one round trip and binds it in the
