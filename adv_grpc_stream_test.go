@@ -68,8 +68,12 @@ func TestAdvStreamWithOutgoingKeyRunsTwiceSilently(t *testing.T) {
 // reports nothing and every keyless call passes to its handler, each
 // duplicate running again, where the unary interceptor would refuse it.
 //
-// Correct: the keyless call is refused before the handler runs (or
-// CheckStreamingMethods reports the method at startup).
+// Correct: the keyless call is refused before the handler can act on its
+// request. The request's descriptor, and with it the method's policy, is
+// known only once the handler reads the first message, so the stream
+// interceptor refuses it there: that RecvMsg fails with
+// STREAMING_UNSUPPORTED (CheckStreamingMethods, which sees only what the
+// global registry holds, cannot name such a method at startup).
 func TestAdvRuntimeAnnotatedStreamPasses(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
@@ -91,7 +95,6 @@ func TestAdvRuntimeAnnotatedStreamPasses(t *testing.T) {
 	srv := grpc.NewServer(grpc.ChainStreamInterceptor(idempotency.StreamServerInterceptor(e.store, idempotency.WithKeyRequired())))
 	srv.RegisterService(&grpc.ServiceDesc{ServiceName: "advstream.v1.Feed", HandlerType: (*any)(nil), Streams: []grpc.StreamDesc{{
 		StreamName: "Push", ClientStreams: true, Handler: func(_ any, ss grpc.ServerStream) error {
-			runs.Add(1)
 			for {
 				m := dynamicpb.NewMessage(part)
 				if err := ss.RecvMsg(m); errors.Is(err, io.EOF) {
@@ -99,6 +102,7 @@ func TestAdvRuntimeAnnotatedStreamPasses(t *testing.T) {
 				} else if err != nil {
 					return err
 				}
+				runs.Add(1) // the handler's effect of each part it reads
 			}
 			return ss.SendMsg(dynamicpb.NewMessage(part))
 		}}}}, struct{}{})
@@ -114,5 +118,6 @@ func TestAdvRuntimeAnnotatedStreamPasses(t *testing.T) {
 		_ = cs.CloseSend()
 		codesSeen = append(codesSeen, status.Code(cs.RecvMsg(&wrapperspb.StringValue{})))
 	}
+	require.Equal(t, []codes.Code{codes.Unimplemented, codes.Unimplemented}, codesSeen)
 	require.Zero(t, runs.Load(), "an annotated (MODE_REQUIRED) run-time streaming method ran %d times without a key (codes %v; CheckStreamingMethods said %v)", runs.Load(), codesSeen, checkErr)
 }

@@ -25,7 +25,24 @@ import (
 //
 // The key of the call a server is running is read with
 // [CallKeyFromContext] instead; the two never see each other's key.
+//
+// The key also goes into the context's outgoing metadata, replacing the one
+// an earlier WithOutgoingKey put there, so that a call no client
+// interceptor of this package sees (a streaming call) still carries it, and
+// [StreamServerInterceptor] refuses it rather than run it unprotected.
 func WithOutgoingKey(ctx context.Context, key string) context.Context {
+	md, _ := metadata.FromOutgoingContext(ctx)
+	vals := md.Get(MetadataKey)
+	prev, hadPrev := ctx.Value(outgoingKey{}).(string)
+	switch {
+	case len(vals) == 1 && vals[0] == key:
+	case hadPrev && len(vals) == 1 && vals[0] == prev:
+		md = md.Copy()
+		md.Set(MetadataKey, key)
+		ctx = metadata.NewOutgoingContext(ctx, md)
+	default: // beside a key set otherwise, it makes two: refused when sent
+		ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
+	}
 	return context.WithValue(ctx, outgoingKey{}, key)
 }
 
@@ -232,6 +249,13 @@ func requestKey(method string, req any) string {
 
 // keyFor picks the key of a call; "" means the call needs none.
 func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (key string, inMetadata bool, err error) {
+	pol := policyForRequest(method, req)
+	if pol.known && pol.mode == modePassThrough && pol.err == nil {
+		// The server ignores any key of this method (MODE_DISABLED, a safe
+		// idempotency_level, gRPC's infrastructure services): so does the
+		// client, whatever the context's metadata holds.
+		return "", false, nil
+	}
 	md, _ := metadata.FromOutgoingContext(ctx)
 	vals := md.Get(MetadataKey)
 	chosen, hasChosen := ctx.Value(outgoingKey{}).(string)
@@ -244,8 +268,12 @@ func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (key
 		if hasChosen && chosen != vals[0] {
 			return "", false, invalidKey(MetadataKey, "WithOutgoingKey and the outgoing metadata name different keys")
 		}
+		from := ""
+		if hasChosen {
+			from = "WithOutgoingKey"
+		}
 		if err := ValidateKey(vals[0]); err != nil {
-			return "", false, keyError(err, MetadataKey, "")
+			return "", false, keyError(err, MetadataKey, from)
 		}
 		return vals[0], true, nil
 	case hasChosen:
@@ -254,7 +282,7 @@ func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (key
 		}
 		return chosen, false, nil
 	}
-	if !policyForRequest(method, req).clientGeneratesKey(o.unknownMethodKeys) {
+	if !pol.clientGeneratesKey(o.unknownMethodKeys) {
 		return "", false, nil
 	}
 	if isMarkedRetry(md) {

@@ -56,7 +56,10 @@ func TestUnitClientKeyChoice(t *testing.T) {
 	k, inMD, err = o.keyFor(WithOutgoingKey(ctx, "order-42"), method, nil)
 	require.NoError(t, err)
 	require.Equal(t, "order-42", k)
-	require.False(t, inMD)
+	require.True(t, inMD, "WithOutgoingKey puts the key in the outgoing metadata, for calls no interceptor sees")
+	k, _, err = o.keyFor(WithOutgoingKey(WithOutgoingKey(ctx, "order-41"), "order-42"), method, nil)
+	require.NoError(t, err)
+	require.Equal(t, "order-42", k, "a later WithOutgoingKey replaces an earlier one")
 
 	k, inMD, err = o.keyFor(metadata.AppendToOutgoingContext(ctx, MetadataKey, "md"), method, nil)
 	require.NoError(t, err)

@@ -6,42 +6,41 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/runtime/protoiface"
+	"google.golang.org/protobuf/types/dynamicpb"
 )
 
-// A replay must be the bytes the first call sent. Protobuf marshals every
-// message the same way each time but for its maps, whose entries come in
-// random order unless deterministic output is asked for, which gRPC's codec
-// does not ask. The engine stores the deterministic encoding; for a
-// response type with a map anywhere in it, the interceptor hands gRPC the
-// response as an exactMessage, which marshals to those stored bytes: on
-// replays the bytes read from the row, on the first call the same
-// deterministic encoding of the handler's response. Types without a map
-// are handed over as they are, so that interceptors outside this one can
-// still type-assert them; their encoding is the stored one anyway.
+// A replay must be the bytes the first call sent. Protobuf marshals a
+// generated message the same way each time but for its maps, whose entries
+// come in random order unless deterministic output is asked for, which
+// gRPC's codec does not ask; a dynamicpb message (a service built at run
+// time) marshals its fields in random order too. The engine stores the
+// deterministic encoding; for a response type with a map anywhere in it,
+// and for any dynamicpb response, the interceptor hands gRPC the response
+// as an exactMessage, which marshals deterministically: on the first call
+// and on each replay (whose message is decoded from the stored bytes) that
+// is the stored encoding. It marshals the message as it is when gRPC sends
+// it, so an edit an interceptor outside this one makes reaches the client.
+// Other types are handed over as they are, so that interceptors outside
+// can still type-assert them; their encoding is the stored one anyway.
 
 // exactResponse returns the response of res to hand to gRPC.
 func exactResponse(res result) any {
 	m := res.Response
-	if m == nil || !hasMap(m.ProtoReflect().Descriptor()) {
+	if m == nil {
+		return nil
+	}
+	if _, dynamic := m.(*dynamicpb.Message); !dynamic && !hasMap(m.ProtoReflect().Descriptor()) {
 		return m
 	}
-	b := res.response
-	if res.Outcome != OutcomeReplayed || b == nil {
-		var err error
-		if b, err = (proto.MarshalOptions{Deterministic: true}).Marshal(m); err != nil {
-			return m // it was stored, so this cannot fail; gRPC reports it if it does
-		}
-	}
-	return &exactMessage{Message: m.ProtoReflect(), raw: b}
+	return &exactMessage{Message: m.ProtoReflect()}
 }
 
-// exactMessage is a response that marshals to raw, its stored encoding. It
-// is the decoded message in every other respect: an interceptor outside
-// this package's reads its fields through ProtoReflect, and proto.Marshal,
-// protojson and proto.Equal see the response.
+// exactMessage is a response that marshals deterministically. It is the
+// decoded message in every other respect: an interceptor outside this
+// package's reads and sets its fields through ProtoReflect, and
+// proto.Marshal, protojson and proto.Equal see the response.
 type exactMessage struct {
 	protoreflect.Message
-	raw []byte
 }
 
 func (x *exactMessage) ProtoReflect() protoreflect.Message   { return x }
@@ -51,10 +50,11 @@ func (x *exactMessage) ProtoMethods() *protoiface.Methods    { return &exactMeth
 var exactMethods = protoiface.Methods{
 	Flags: protoiface.SupportMarshalDeterministic,
 	Size: func(in protoiface.SizeInput) protoiface.SizeOutput {
-		return protoiface.SizeOutput{Size: len(in.Message.(*exactMessage).raw)}
+		return protoiface.SizeOutput{Size: proto.Size(in.Message.(*exactMessage).Message.Interface())}
 	},
 	Marshal: func(in protoiface.MarshalInput) (protoiface.MarshalOutput, error) {
-		return protoiface.MarshalOutput{Buf: append(in.Buf, in.Message.(*exactMessage).raw...)}, nil
+		b, err := proto.MarshalOptions{Deterministic: true}.MarshalAppend(in.Buf, in.Message.(*exactMessage).Message.Interface())
+		return protoiface.MarshalOutput{Buf: b}, err
 	},
 }
 

@@ -73,6 +73,9 @@ func (r *recordingStream) reset() {
 }
 
 func (r *recordingStream) SetHeader(md metadata.MD) error {
+	if err := refuseUnstorable(md); err != nil {
+		return err
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.headerSent {
@@ -83,6 +86,9 @@ func (r *recordingStream) SetHeader(md metadata.MD) error {
 }
 
 func (r *recordingStream) SendHeader(md metadata.MD) error {
+	if err := refuseUnstorable(md); err != nil {
+		return err
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	err := r.ServerTransportStream.SendHeader(metadata.Join(r.header, md))
@@ -94,6 +100,9 @@ func (r *recordingStream) SendHeader(md metadata.MD) error {
 }
 
 func (r *recordingStream) SetTrailer(md metadata.MD) error {
+	if err := refuseUnstorable(md); err != nil {
+		return err
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.trailer = metadata.Join(r.trailer, md)
@@ -126,11 +135,23 @@ func (r *recordingStream) encode() ([]byte, error) {
 	return b, nil
 }
 
-// storable reports whether a key the handler set is replayed: not gRPC's
-// reserved keys, not HTTP/2 pseudo-headers, not this package's own.
+// storable reports whether a key the handler may set on a keyed call: every
+// key it sets is stored and replayed, so that the first answer and its
+// replays carry the same headers, but for HTTP/2 pseudo-headers and the
+// trailer that marks a replay, which the handler may not set at all.
 func storable(key string) bool {
-	return !strings.HasPrefix(key, "grpc-") && !strings.HasPrefix(key, ":") &&
-		key != ReplayedTrailer && key != MetadataKey && key != binaryMetadataKey
+	return !strings.HasPrefix(key, ":") && key != ReplayedTrailer
+}
+
+// refuseUnstorable is the error for metadata a handler may not set on a
+// keyed call, nil when md holds none.
+func refuseUnstorable(md metadata.MD) error {
+	for key := range md {
+		if !storable(strings.ToLower(key)) {
+			return status.Errorf(codes.Internal, "idempotency: the handler set the metadata %q, which a keyed call cannot store for its replays; nothing of this SetHeader, SendHeader or SetTrailer was set", key)
+		}
+	}
+	return nil
 }
 
 // The stored form, in protobuf's wire format: field 1 holds the header

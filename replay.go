@@ -92,7 +92,7 @@ func (c *callRun) replay(rec record) (result, error) {
 		}
 		return result{Result: Result{Outcome: OutcomeKeyReused}}, ErrKeyReused.with(detail, nil).about(c.call.Key)
 	}
-	res := result{Result: Result{Outcome: OutcomeReplayed}, metadata: rec.metadata, response: rec.response}
+	res := result{Result: Result{Outcome: OutcomeReplayed}, metadata: rec.metadata}
 	if rec.responseType != nil && *rec.responseType != "" {
 		m, err := c.decodeResponse(*rec.responseType, rec.response)
 		if err != nil {

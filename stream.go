@@ -45,11 +45,42 @@ func StreamServerInterceptor(store *Store, opts ...ServerOption) grpc.StreamServ
 		panic(err.Error())
 	}
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-		if err := refuseStream(ss.Context(), info.FullMethod); err != nil {
+		pol := policyFor(info.FullMethod)
+		if err := refuseStream(ss.Context(), info.FullMethod, pol); err != nil {
 			return err
+		}
+		if !pol.known {
+			// Not in the global registry: a service built at run time is
+			// described by the file of its request type, known with the
+			// first message, which every handler reads before it acts.
+			ss = &firstMessageCheck{ServerStream: ss, method: info.FullMethod}
 		}
 		return handler(srv, ss)
 	}
+}
+
+// firstMessageCheck refuses a stream, at its first message, whose method
+// the request's own file annotates.
+type firstMessageCheck struct {
+	grpc.ServerStream
+	method  string
+	checked bool
+	err     error
+}
+
+func (f *firstMessageCheck) RecvMsg(m any) error {
+	if f.err != nil {
+		return f.err
+	}
+	err := f.ServerStream.RecvMsg(m)
+	if err != nil || f.checked {
+		return err
+	}
+	f.checked = true
+	if pol := policyForRequest(f.method, m); pol.known {
+		f.err = refuseStream(f.Context(), f.method, pol)
+	}
+	return f.err
 }
 
 // CheckStreamingMethods returns an error ([ErrStreamingUnsupported]) naming
@@ -70,7 +101,7 @@ func CheckStreamingMethods(srv interface {
 	for svc, si := range srv.GetServiceInfo() {
 		for _, m := range si.Methods {
 			method := "/" + svc + "/" + m.Name
-			if (m.IsClientStream || m.IsServerStream) && streamAnnotated(method) {
+			if (m.IsClientStream || m.IsServerStream) && streamAnnotated(policyFor(method)) {
 				bad = append(bad, method)
 			}
 		}
@@ -84,11 +115,10 @@ func CheckStreamingMethods(srv interface {
 
 // refuseStream returns the error for a streaming call that asks for
 // protection, nil for one that passes.
-func refuseStream(ctx context.Context, method string) error {
-	if streamAnnotated(method) {
+func refuseStream(ctx context.Context, method string, pol methodPolicy) error {
+	if streamAnnotated(pol) {
 		return ErrStreamingUnsupported.with(method+" is annotated with (idempotency.v1.method), which streaming methods cannot honour; remove the option or set mode: MODE_DISABLED", nil)
 	}
-	pol := policyFor(method)
 	if pol.mode == modePassThrough && pol.err == nil {
 		return nil // keys are ignored, as for unary calls
 	}
@@ -100,11 +130,10 @@ func refuseStream(ctx context.Context, method string) error {
 	return nil
 }
 
-// streamAnnotated reports whether the descriptor of method asks for keys:
-// its (idempotency.v1.method) option sets anything that matters unless the
-// call is passed through.
-func streamAnnotated(method string) bool {
-	pol := policyFor(method)
+// streamAnnotated reports whether a method's policy asks for keys: its
+// (idempotency.v1.method) option sets anything that matters unless the call
+// is passed through.
+func streamAnnotated(pol methodPolicy) bool {
 	switch {
 	case pol.mode == modePassThrough && pol.err == nil:
 		return false

@@ -48,9 +48,6 @@ const (
 type result struct {
 	Result
 	metadata []byte
-	// response is the stored encoding of Result.Response on a replay, nil
-	// otherwise.
-	response []byte
 	// ownAnswer: this run of the handler is the call's answer (its result
 	// was stored, or it failed and released the key), so what it set
 	// (headers, trailers) goes to the client. Otherwise the answer is a
