@@ -44,16 +44,7 @@ const (
 // It panics if store is nil or an option is invalid, as those are
 // programming errors found at startup.
 func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServerInterceptor {
-	if store == nil {
-		panic("idempotency: UnaryServerInterceptor: store is nil")
-	}
-	o := defaultServerOptions()
-	for _, opt := range opts {
-		opt(&o)
-	}
-	if err := o.validate(); err != nil {
-		panic(err.Error())
-	}
+	o := mustServerOptions("UnaryServerInterceptor", store, opts)
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (_ any, err error) {
 		pol := policyForRequest(info.FullMethod, req)
 		_, inCall := TxFromContext(ctx)
@@ -121,6 +112,22 @@ func defaultServerOptions() serverOptions {
 		ttl:   DefaultTTL,
 		final: codeSet(DefaultFinalCodes()),
 	}
+}
+
+// mustServerOptions applies opts for the constructor named who, panicking
+// on a nil store or an invalid option.
+func mustServerOptions(who string, store *Store, opts []ServerOption) serverOptions {
+	if store == nil {
+		panic("idempotency: " + who + ": store is nil")
+	}
+	o := defaultServerOptions()
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if err := o.validate(); err != nil {
+		panic(err.Error())
+	}
+	return o
 }
 
 func (o *serverOptions) validate() error {

@@ -34,16 +34,7 @@ import (
 //
 // It panics if store is nil or an option is invalid.
 func StreamServerInterceptor(store *Store, opts ...ServerOption) grpc.StreamServerInterceptor {
-	if store == nil {
-		panic("idempotency: StreamServerInterceptor: store is nil")
-	}
-	o := defaultServerOptions()
-	for _, opt := range opts {
-		opt(&o)
-	}
-	if err := o.validate(); err != nil {
-		panic(err.Error())
-	}
+	_ = mustServerOptions("StreamServerInterceptor", store, opts) // kept for when streams are supported
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		pol := policyFor(info.FullMethod)
 		if err := refuseStream(ss.Context(), info.FullMethod, pol); err != nil {
