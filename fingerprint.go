@@ -451,6 +451,7 @@ func (w *walker) value(fd protoreflect.FieldDescriptor, v protoreflect.Value) {
 		w.buf = binary.AppendUvarint(w.buf, uint64(l.Len()))
 		for i := range l.Len() {
 			w.single(fd, l.Get(i))
+			w.spill()
 		}
 	default:
 		w.single(fd, v)
@@ -748,7 +749,7 @@ func planOf(md protoreflect.MessageDescriptor) *msgPlan {
 	fields := md.Fields()
 	p := &msgPlan{
 		fields:     make([]fieldPlan, fields.Len()),
-		isAny:      md.FullName() == "google.protobuf.Any" && fields.ByNumber(1) != nil && fields.ByNumber(2) != nil,
+		isAny:      isAny(md),
 		extendable: md.ExtensionRanges().Len() > 0,
 		digest:     schemaDigest(md),
 	}
@@ -758,6 +759,16 @@ func planOf(md protoreflect.MessageDescriptor) *msgPlan {
 	slices.SortFunc(p.fields, func(a, b fieldPlan) int { return cmp.Compare(a.number, b.number) })
 	actual, _ := plans.LoadOrStore(md, p)
 	return actual.(*msgPlan)
+}
+
+// isAny reports whether md is google.protobuf.Any: by name and by its
+// fields' kinds, since a run-time schema may declare a look-alike.
+func isAny(md protoreflect.MessageDescriptor) bool {
+	fields := md.Fields()
+	url, value := fields.ByNumber(1), fields.ByNumber(2)
+	return md.FullName() == "google.protobuf.Any" &&
+		url != nil && url.Kind() == protoreflect.StringKind && !url.IsList() &&
+		value != nil && value.Kind() == protoreflect.BytesKind && !value.IsList()
 }
 
 // extensionsOf returns the plans of the extensions present in m, by
