@@ -141,7 +141,8 @@ const (
 // what two Anys are compared on when one of them could not be unpacked (its
 // type not linked in, on one side or both, or bytes that do not decode).
 func Fingerprint(fullMethod string, req proto.Message) ([]byte, error) {
-	w := newWalker()
+	w := walkers.Get().(*walker)
+	defer w.release()
 	w.buf = append(w.buf, fullMethod...)
 	var method [hashLen]byte
 	w.sum(method[:0])
@@ -573,13 +574,19 @@ type walker struct {
 
 	out   []byte
 	table []byte
-	rows  map[*msgPlan]uint64 // row index by type; 0: left out
-	nrows uint64              // rows in table
-	cut   bool                // the walk stopped at maxFieldsLen
+	rows  []rowRef // by type, the rows met
+	nrows uint64   // rows in table
+	cut   bool     // the walk stopped at maxFieldsLen
 
 	fields  []presentField // of the messages being walked, a segment each
 	plan    *msgPlan       // of the message collect is ranging over
 	collect func(protoreflect.FieldDescriptor, protoreflect.Value) bool
+}
+
+// rowRef is the index of a type's row; 0 when it was left out.
+type rowRef struct {
+	p *msgPlan
+	i uint64
 }
 
 // presentField is a field that counts as present, and its value.
@@ -593,6 +600,22 @@ func newWalker() *walker {
 	w.buf = w.small[:0]
 	w.collect = w.collectField
 	return w
+}
+
+// walkers keeps walkers and their buffers between fingerprints.
+var walkers = sync.Pool{New: func() any { return newWalker() }}
+
+// release returns w to walkers, unless a large request grew its buffers.
+func (w *walker) release() {
+	if cap(w.out) > 2*maxFieldsLen || cap(w.fields) > 1<<10 || cap(w.rows) > 1<<10 {
+		return
+	}
+	clear(w.fields[:cap(w.fields)])
+	clear(w.rows[:cap(w.rows)])
+	w.h.Reset()
+	w.buf, w.out, w.table, w.rows, w.fields = w.small[:0], w.out[:0], w.table[:0], w.rows[:0], w.fields[:0]
+	w.nrows, w.cut, w.plan = 0, false, nil
+	walkers.Put(w)
 }
 
 // sum appends the hash of what was written since the last sum to out.
@@ -620,11 +643,10 @@ func (w *walker) room() bool {
 // row returns the index of p's row in the table, adding it the first
 // time; 0 when it does not fit.
 func (w *walker) row(p *msgPlan) uint64 {
-	if i, ok := w.rows[p]; ok {
-		return i
-	}
-	if w.rows == nil {
-		w.rows = map[*msgPlan]uint64{}
+	for _, r := range w.rows {
+		if r.p == p {
+			return r.i
+		}
 	}
 	var i uint64
 	if len(p.row) <= maxRowLen && len(w.out)+len(w.table)+len(p.row) <= maxFieldsLen-fieldsReserve {
@@ -632,7 +654,7 @@ func (w *walker) row(p *msgPlan) uint64 {
 		w.nrows++
 		i = w.nrows
 	}
-	w.rows[p] = i
+	w.rows = append(w.rows, rowRef{p, i})
 	return i
 }
 
