@@ -578,6 +578,7 @@ type walker struct {
 	nrows uint64   // rows in table
 	cut   bool     // the walk stopped at maxFieldsLen
 
+	canon   canonical
 	fields  []presentField // of the messages being walked, a segment each
 	plan    *msgPlan       // of the message collect is ranging over
 	collect func(protoreflect.FieldDescriptor, protoreflect.Value) bool
@@ -607,7 +608,8 @@ var walkers = sync.Pool{New: func() any { return newWalker() }}
 
 // release returns w to walkers, unless a large request grew its buffers.
 func (w *walker) release() {
-	if cap(w.out) > 2*maxFieldsLen || cap(w.fields) > 1<<10 || cap(w.rows) > 1<<10 {
+	if cap(w.out) > 2*maxFieldsLen || cap(w.fields) > 1<<10 || cap(w.rows) > 1<<10 ||
+		cap(w.canon.arena) > 64<<10 || cap(w.canon.spans) > 4<<10 || cap(w.canon.fields) > 4<<10 {
 		return
 	}
 	clear(w.fields[:cap(w.fields)])
@@ -978,62 +980,110 @@ func (w *walker) message(m protoreflect.Message) {
 }
 
 // wire writes the bytes of a message whose schema is unknown, with each
-// level's fields sorted (see canonicalWire); bytes that do not parse as a
+// level's fields sorted (see canonical.sum); bytes that do not parse as a
 // message are written as they are.
 func (w *walker) wire(b []byte) {
-	if c, ok := canonicalWire(b, 0); ok {
+	if w.canon.h == nil {
+		w.canon.h = sha256.New()
+	}
+	if c, ok := w.canon.sum(b, 0); ok {
 		w.buf = append(w.buf, 'c')
-		w.bytes(c)
+		w.buf = append(w.buf, c[:]...)
+		w.spill()
 		return
 	}
 	w.buf = append(w.buf, 'r')
 	w.bytes(b)
 }
 
-// canonicalWire re-encodes the bytes of a message whose schema is unknown
-// so that the order of its fields, at every level whose bytes parse as a
-// message, does not count: each field is written as its tag and, for a
-// length-delimited one, a marker, its length and its content (itself
-// canonicalised when it parses), and the fields are sorted. Two encodings
-// of one message that differ in field or map order give the same bytes;
-// so may two that differ in the order of a repeated field, or in a string
-// that happens to parse as a message (a missed reuse, never a false one).
-func canonicalWire(b []byte, depth int) ([]byte, bool) {
+// canonical is the scratch space of canonical.sum, shared by its levels:
+// each appends after its parent's and truncates back when done.
+type canonical struct {
+	h       hash.Hash
+	scratch [sha256.Size]byte
+	arena   []byte      // the summaries of length-delimited fields
+	spans   []wireField // the fields of the levels being read
+	fields  [][]byte    // of the level being hashed
+}
+
+// wireField is one field of a level: bytes of the input, or of arena.
+type wireField struct {
+	inArena  bool
+	from, to int
+}
+
+// sum hashes the bytes of a message whose schema is unknown so that the
+// order of its fields, at every level whose bytes parse as a message, does
+// not count: each field counts as its tag and value, a length-delimited
+// one as its tag and, when its content parses as a message, the canonical
+// sum of it, else the hash of its content; the fields are sorted and
+// hashed. Two encodings of one message that differ in field or map order
+// give the same sum; so may two that differ in the order of a repeated
+// field, or in a string that happens to parse as a message (a missed
+// reuse, never a false one). Each byte is hashed once per level it is
+// nested in.
+func (c *canonical) sum(b []byte, depth int) ([sha256.Size]byte, bool) {
+	arenaStart, start := len(c.arena), len(c.spans)
+	sum, ok := c.level(b, depth)
+	c.arena, c.spans = c.arena[:arenaStart], c.spans[:start]
+	return sum, ok
+}
+
+// level is sum without the truncation of the scratch space.
+func (c *canonical) level(b []byte, depth int) (sum [sha256.Size]byte, ok bool) {
 	if depth > 32 {
-		return nil, false
+		return sum, false
 	}
-	var fields [][]byte
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
+	start := len(c.spans)
+	for rest := b; len(rest) > 0; {
+		num, typ, n := protowire.ConsumeTag(rest)
 		if n < 0 {
-			return nil, false
+			return sum, false
 		}
-		var f []byte
 		if typ == protowire.BytesType {
-			v, m := protowire.ConsumeBytes(b[n:])
+			v, m := protowire.ConsumeBytes(rest[n:])
 			if m < 0 {
-				return nil, false
+				return sum, false
 			}
-			f = protowire.AppendTag(nil, num, typ)
-			if c, ok := canonicalWire(v, depth+1); ok && len(v) > 0 {
-				f = protowire.AppendBytes(append(f, 'c'), c)
+			inner, ok := c.sum(v, depth+1)
+			from := len(c.arena)
+			c.arena = protowire.AppendTag(c.arena, num, typ)
+			if ok && len(v) > 0 {
+				c.arena = append(append(c.arena, 'c'), inner[:]...)
 			} else {
-				f = protowire.AppendBytes(append(f, 'r'), v)
+				inner = sha256.Sum256(v)
+				c.arena = append(append(c.arena, 'r'), inner[:]...)
 			}
+			c.spans = append(c.spans, wireField{true, from, len(c.arena)})
 			n += m
 		} else {
-			m := protowire.ConsumeFieldValue(num, typ, b[n:])
+			m := protowire.ConsumeFieldValue(num, typ, rest[n:])
 			if m < 0 {
-				return nil, false
+				return sum, false
 			}
 			n += m
-			f = b[:n]
+			from := len(b) - len(rest)
+			c.spans = append(c.spans, wireField{false, from, from + n})
 		}
-		fields = append(fields, f)
-		b = b[n:]
+		rest = rest[n:]
+	}
+	fields := c.fields[:0]
+	for _, s := range c.spans[start:] {
+		if s.inArena {
+			fields = append(fields, c.arena[s.from:s.to])
+		} else {
+			fields = append(fields, b[s.from:s.to])
+		}
 	}
 	slices.SortFunc(fields, bytes.Compare)
-	return bytes.Join(fields, nil), true
+	c.h.Reset()
+	for _, f := range fields {
+		c.h.Write(f)
+	}
+	copy(sum[:], c.h.Sum(c.scratch[:0]))
+	clear(fields)
+	c.fields = fields[:0]
+	return sum, true
 }
 
 // msgPlan is what a fingerprint needs of a message's schema, made once per
