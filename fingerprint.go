@@ -79,7 +79,11 @@ import (
 // their canonical bytes otherwise. So a field added or removed by a deploy,
 // a proto2 extension linked in by a rebuild, an Any's type linked in, or
 // presence added to a scalar never makes a retry KEY_REUSED, while the
-// fields both sides know are still compared exactly.
+// fields both sides know are still compared exactly. One exception, the
+// price of comparing an Any across the rebuild that links its type in: an
+// Any unpacked on one side only is compared on its canonical bytes, so a
+// packed message re-encoded by the client at the same time (an explicit
+// zero, another packing) counts as another request.
 //
 // A fingerprint is kept under maxFieldsLen: when it would outgrow it, the
 // walk stops, and every node then open is cut. Fields after the last entry
