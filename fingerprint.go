@@ -33,32 +33,63 @@ import (
 //
 // Two version 2 fingerprints are compared only when their schema agrees.
 //
-// Version 3 (proto requests) has a part per field, so that two releases of
+// Version 3 (proto requests) has a part per field present, and says once
+// per message type which fields its schema knows, so that two releases of
 // a request's schema can compare the fields both know:
 //
 //	method     16 bytes: SHA-256 of the full method, truncated
+//	rows       count (uvarint), then count rows: what a message type knows
 //	node       the request's message
+//	whole      only when the root node is cut: 8 bytes of schema digest,
+//	           16 bytes of hash of the whole request
 //
-//	node       count (uvarint), then count entries in field number order,
-//	           one for every field the schema knows (declared, and the
-//	           extensions present)
+//	row        count (uvarint) of runs, each: first number (uvarint), how
+//	           many consecutive numbers (uvarint), tag, flags (1: 16 bytes
+//	           of the hash of the value an absent scalar reads as follow,
+//	           2: 8 bytes of a closed enum's digest follow)
+//	node       row (uvarint; 0: a row left out, the type's fields unknown),
+//	           the entries of the fields present, by number, then 0 and
+//	           a byte: 1 when the node was cut (see below), else 0
 //	entry      number (uvarint), tag (1 byte: kind, list, map, in a real
-//	           oneof), form (1 byte), then by form:
-//	  absent     nothing: not present, or a singular scalar equal to its
-//	             zero value outside a oneof
+//	           oneof; the key's kind for a map), form (1 byte), by form:
 //	  hash       16 bytes: a scalar or a list of scalars
 //	  node       a singular message, to maxNodeDepth levels
-//	  leaf       8 bytes of schema digest, 16 bytes of hash: a list or map
-//	             of messages, a message below maxNodeDepth, a closed enum
-//	  absentLeaf 8 bytes of schema digest: an absent closed enum
+//	  leaf       8 bytes of schema digest, 16 bytes of hash: a message
+//	             below maxNodeDepth, a closed enum (its digest)
+//	  list       count (uvarint), then each message as form and payload
+//	             (node or leaf), or cut (0xff) where the walk stopped
+//	  map        count (uvarint), the value's tag (0x80: a closed enum,
+//	             8 bytes of its digest follow), then each entry by key:
+//	             1, 16 bytes of hash of the key, the value as form and
+//	             payload (hash, node or leaf); or cut (0xff)
+//	  any        a google.protobuf.Any's value: 16 bytes of hash of its
+//	             bytes canonicalised without a schema, then 1 and the
+//	             message it packs (node or leaf) when its type is linked
+//	             in and the bytes decode, else 0
 //
-// Two version 3 fingerprints name the same request when, for every field
-// number both nodes list with the same tag, both are absent or both hold
-// the same value; a field only one side knows, or one whose kind or form
-// differs, is not comparable and is skipped. So a field added or removed
-// by a deploy, a proto2 extension linked in by a rebuild, or presence
-// added to a scalar never makes a retry KEY_REUSED, while the fields both
-// sides know are still compared exactly.
+// A field counts as present when it is set and, for a singular scalar
+// outside a real oneof, differs from its declared default (what a handler
+// reads when it is unset). Two version 3 fingerprints name the same request
+// when every field number both nodes list with the same tag holds the same
+// value, and a field present on one side only is, on the other, a field its
+// row does not know (not comparable: skipped), or one that reads as the
+// same value there (a scalar equal to the other side's default). A list or
+// map of another length is another request; elements are compared one by
+// one; two Anys compare the messages they pack when both are unpacked, and
+// their canonical bytes otherwise. So a field added or removed by a deploy,
+// a proto2 extension linked in by a rebuild, an Any's type linked in, or
+// presence added to a scalar never makes a retry KEY_REUSED, while the
+// fields both sides know are still compared exactly. One exception, the
+// price of comparing an Any across the rebuild that links its type in: an
+// Any unpacked on one side only is compared on its canonical bytes, so a
+// packed message re-encoded by the client at the same time (an explicit
+// zero, another packing) counts as another request.
+//
+// A fingerprint is kept under maxFieldsLen: when it would outgrow it, the
+// walk stops, and every node then open is cut. Fields after the last entry
+// of a cut node are not compared, except through whole, when both sides
+// are cut and of one schema. The work is bounded by the request's size:
+// only fields present are visited, and a row is written once per type.
 //
 // Fingerprints of different versions, and tagged against untagged, are not
 // comparable: the call counts as the same request, so an upgrade never
@@ -69,55 +100,74 @@ const (
 	fingerprintVersion = 2 // of tagged: the flat format
 	fingerprintLen     = len(fingerprintMagic) + 1 + 8 + sha256.Size
 
-	fieldsVersion   = 3 // the per-field format of proto requests
-	fieldsHeadLen   = len(fingerprintMagic) + 1 + hashLen
-	hashLen         = 16
-	digestLen       = 8
-	maxNodeDepth    = 8
-	maxFieldsLen    = 16 << 10 // beyond it, the request is one leaf
-	maxAnyUnpacking = 16       // Any within Any unpacked, at most
+	fieldsVersion = 3 // the per-field format of proto requests
+	fieldsHeadLen = len(fingerprintMagic) + 1 + hashLen
+	hashLen       = 16
+	digestLen     = 8
+	maxNodeDepth  = 8
+	maxFieldsLen  = 16 << 10 // beyond it, the walk stops
+	fieldsReserve = 256      // kept free to close a cut walk
+	maxRowLen     = 4 << 10  // a longer row is left out
+	maxReadDepth  = 64       // of nested nodes when reading
 )
 
-// Forms of a version 3 entry.
+// Forms of a version 3 entry, list element or map value.
 const (
-	formAbsent byte = iota
-	formHash
+	formHash byte = iota + 1
 	formNode
 	formLeaf
-	formAbsentLeaf
+	formList
+	formMap
+	formAny
+	formCut = 0xff
+)
+
+// Flags of a row's run.
+const (
+	runDefault byte = 1 << iota // an absent scalar reads as a value
+	runEnum                     // a closed enum
 )
 
 // Fingerprint identifies a proto request for key-reuse checks: a hash of
-// the full method and, for each field the server's schema knows, a hash of
-// its value (see [Call.Fingerprint]). The error is always nil; it is kept
-// for callers of the first release.
+// the full method and, for each field present, a hash of its value, with
+// what the server's schema knows (see [Call.Fingerprint]). The error is
+// always nil; it is kept for callers of the first release.
 //
 // Values are compared as the server decoded them, never as encoded: fields
 // the server does not know (sent by a newer client) are left out, map
-// entries count in key order, a singular scalar equal to its zero value
-// counts as absent (so adding or removing presence changes nothing), -0
-// is 0 and every NaN is one value, and an Any whose type is linked into
-// the server (protoregistry.GlobalTypes) counts as the message it packs,
-// by type name whatever the URL's prefix. An Any whose type is not linked
-// in counts as its bytes with each message level's fields sorted (as far
-// as the bytes parse as messages), so its map order does not count either.
+// entries count in key order, a singular scalar equal to its declared
+// default counts as absent (so adding or removing presence changes
+// nothing), -0 is 0 and every NaN is one value, and an Any whose type is
+// linked into the server (protoregistry.GlobalTypes) counts as the message
+// it packs, by type name whatever the URL's prefix. An Any also counts as
+// its bytes with each message level's fields sorted (as far as the bytes
+// parse as messages), so its map order does not count either; that form is
+// what two Anys are compared on when one of them could not be unpacked (its
+// type not linked in, on one side or both, or bytes that do not decode).
 func Fingerprint(fullMethod string, req proto.Message) ([]byte, error) {
-	w := &walker{h: sha256.New()}
-	w.buf = w.small[:0]
-	out := make([]byte, 0, 128)
+	w := walkers.Get().(*walker)
+	defer w.release()
+	w.buf = append(w.buf, fullMethod...)
+	var method [hashLen]byte
+	w.sum(method[:0])
+	m := req.ProtoReflect()
+	w.node(m, 1)
+	out := make([]byte, 0, fieldsHeadLen+binary.MaxVarintLen64+len(w.table)+len(w.out)+digestLen+hashLen)
 	out = append(out, fingerprintMagic...)
 	out = append(out, fieldsVersion)
-	w.buf = append(w.buf, fullMethod...)
-	out = w.sum(out)
-	m := req.ProtoReflect()
-	if fp := w.node(out, m, 1); len(fp) <= maxFieldsLen {
-		return fp, nil
+	out = append(out, method[:]...)
+	out = binary.AppendUvarint(out, w.nrows)
+	out = append(out, w.table...)
+	out = append(out, w.out...)
+	if w.cut {
+		// The fields after the cut, compared with another cut request of
+		// the same schema only.
+		d := planOf(m.Descriptor()).digest
+		out = append(out, d[:]...)
+		w.message(m)
+		out = w.sum(out)
 	}
-	// Too many fields to keep one by one: the whole request is one leaf,
-	// comparable with others of its kind only.
-	out = binary.AppendUvarint(out, 1)
-	out = append(out, 0, 0)
-	return w.leaf(out, planOf(m.Descriptor()).digest, func() { w.message(m) }), nil
+	return out, nil
 }
 
 // messageFingerprint identifies a message body of an at-least-once stream.
@@ -187,130 +237,391 @@ func sameFields(stored, current []byte) bool {
 	if !bytes.Equal(stored[:fieldsHeadLen], current[:fieldsHeadLen]) {
 		return false // another method
 	}
-	a, rest, ok := readNode(stored[fieldsHeadLen:], 0)
-	if !ok || len(rest) > 0 {
+	a, ok := readFields(stored[fieldsHeadLen:])
+	if !ok {
 		return false
 	}
-	b, rest, ok := readNode(current[fieldsHeadLen:], 0)
-	if !ok || len(rest) > 0 {
+	b, ok := readFields(current[fieldsHeadLen:])
+	if !ok {
 		return false
 	}
-	return sameNode(a, b)
+	if !sameNode(a.root, b.root) {
+		return false
+	}
+	if a.root.cut && b.root.cut && bytes.Equal(a.whole[:digestLen], b.whole[:digestLen]) {
+		return bytes.Equal(a.whole, b.whole)
+	}
+	return true
 }
 
-// fpEntry is one parsed entry of a version 3 node.
+// fpDoc is a parsed version 3 fingerprint, after its method.
+type fpDoc struct {
+	rows  []fpRow
+	root  *fpNode
+	whole []byte // digest and hash, when root is cut
+}
+
+// fpRow is what a message type knows: runs of field numbers, by number.
+type fpRow []fpRun
+
+type fpRun struct {
+	first, n  uint64
+	tag, flag byte
+	def       []byte // runDefault: the hash of the value absent reads as
+	enum      []byte // runEnum: the closed enum's digest
+}
+
+// find returns the run holding number n, or nil.
+func (r fpRow) find(n uint64) *fpRun {
+	i, _ := slices.BinarySearchFunc(r, n, func(run fpRun, n uint64) int {
+		switch {
+		case run.first+run.n <= n:
+			return -1
+		case run.first > n:
+			return 1
+		}
+		return 0
+	})
+	if i < len(r) && r[i].first <= n && n < r[i].first+r[i].n {
+		return &r[i]
+	}
+	return nil
+}
+
+// fpNode is a parsed node: its row (nil when left out) and its entries.
+type fpNode struct {
+	row     fpRow
+	known   bool
+	entries []fpEntry
+	cut     bool
+}
+
 type fpEntry struct {
-	num       uint64
-	tag, form byte
-	digest    []byte // leaf and absentLeaf
-	value     []byte // hash, or leaf's hash, or node's encoding
+	num uint64
+	tag byte
+	fpValue
 }
 
-// readNode parses a node, checking that its entries are in field order.
-func readNode(b []byte, depth int) (entries []fpEntry, rest []byte, ok bool) {
-	n, k := binary.Uvarint(b)
-	if k <= 0 || n > uint64(len(b)) || depth > maxNodeDepth+maxAnyUnpacking {
-		return nil, nil, false
+// fpValue is an entry's, a list element's or a map value's payload.
+type fpValue struct {
+	form   byte
+	digest []byte // leaf; map: the value's tag and closed enum digest
+	hash   []byte // hash, leaf, any (the canonical bytes)
+	node   *fpNode
+	packed *fpValue // any, when unpacked
+	count  uint64   // list, map
+	items  []fpItem // list, map: those written before a cut
+}
+
+type fpItem struct {
+	key []byte // map
+	fpValue
+}
+
+// fpReader parses a version 3 fingerprint; ok turns false for good at
+// the first malformed byte.
+type fpReader struct {
+	b    []byte
+	ok   bool
+	rows []fpRow
+}
+
+func (r *fpReader) byte() byte {
+	if len(r.b) < 1 {
+		r.ok = false
+		return 0
 	}
-	b = b[k:]
-	entries = make([]fpEntry, 0, n)
+	c := r.b[0]
+	r.b = r.b[1:]
+	return c
+}
+
+func (r *fpReader) uvarint() uint64 {
+	v, k := binary.Uvarint(r.b)
+	if k <= 0 {
+		r.ok = false
+		return 0
+	}
+	r.b = r.b[k:]
+	return v
+}
+
+func (r *fpReader) bytes(n int) []byte {
+	if len(r.b) < n {
+		r.ok = false
+		return nil
+	}
+	b := r.b[:n]
+	r.b = r.b[n:]
+	return b
+}
+
+func readFields(b []byte) (fpDoc, bool) {
+	r := &fpReader{b: b, ok: true}
+	n := r.uvarint()
+	if n > uint64(len(r.b)) {
+		return fpDoc{}, false
+	}
 	for range n {
-		var e fpEntry
-		if e.num, k = binary.Uvarint(b); k <= 0 || len(b) < k+2 {
-			return nil, nil, false
+		if r.rows = append(r.rows, r.row()); !r.ok {
+			return fpDoc{}, false
 		}
-		e.tag, e.form, b = b[k], b[k+1], b[k+2:]
-		if len(entries) > 0 && entries[len(entries)-1].num >= e.num {
-			return nil, nil, false
-		}
-		switch e.form {
-		case formAbsent:
-		case formHash:
-			if len(b) < hashLen {
-				return nil, nil, false
-			}
-			e.value, b = b[:hashLen], b[hashLen:]
-		case formLeaf, formAbsentLeaf:
-			size := digestLen
-			if e.form == formLeaf {
-				size += hashLen
-			}
-			if len(b) < size {
-				return nil, nil, false
-			}
-			e.digest, e.value, b = b[:digestLen], b[digestLen:size], b[size:]
-		case formNode:
-			_, after, ok := readNode(b, depth+1)
-			if !ok {
-				return nil, nil, false
-			}
-			e.value, b = b[:len(b)-len(after)], after
-		default:
-			return nil, nil, false
-		}
-		entries = append(entries, e)
 	}
-	return entries, b, true
+	doc := fpDoc{rows: r.rows, root: r.node(0)}
+	if r.ok && doc.root.cut {
+		doc.whole = r.bytes(digestLen + hashLen)
+	}
+	return doc, r.ok && len(r.b) == 0
+}
+
+func (r *fpReader) row() fpRow {
+	n := r.uvarint()
+	if n > uint64(len(r.b)) {
+		r.ok = false
+		return nil
+	}
+	row := make(fpRow, 0, n)
+	for range n {
+		run := fpRun{first: r.uvarint(), n: r.uvarint(), tag: r.byte(), flag: r.byte()}
+		if run.flag&runDefault != 0 {
+			run.def = r.bytes(hashLen)
+		}
+		if run.flag&runEnum != 0 {
+			run.enum = r.bytes(digestLen)
+		}
+		if !r.ok || run.n == 0 || len(row) > 0 && row[len(row)-1].first+row[len(row)-1].n > run.first {
+			r.ok = false
+			return nil
+		}
+		row = append(row, run)
+	}
+	return row
+}
+
+func (r *fpReader) node(depth int) *fpNode {
+	nd := &fpNode{}
+	if depth > maxReadDepth {
+		r.ok = false
+		return nd
+	}
+	if i := r.uvarint(); i > uint64(len(r.rows)) {
+		r.ok = false
+	} else if i > 0 {
+		nd.row, nd.known = r.rows[i-1], true
+	}
+	for r.ok {
+		e := fpEntry{num: r.uvarint()}
+		if e.num == 0 {
+			switch r.byte() {
+			case 0:
+			case 1:
+				nd.cut = true
+			default:
+				r.ok = false
+			}
+			return nd
+		}
+		if len(nd.entries) > 0 && nd.entries[len(nd.entries)-1].num >= e.num {
+			r.ok = false
+		}
+		e.tag = r.byte()
+		e.fpValue = r.value(r.byte(), depth)
+		nd.entries = append(nd.entries, e)
+	}
+	return nd
+}
+
+func (r *fpReader) value(form byte, depth int) fpValue {
+	v := fpValue{form: form}
+	switch form {
+	case formHash:
+		v.hash = r.bytes(hashLen)
+	case formLeaf:
+		v.digest, v.hash = r.bytes(digestLen), r.bytes(hashLen)
+	case formNode:
+		v.node = r.node(depth + 1)
+	case formAny:
+		v.hash = r.bytes(hashLen)
+		switch r.byte() {
+		case 0:
+		case 1:
+			packed := r.value(r.byte(), depth)
+			v.packed = &packed
+		default:
+			r.ok = false
+		}
+	case formList, formMap:
+		v.count = r.uvarint()
+		if form == formMap {
+			start := r.b
+			if r.byte()&0x80 != 0 {
+				r.bytes(digestLen)
+			}
+			v.digest = start[:len(start)-len(r.b)]
+		}
+		for i := uint64(0); i < v.count && r.ok; i++ {
+			c := r.byte()
+			if c == formCut {
+				break
+			}
+			var it fpItem
+			if form == formMap {
+				if c != 1 {
+					r.ok = false
+				}
+				it.key, c = r.bytes(hashLen), r.byte()
+			}
+			if it.fpValue = r.value(c, depth); it.form == formList || it.form == formMap || it.form == formAny {
+				r.ok = false
+			}
+			v.items = append(v.items, it)
+		}
+	default:
+		r.ok = false
+	}
+	return v
 }
 
 // sameNode reports whether two nodes hold the same values in every field
 // both can compare.
-func sameNode(a, b []fpEntry) bool {
-	for i, j := 0, 0; i < len(a) && j < len(b); {
-		x, y := a[i], b[j]
+func sameNode(a, b *fpNode) bool {
+	i, j := 0, 0
+	for i < len(a.entries) || j < len(b.entries) {
 		switch {
-		case x.num < y.num:
+		case j == len(b.entries) || i < len(a.entries) && a.entries[i].num < b.entries[j].num:
+			if !absentAlike(a.entries[i], b) {
+				return false
+			}
 			i++
-			continue
-		case x.num > y.num:
+		case i == len(a.entries) || b.entries[j].num < a.entries[i].num:
+			if !absentAlike(b.entries[j], a) {
+				return false
+			}
 			j++
-			continue
+		default:
+			x, y := a.entries[i], b.entries[j]
+			i, j = i+1, j+1
+			if x.tag == y.tag && !sameValue(&x.fpValue, &y.fpValue) {
+				return false
+			}
 		}
-		i, j = i+1, j+1
-		if x.tag != y.tag {
-			continue // another kind or cardinality: not comparable
+	}
+	return true
+}
+
+// absentAlike reports whether node other, which lacks field x, may hold
+// the same request: true when other does not know x's field (another
+// schema, or past the cut) or reads it as x's value.
+func absentAlike(x fpEntry, other *fpNode) bool {
+	if other.cut && (len(other.entries) == 0 || x.num > other.entries[len(other.entries)-1].num) {
+		return true // past the cut: not compared
+	}
+	if !other.known {
+		return true
+	}
+	run := other.row.find(x.num)
+	if run == nil || run.tag != x.tag {
+		return true // a field other's schema does not know
+	}
+	if protoreflect.Kind(x.tag&0x1f) == protoreflect.EnumKind && x.tag&0x40 == 0 &&
+		(x.form == formLeaf || run.flag&runEnum != 0) && !bytes.Equal(x.digest, run.enum) {
+		// A closed enum: a value the other schema does not know is
+		// absent there, so only the same set of values compares.
+		return true
+	}
+	if run.flag&runDefault != 0 && (x.form == formHash || x.form == formLeaf) {
+		return bytes.Equal(x.hash, run.def)
+	}
+	return false // present on one side only
+}
+
+// sameValue compares two values of one field with the same number and
+// tag; true when they are the same or not comparable.
+func sameValue(x, y *fpValue) bool {
+	switch {
+	case x.form != y.form:
+		return true // encoded another way since: not comparable
+	case x.form == formLeaf && !bytes.Equal(x.digest, y.digest):
+		return true // the schema below changed: not comparable
+	case x.form == formHash || x.form == formLeaf:
+		return bytes.Equal(x.hash, y.hash)
+	case x.form == formNode:
+		return sameNode(x.node, y.node)
+	case x.form == formAny:
+		if x.packed != nil && y.packed != nil {
+			return sameValue(x.packed, y.packed)
 		}
-		if !sameEntry(x, y) {
+		return bytes.Equal(x.hash, y.hash)
+	case x.form == formMap && !bytes.Equal(x.digest, y.digest):
+		return true // another kind of value: not comparable
+	}
+	// A list or a map.
+	if x.count != y.count {
+		return false
+	}
+	for i := range min(len(x.items), len(y.items)) {
+		if !bytes.Equal(x.items[i].key, y.items[i].key) || !sameValue(&x.items[i].fpValue, &y.items[i].fpValue) {
 			return false
 		}
 	}
 	return true
 }
 
-// sameEntry compares one field of two nodes with the same number and tag;
-// true when they are the same or not comparable.
-func sameEntry(x, y fpEntry) bool {
-	absent := func(e fpEntry) bool { return e.form == formAbsent || e.form == formAbsentLeaf }
-	switch {
-	case absent(x) && absent(y):
-		return true
-	case x.form == formAbsentLeaf || y.form == formAbsentLeaf:
-		// A closed enum absent on one side: a value its schema does not
-		// know is absent there, so only the same schema compares.
-		return !bytes.Equal(x.digest, y.digest) || x.form != formLeaf && y.form != formLeaf
-	case absent(x) || absent(y):
-		return false // present on one side only
-	case x.form != y.form:
-		return true // encoded another way since: not comparable
-	case x.form == formNode:
-		a, _, _ := readNode(x.value, 0)
-		b, _, _ := readNode(y.value, 0)
-		return sameNode(a, b)
-	case x.form == formLeaf && !bytes.Equal(x.digest, y.digest):
-		return true // the schema below changed: not comparable
-	}
-	return bytes.Equal(x.value, y.value)
-}
-
 // walker computes one fingerprint. Values are appended to buf, which is
-// hashed by h when it grows or a hash is taken.
+// hashed by h when it grows or a hash is taken; entries are appended to
+// out, and the rows of the types met to table.
 type walker struct {
 	h       hash.Hash
 	buf     []byte // starts as small
 	small   [512]byte
 	scratch [sha256.Size]byte
-	dyn     []byte // what a leaf's hash depends on beyond its static schema
-	anys    int    // Any messages being unpacked
+
+	out   []byte
+	table []byte
+	rows  []rowRef // by type, the rows met
+	nrows uint64   // rows in table
+	cut   bool     // the walk stopped at maxFieldsLen
+
+	canon   canonical
+	fields  []presentField // of the messages being walked, a segment each
+	plan    *msgPlan       // of the message collect is ranging over
+	collect func(protoreflect.FieldDescriptor, protoreflect.Value) bool
+}
+
+// rowRef is the index of a type's row; 0 when it was left out.
+type rowRef struct {
+	p *msgPlan
+	i uint64
+}
+
+// presentField is a field that counts as present, and its value.
+type presentField struct {
+	f *fieldPlan
+	v protoreflect.Value
+}
+
+func newWalker() *walker {
+	w := &walker{h: sha256.New()}
+	w.buf = w.small[:0]
+	w.collect = w.collectField
+	return w
+}
+
+// walkers keeps walkers and their buffers between fingerprints.
+var walkers = sync.Pool{New: func() any { return newWalker() }}
+
+// release returns w to walkers, unless a large request grew its buffers.
+func (w *walker) release() {
+	if cap(w.out) > 2*maxFieldsLen || cap(w.fields) > 1<<10 || cap(w.rows) > 1<<10 ||
+		cap(w.canon.arena) > 64<<10 || cap(w.canon.spans) > 4<<10 || cap(w.canon.fields) > 4<<10 {
+		return
+	}
+	clear(w.fields[:cap(w.fields)])
+	clear(w.rows[:cap(w.rows)])
+	w.h.Reset()
+	w.buf, w.out, w.table, w.rows, w.fields = w.small[:0], w.out[:0], w.table[:0], w.rows[:0], w.fields[:0]
+	w.nrows, w.cut, w.plan = 0, false, nil
+	walkers.Put(w)
 }
 
 // sum appends the hash of what was written since the last sum to out.
@@ -326,107 +637,192 @@ func (w *walker) flush() {
 	w.buf = w.buf[:0]
 }
 
-// leaf appends a leaf entry's payload: the digest of what write depends on,
-// and the hash of what it writes.
-func (w *walker) leaf(out []byte, digest [8]byte, write func()) []byte {
-	w.dyn = w.dyn[:0]
-	write()
-	if len(w.dyn) > 0 {
-		sum := sha256.Sum256(append(w.dyn, digest[:]...))
-		copy(digest[:], sum[:])
+// room reports whether the walk may write one more entry; once it may not,
+// the walk is cut for good.
+func (w *walker) room() bool {
+	if !w.cut && len(w.out)+len(w.table) > maxFieldsLen-fieldsReserve {
+		w.cut = true
 	}
-	out = append(out, formLeaf)
-	out = append(out, digest[:]...)
-	return w.sum(out)
+	return !w.cut
+}
+
+// row returns the index of p's row in the table, adding it the first
+// time; 0 when it does not fit.
+func (w *walker) row(p *msgPlan) uint64 {
+	for _, r := range w.rows {
+		if r.p == p {
+			return r.i
+		}
+	}
+	var i uint64
+	if len(p.row) <= maxRowLen && len(w.out)+len(w.table)+len(p.row) <= maxFieldsLen-fieldsReserve {
+		w.table = append(w.table, p.row...)
+		w.nrows++
+		i = w.nrows
+	}
+	w.rows = append(w.rows, rowRef{p, i})
+	return i
+}
+
+// present collects the fields of m that count as present, by number, onto
+// w.fields, and returns where they start; the caller truncates w.fields
+// back to it when done.
+func (w *walker) present(m protoreflect.Message, p *msgPlan) int {
+	start := len(w.fields)
+	w.plan = p
+	m.Range(w.collect)
+	slices.SortFunc(w.fields[start:], func(a, b presentField) int { return cmp.Compare(a.f.number, b.f.number) })
+	return start
+}
+
+func (w *walker) collectField(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+	var f *fieldPlan
+	if fd.IsExtension() {
+		f = extensionPlan(fd)
+	} else {
+		f = &w.plan.fields[fd.Index()]
+	}
+	if !f.zeroAbsent || !isDefault(fd, v) {
+		w.fields = append(w.fields, presentField{f, v})
+	}
+	return true
 }
 
 // node appends m's node to out.
-func (w *walker) node(out []byte, m protoreflect.Message, depth int) []byte {
+func (w *walker) node(m protoreflect.Message, depth int) {
 	p := planOf(m.Descriptor())
+	w.out = binary.AppendUvarint(w.out, w.row(p))
 	if p.isAny {
-		return w.anyNode(out, m, depth)
-	}
-	exts := extensionsOf(m, p)
-	out = binary.AppendUvarint(out, uint64(len(p.fields)+len(exts)))
-	i, j := 0, 0
-	for i < len(p.fields) || j < len(exts) {
-		var f *fieldPlan
-		if j == len(exts) || i < len(p.fields) && p.fields[i].number < exts[j].number {
-			f, i = &p.fields[i], i+1
-		} else {
-			f, j = &exts[j], j+1
-		}
-		out = w.entry(out, m, f, depth)
-	}
-	return out
-}
-
-// entry appends the entry of field f of m.
-func (w *walker) entry(out []byte, m protoreflect.Message, f *fieldPlan, depth int) []byte {
-	out = binary.AppendUvarint(out, uint64(f.number))
-	out = append(out, f.tag)
-	v, present := f.get(m)
-	switch {
-	case !present && f.form == formLeaf && f.fd.Kind() == protoreflect.EnumKind:
-		out = append(out, formAbsentLeaf)
-		return append(out, f.digest[:]...)
-	case !present:
-		return append(out, formAbsent)
-	case f.form == formHash:
-		out = append(out, formHash)
-		w.value(f.fd, v)
-		return w.sum(out)
-	case f.form == formNode && depth < maxNodeDepth:
-		return w.node(append(out, formNode), v.Message(), depth+1)
-	}
-	return w.leaf(out, f.digest, func() { w.value(f.fd, v) })
-}
-
-// anyNode appends the node of an Any: its type name (field 1), and the
-// message it packs as a node (field 2, a message) when the type is linked
-// in, else its bytes canonicalised without a schema (field 2, bytes).
-func (w *walker) anyNode(out []byte, m protoreflect.Message, depth int) []byte {
-	name, value := anyParts(m)
-	out = binary.AppendUvarint(out, 2)
-	out = append(out, 1, byte(protoreflect.StringKind))
-	if name == "" {
-		out = append(out, formAbsent)
+		w.anyEntries(m, p, depth)
 	} else {
-		out = append(out, formHash)
-		w.buf = append(w.buf, name...)
-		out = w.sum(out)
-	}
-	out = append(out, 2)
-	if packed := w.unpack(name, value); packed != nil {
-		defer func() { w.anys-- }()
-		out = append(out, byte(protoreflect.MessageKind))
-		if depth < maxNodeDepth {
-			return w.node(append(out, formNode), packed, depth+1)
+		start := w.present(m, p)
+		for i := start; i < len(w.fields) && w.room(); i++ {
+			pf := w.fields[i]
+			w.entry(pf.f, pf.v, depth)
 		}
-		return w.leaf(out, planOf(packed.Descriptor()).digest, func() { w.message(packed) })
+		w.fields = w.fields[:start]
 	}
-	out = append(out, byte(protoreflect.BytesKind))
-	if len(value) == 0 {
-		return append(out, formAbsent)
+	w.out = append(w.out, 0, byte(b2i(w.cut)))
+}
+
+// entry appends the entry of field f, of value v.
+func (w *walker) entry(f *fieldPlan, v protoreflect.Value, depth int) {
+	w.out = binary.AppendUvarint(w.out, uint64(f.number))
+	w.out = append(w.out, f.tag)
+	fd := f.fd
+	switch {
+	case fd.IsMap():
+		w.mapEntry(fd, v.Map(), depth)
+	case f.isMsg && fd.IsList():
+		l := v.List()
+		w.out = append(w.out, formList)
+		w.out = binary.AppendUvarint(w.out, uint64(l.Len()))
+		for i := range l.Len() {
+			if !w.room() {
+				w.out = append(w.out, formCut)
+				return
+			}
+			w.messageValue(l.Get(i).Message(), depth)
+		}
+	case f.isMsg:
+		w.messageValue(v.Message(), depth)
+	case f.closed:
+		w.out = append(w.out, formLeaf)
+		w.out = append(w.out, f.enum[:]...)
+		w.value(fd, v)
+		w.out = w.sum(w.out)
+	default:
+		w.out = append(w.out, formHash)
+		w.value(fd, v)
+		w.out = w.sum(w.out)
 	}
-	out = append(out, formHash)
+}
+
+// messageValue appends the form and payload of a message value: a node,
+// or below maxNodeDepth a leaf.
+func (w *walker) messageValue(m protoreflect.Message, depth int) {
+	if depth < maxNodeDepth {
+		w.out = append(w.out, formNode)
+		w.node(m, depth+1)
+		return
+	}
+	d := planOf(m.Descriptor()).digest
+	w.out = append(w.out, formLeaf)
+	w.out = append(w.out, d[:]...)
+	w.message(m)
+	w.out = w.sum(w.out)
+}
+
+// mapEntry appends a map's payload, its entries in key order.
+func (w *walker) mapEntry(fd protoreflect.FieldDescriptor, mp protoreflect.Map, depth int) {
+	w.out = append(w.out, formMap)
+	w.out = binary.AppendUvarint(w.out, uint64(mp.Len()))
+	vfd := fd.MapValue()
+	vtag := byte(vfd.Kind()) & 0x1f
+	if ed := vfd.Enum(); ed != nil && ed.IsClosed() {
+		d := enumDigest(ed)
+		w.out = append(append(w.out, vtag|0x80), d[:]...)
+	} else {
+		w.out = append(w.out, vtag)
+	}
+	for _, k := range sortedKeys(fd, mp) {
+		if !w.room() {
+			w.out = append(w.out, formCut)
+			return
+		}
+		w.out = append(w.out, 1)
+		w.single(fd.MapKey(), k.Value())
+		w.out = w.sum(w.out)
+		if v := mp.Get(k); vfd.Message() != nil {
+			w.messageValue(v.Message(), depth)
+		} else {
+			w.out = append(w.out, formHash)
+			w.single(vfd, v)
+			w.out = w.sum(w.out)
+		}
+	}
+}
+
+// anyEntries appends the entries of an Any: its type name (field 1), and
+// its value (field 2) both canonicalised without a schema and, when the
+// type is linked in and the bytes decode, as the message it packs.
+func (w *walker) anyEntries(m protoreflect.Message, p *msgPlan, depth int) {
+	name, value := anyParts(m, p)
+	if name != "" && w.room() {
+		f := &p.fields[p.anyURL]
+		w.out = binary.AppendUvarint(w.out, uint64(f.number))
+		w.out = append(w.out, f.tag, formHash)
+		w.buf = binary.AppendUvarint(w.buf, uint64(len(name)))
+		w.buf = append(w.buf, name...)
+		w.out = w.sum(w.out)
+	}
+	if len(value) == 0 || !w.room() {
+		return
+	}
+	f := &p.fields[p.anyValue]
+	w.out = binary.AppendUvarint(w.out, uint64(f.number))
+	w.out = append(w.out, f.tag, formAny)
 	w.wire(value)
-	return w.sum(out)
+	w.out = w.sum(w.out)
+	if packed := unpack(name, value); packed != nil {
+		w.out = append(w.out, 1)
+		w.messageValue(packed, depth)
+		return
+	}
+	w.out = append(w.out, 0)
 }
 
 // anyParts returns the type name of an Any's URL (what follows its last
 // slash: the prefix names no part of the type) and its value.
-func anyParts(m protoreflect.Message) (string, []byte) {
-	fields := m.Descriptor().Fields()
-	url := m.Get(fields.ByNumber(1)).String()
-	return url[strings.LastIndexByte(url, '/')+1:], m.Get(fields.ByNumber(2)).Bytes()
+func anyParts(m protoreflect.Message, p *msgPlan) (string, []byte) {
+	url := m.Get(p.fields[p.anyURL].fd).String()
+	return url[strings.LastIndexByte(url, '/')+1:], m.Get(p.fields[p.anyValue].fd).Bytes()
 }
 
 // unpack returns the message an Any packs, when its type is linked in and
-// its bytes decode; nil otherwise. A message it returns counts in w.anys
-// until the caller is done with it.
-func (w *walker) unpack(name string, value []byte) protoreflect.Message {
-	if w.anys >= maxAnyUnpacking || name == "" {
+// its bytes decode; nil otherwise.
+func unpack(name string, value []byte) protoreflect.Message {
+	if name == "" {
 		return nil
 	}
 	mt, err := protoregistry.GlobalTypes.FindMessageByName(protoreflect.FullName(name))
@@ -437,7 +833,6 @@ func (w *walker) unpack(name string, value []byte) protoreflect.Message {
 	if err := (proto.UnmarshalOptions{AllowPartial: true}).Unmarshal(value, m.Interface()); err != nil {
 		return nil
 	}
-	w.anys++
 	return m
 }
 
@@ -445,20 +840,26 @@ func (w *walker) unpack(name string, value []byte) protoreflect.Message {
 func (w *walker) value(fd protoreflect.FieldDescriptor, v protoreflect.Value) {
 	switch {
 	case fd.IsMap():
-		w.mapValue(fd, v.Map())
+		mp := v.Map()
+		w.buf = binary.AppendUvarint(w.buf, uint64(mp.Len()))
+		for _, k := range sortedKeys(fd, mp) {
+			w.single(fd.MapKey(), k.Value())
+			w.single(fd.MapValue(), mp.Get(k))
+		}
 	case fd.IsList():
 		l := v.List()
 		w.buf = binary.AppendUvarint(w.buf, uint64(l.Len()))
 		for i := range l.Len() {
 			w.single(fd, l.Get(i))
+			w.spill()
 		}
 	default:
 		w.single(fd, v)
 	}
 }
 
-// mapValue writes a map's entries in key order.
-func (w *walker) mapValue(fd protoreflect.FieldDescriptor, mp protoreflect.Map) {
+// sortedKeys returns a map's keys in order.
+func sortedKeys(fd protoreflect.FieldDescriptor, mp protoreflect.Map) []protoreflect.MapKey {
 	keys := make([]protoreflect.MapKey, 0, mp.Len())
 	mp.Range(func(k protoreflect.MapKey, _ protoreflect.Value) bool {
 		keys = append(keys, k)
@@ -474,11 +875,7 @@ func (w *walker) mapValue(fd protoreflect.FieldDescriptor, mp protoreflect.Map) 
 	default:
 		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Int(), b.Int()) })
 	}
-	w.buf = binary.AppendUvarint(w.buf, uint64(len(keys)))
-	for _, k := range keys {
-		w.single(fd.MapKey(), k.Value())
-		w.single(fd.MapValue(), mp.Get(k))
-	}
+	return keys
 }
 
 func b2i(b bool) int {
@@ -558,116 +955,149 @@ func floatBits(f float64) uint64 {
 	return math.Float64bits(f)
 }
 
-// message writes m whole, for a leaf: its present fields in number order,
-// each as number, tag and value, then a 0 (no field's number).
+// message writes m whole, for a leaf: its fields present in number order,
+// each as number, tag and value, then a 0 (no field's number). So that
+// the hash depends on the schema alone (its digest), extensions are left
+// out and an Any counts as its type name and canonical bytes, never as
+// the message it packs.
 func (w *walker) message(m protoreflect.Message) {
 	p := planOf(m.Descriptor())
 	if p.isAny {
-		name, value := anyParts(m)
-		w.bytes([]byte(name))
-		if packed := w.unpack(name, value); packed != nil {
-			w.dyn = append(w.dyn, 'a')
-			d := planOf(packed.Descriptor()).digest
-			w.dyn = append(w.dyn, d[:]...)
-			w.buf = append(w.buf, 'm')
-			w.message(packed)
-			w.anys--
-			return
-		}
-		w.dyn = append(w.dyn, 'u')
-		w.buf = append(w.buf, 'u')
+		name, value := anyParts(m, p)
+		w.str(name)
 		w.wire(value)
 		return
 	}
-	exts := extensionsOf(m, p)
-	for _, f := range exts {
-		w.dyn = binary.AppendUvarint(append(w.dyn, 'x'), uint64(f.number))
-		w.dyn = append(w.dyn, f.tag)
-	}
-	i, j := 0, 0
-	for i < len(p.fields) || j < len(exts) {
-		var f *fieldPlan
-		if j == len(exts) || i < len(p.fields) && p.fields[i].number < exts[j].number {
-			f, i = &p.fields[i], i+1
-		} else {
-			f, j = &exts[j], j+1
+	start := w.present(m, p)
+	for i := start; i < len(w.fields); i++ {
+		pf := w.fields[i]
+		if pf.f.fd.IsExtension() {
+			continue
 		}
-		if v, ok := f.get(m); ok {
-			w.buf = binary.AppendUvarint(w.buf, uint64(f.number))
-			w.buf = append(w.buf, f.tag)
-			w.value(f.fd, v)
-		}
+		w.buf = binary.AppendUvarint(w.buf, uint64(pf.f.number))
+		w.buf = append(w.buf, pf.f.tag)
+		w.value(pf.f.fd, pf.v)
 	}
+	w.fields = w.fields[:start]
 	w.buf = append(w.buf, 0)
 	w.spill()
 }
 
 // wire writes the bytes of a message whose schema is unknown, with each
-// level's fields sorted (see canonicalWire); bytes that do not parse as a
+// level's fields sorted (see canonical.sum); bytes that do not parse as a
 // message are written as they are.
 func (w *walker) wire(b []byte) {
-	if c, ok := canonicalWire(b, 0); ok {
+	if w.canon.h == nil {
+		w.canon.h = sha256.New()
+	}
+	if c, ok := w.canon.sum(b, 0); ok {
 		w.buf = append(w.buf, 'c')
-		w.bytes(c)
+		w.buf = append(w.buf, c[:]...)
+		w.spill()
 		return
 	}
 	w.buf = append(w.buf, 'r')
 	w.bytes(b)
 }
 
-// canonicalWire re-encodes the bytes of a message whose schema is unknown
-// so that the order of its fields, at every level whose bytes parse as a
-// message, does not count: each field is written as its tag and, for a
-// length-delimited one, a marker, its length and its content (itself
-// canonicalised when it parses), and the fields are sorted. Two encodings
-// of one message that differ in field or map order give the same bytes;
-// so may two that differ in the order of a repeated field, or in a string
-// that happens to parse as a message (a missed reuse, never a false one).
-func canonicalWire(b []byte, depth int) ([]byte, bool) {
+// canonical is the scratch space of canonical.sum, shared by its levels:
+// each appends after its parent's and truncates back when done.
+type canonical struct {
+	h       hash.Hash
+	scratch [sha256.Size]byte
+	arena   []byte      // the summaries of length-delimited fields
+	spans   []wireField // the fields of the levels being read
+	fields  [][]byte    // of the level being hashed
+}
+
+// wireField is one field of a level: bytes of the input, or of arena.
+type wireField struct {
+	inArena  bool
+	from, to int
+}
+
+// sum hashes the bytes of a message whose schema is unknown so that the
+// order of its fields, at every level whose bytes parse as a message, does
+// not count: each field counts as its tag and value, a length-delimited
+// one as its tag and, when its content parses as a message, the canonical
+// sum of it, else the hash of its content; the fields are sorted and
+// hashed. Two encodings of one message that differ in field or map order
+// give the same sum; so may two that differ in the order of a repeated
+// field, or in a string that happens to parse as a message (a missed
+// reuse, never a false one). Each byte is hashed once per level it is
+// nested in.
+func (c *canonical) sum(b []byte, depth int) ([sha256.Size]byte, bool) {
+	arenaStart, start := len(c.arena), len(c.spans)
+	sum, ok := c.level(b, depth)
+	c.arena, c.spans = c.arena[:arenaStart], c.spans[:start]
+	return sum, ok
+}
+
+// level is sum without the truncation of the scratch space.
+func (c *canonical) level(b []byte, depth int) (sum [sha256.Size]byte, ok bool) {
 	if depth > 32 {
-		return nil, false
+		return sum, false
 	}
-	var fields [][]byte
-	for len(b) > 0 {
-		num, typ, n := protowire.ConsumeTag(b)
+	start := len(c.spans)
+	for rest := b; len(rest) > 0; {
+		num, typ, n := protowire.ConsumeTag(rest)
 		if n < 0 {
-			return nil, false
+			return sum, false
 		}
-		var f []byte
 		if typ == protowire.BytesType {
-			v, m := protowire.ConsumeBytes(b[n:])
+			v, m := protowire.ConsumeBytes(rest[n:])
 			if m < 0 {
-				return nil, false
+				return sum, false
 			}
-			f = protowire.AppendTag(nil, num, typ)
-			if c, ok := canonicalWire(v, depth+1); ok && len(v) > 0 {
-				f = protowire.AppendBytes(append(f, 'c'), c)
+			inner, ok := c.sum(v, depth+1)
+			from := len(c.arena)
+			c.arena = protowire.AppendTag(c.arena, num, typ)
+			if ok && len(v) > 0 {
+				c.arena = append(append(c.arena, 'c'), inner[:]...)
 			} else {
-				f = protowire.AppendBytes(append(f, 'r'), v)
+				inner = sha256.Sum256(v)
+				c.arena = append(append(c.arena, 'r'), inner[:]...)
 			}
+			c.spans = append(c.spans, wireField{true, from, len(c.arena)})
 			n += m
 		} else {
-			m := protowire.ConsumeFieldValue(num, typ, b[n:])
+			m := protowire.ConsumeFieldValue(num, typ, rest[n:])
 			if m < 0 {
-				return nil, false
+				return sum, false
 			}
 			n += m
-			f = b[:n]
+			from := len(b) - len(rest)
+			c.spans = append(c.spans, wireField{false, from, from + n})
 		}
-		fields = append(fields, f)
-		b = b[n:]
+		rest = rest[n:]
+	}
+	fields := c.fields[:0]
+	for _, s := range c.spans[start:] {
+		if s.inArena {
+			fields = append(fields, c.arena[s.from:s.to])
+		} else {
+			fields = append(fields, b[s.from:s.to])
+		}
 	}
 	slices.SortFunc(fields, bytes.Compare)
-	return bytes.Join(fields, nil), true
+	c.h.Reset()
+	for _, f := range fields {
+		c.h.Write(f)
+	}
+	copy(sum[:], c.h.Sum(c.scratch[:0]))
+	clear(fields)
+	c.fields = fields[:0]
+	return sum, true
 }
 
 // msgPlan is what a fingerprint needs of a message's schema, made once per
 // descriptor.
 type msgPlan struct {
-	fields     []fieldPlan // by number
-	isAny      bool
-	extendable bool
-	digest     [8]byte // of the message as a leaf (schemaDigest)
+	fields           []fieldPlan // by declaration index (fd.Index())
+	isAny            bool
+	anyURL, anyValue int     // an Any's fields, by index
+	digest           [8]byte // of the message as a leaf (schemaDigest)
+	row              []byte  // the fields it knows (see the format)
 }
 
 // fieldPlan is what a fingerprint needs of one field.
@@ -675,147 +1105,183 @@ type fieldPlan struct {
 	fd         protoreflect.FieldDescriptor
 	number     protoreflect.FieldNumber
 	tag        byte
-	form       byte    // formHash, formNode or formLeaf when present
-	zeroAbsent bool    // a singular scalar outside a real oneof
-	digest     [8]byte // of a leaf's value
-}
-
-// get returns f's value in m, and whether it counts as present.
-func (f *fieldPlan) get(m protoreflect.Message) (protoreflect.Value, bool) {
-	if !m.Has(f.fd) {
-		return protoreflect.Value{}, false
-	}
-	v := m.Get(f.fd)
-	return v, !f.zeroAbsent || !isZero(f.fd.Kind(), v)
-}
-
-func isZero(k protoreflect.Kind, v protoreflect.Value) bool {
-	switch k {
-	case protoreflect.BoolKind:
-		return !v.Bool()
-	case protoreflect.EnumKind:
-		return v.Enum() == 0
-	case protoreflect.Int32Kind, protoreflect.Sint32Kind, protoreflect.Sfixed32Kind,
-		protoreflect.Int64Kind, protoreflect.Sint64Kind, protoreflect.Sfixed64Kind:
-		return v.Int() == 0
-	case protoreflect.Uint32Kind, protoreflect.Fixed32Kind, protoreflect.Uint64Kind, protoreflect.Fixed64Kind:
-		return v.Uint() == 0
-	case protoreflect.FloatKind, protoreflect.DoubleKind:
-		return v.Float() == 0
-	case protoreflect.StringKind:
-		return v.String() == ""
-	case protoreflect.BytesKind:
-		return len(v.Bytes()) == 0
-	}
-	return false
+	isMsg      bool
+	zeroAbsent bool    // a singular scalar outside a real oneof: its default counts as absent
+	closed     bool    // a closed enum: compared only with the same set of values
+	enum       [8]byte // closed: enumDigest
+	def        []byte  // zeroAbsent: the hash of its default
 }
 
 func makeFieldPlan(fd protoreflect.FieldDescriptor) fieldPlan {
-	f := fieldPlan{fd: fd, number: fd.Number(), tag: byte(fd.Kind()) & 0x1f, form: formHash}
+	f := fieldPlan{fd: fd, number: fd.Number(), tag: byte(fd.Kind()) & 0x1f, isMsg: fd.Message() != nil}
 	if fd.IsList() {
 		f.tag |= 0x20
 	}
 	if fd.IsMap() {
-		f.tag |= 0x40
+		// The key's kind: the order of the entries depends on it.
+		f.tag = byte(fd.MapKey().Kind())&0x1f | 0x40
 	}
 	if od := fd.ContainingOneof(); od != nil && !od.IsSynthetic() {
 		f.tag |= 0x80
 	}
-	isMsg := fd.Message() != nil
-	switch {
-	case fd.IsMap():
-		f.form, f.digest = formLeaf, schemaDigest(fd.Message())
-	case isMsg && fd.IsList():
-		f.form, f.digest = formLeaf, schemaDigest(fd.Message())
-	case isMsg:
-		f.form, f.digest = formNode, schemaDigest(fd.Message())
-	case fd.Enum() != nil && fd.Enum().IsClosed():
+	if ed := fd.Enum(); ed != nil && ed.IsClosed() && !fd.IsMap() {
 		// A value the schema does not know is dropped: only the same set
 		// of values compares.
-		f.form, f.digest = formLeaf, enumDigest(fd.Enum())
+		f.closed, f.enum = true, enumDigest(ed)
 	}
-	f.zeroAbsent = !fd.IsList() && !isMsg && f.tag&0x80 == 0
+	f.zeroAbsent = !fd.IsList() && !fd.IsMap() && !f.isMsg && f.tag&0x80 == 0
+	if f.zeroAbsent {
+		w := newWalker()
+		w.single(fd, fd.Default())
+		f.def = w.sum(nil)
+	}
 	return f
 }
 
-// plans caches planOf by descriptor.
-var plans sync.Map // protoreflect.MessageDescriptor -> *msgPlan
+// isDefault reports whether v is fd's declared default, what a handler
+// reads when the field is unset.
+func isDefault(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+	d := fd.Default()
+	switch fd.Kind() {
+	case protoreflect.BoolKind:
+		return v.Bool() == d.Bool()
+	case protoreflect.EnumKind:
+		return v.Enum() == d.Enum()
+	case protoreflect.Int32Kind, protoreflect.Sint32Kind, protoreflect.Sfixed32Kind,
+		protoreflect.Int64Kind, protoreflect.Sint64Kind, protoreflect.Sfixed64Kind:
+		return v.Int() == d.Int()
+	case protoreflect.Uint32Kind, protoreflect.Fixed32Kind, protoreflect.Uint64Kind, protoreflect.Fixed64Kind:
+		return v.Uint() == d.Uint()
+	case protoreflect.FloatKind, protoreflect.DoubleKind:
+		return floatBits(v.Float()) == floatBits(d.Float())
+	case protoreflect.StringKind:
+		return v.String() == d.String()
+	case protoreflect.BytesKind:
+		return bytes.Equal(v.Bytes(), d.Bytes())
+	}
+	return false
+}
+
+// plans caches planOf by descriptor, and extensionPlan by extension.
+var plans sync.Map // protoreflect.Descriptor -> *msgPlan or *fieldPlan
 
 func planOf(md protoreflect.MessageDescriptor) *msgPlan {
 	if p, ok := plans.Load(md); ok {
 		return p.(*msgPlan)
 	}
 	fields := md.Fields()
-	p := &msgPlan{
-		fields:     make([]fieldPlan, fields.Len()),
-		isAny:      md.FullName() == "google.protobuf.Any" && fields.ByNumber(1) != nil && fields.ByNumber(2) != nil,
-		extendable: md.ExtensionRanges().Len() > 0,
-		digest:     schemaDigest(md),
-	}
+	p := &msgPlan{fields: make([]fieldPlan, fields.Len()), isAny: isAny(md), digest: schemaDigest(md)}
 	for i := range p.fields {
 		p.fields[i] = makeFieldPlan(fields.Get(i))
 	}
-	slices.SortFunc(p.fields, func(a, b fieldPlan) int { return cmp.Compare(a.number, b.number) })
+	if p.isAny {
+		p.anyURL, p.anyValue = fields.ByNumber(1).Index(), fields.ByNumber(2).Index()
+	}
+	p.row = encodeRow(p.fields)
 	actual, _ := plans.LoadOrStore(md, p)
 	return actual.(*msgPlan)
 }
 
-// extensionsOf returns the plans of the extensions present in m, by
-// number.
-func extensionsOf(m protoreflect.Message, p *msgPlan) []fieldPlan {
-	if !p.extendable {
-		return nil
+func extensionPlan(fd protoreflect.FieldDescriptor) *fieldPlan {
+	if f, ok := plans.Load(fd); ok {
+		return f.(*fieldPlan)
 	}
-	var exts []fieldPlan
-	m.Range(func(fd protoreflect.FieldDescriptor, _ protoreflect.Value) bool {
-		if fd.IsExtension() {
-			exts = append(exts, makeFieldPlan(fd))
+	f := makeFieldPlan(fd)
+	actual, _ := plans.LoadOrStore(fd, &f)
+	return actual.(*fieldPlan)
+}
+
+// encodeRow encodes what a message type knows: its declared fields, as
+// runs of consecutive numbers alike.
+func encodeRow(fields []fieldPlan) []byte {
+	byNumber := make([]*fieldPlan, len(fields))
+	for i := range fields {
+		byNumber[i] = &fields[i]
+	}
+	slices.SortFunc(byNumber, func(a, b *fieldPlan) int { return cmp.Compare(a.number, b.number) })
+	alike := func(a, b *fieldPlan) bool {
+		return a.number+1 == b.number && a.tag == b.tag && a.closed == b.closed && a.enum == b.enum && bytes.Equal(a.def, b.def)
+	}
+	var runs [][]*fieldPlan
+	for i, f := range byNumber {
+		if i > 0 && alike(byNumber[i-1], f) {
+			runs[len(runs)-1] = append(runs[len(runs)-1], f)
+		} else {
+			runs = append(runs, []*fieldPlan{f})
 		}
-		return true
-	})
-	slices.SortFunc(exts, func(a, b fieldPlan) int { return cmp.Compare(a.number, b.number) })
-	return exts
+	}
+	b := binary.AppendUvarint(nil, uint64(len(runs)))
+	for _, run := range runs {
+		f := run[0]
+		b = binary.AppendUvarint(b, uint64(f.number))
+		b = binary.AppendUvarint(b, uint64(len(run)))
+		var flag byte
+		if f.def != nil {
+			flag |= runDefault
+		}
+		if f.closed {
+			flag |= runEnum
+		}
+		b = append(b, f.tag, flag)
+		b = append(b, f.def...)
+		if f.closed {
+			b = append(b, f.enum[:]...)
+		}
+	}
+	return b
+}
+
+// isAny reports whether md is google.protobuf.Any: by name and by its
+// fields' kinds, since a run-time schema may declare a look-alike.
+func isAny(md protoreflect.MessageDescriptor) bool {
+	fields := md.Fields()
+	url, value := fields.ByNumber(1), fields.ByNumber(2)
+	return md.FullName() == "google.protobuf.Any" &&
+		url != nil && url.Kind() == protoreflect.StringKind && !url.IsList() &&
+		value != nil && value.Kind() == protoreflect.BytesKind && !value.IsList()
 }
 
 // schemaDigests caches schemaDigest by descriptor.
 var schemaDigests sync.Map // protoreflect.MessageDescriptor -> [8]byte
 
 // schemaDigest summarises what a leaf's hash of a message depends on: for
-// it and every message it reaches, its name and each field's number, kind,
-// cardinality, whether it is a map or in a real oneof, and the values of a
-// closed enum. Field names do not count. (Extensions and packed Any types
-// are added per value: see walker.dyn.)
+// it and every message it reaches, each field's number, kind, cardinality,
+// whether it is a map or in a real oneof, its default, and the values of a
+// closed enum. Names do not count (a map's entry message is named after
+// its field): a message met again is referred to by the order in which it
+// was first met.
 func schemaDigest(md protoreflect.MessageDescriptor) [8]byte {
 	if d, ok := schemaDigests.Load(md); ok {
 		return d.([8]byte)
 	}
 	var b strings.Builder
-	seen := map[protoreflect.FullName]bool{}
+	seen := map[protoreflect.FullName]int{}
 	var describe func(protoreflect.MessageDescriptor)
 	describe = func(md protoreflect.MessageDescriptor) {
-		if seen[md.FullName()] {
-			fmt.Fprintf(&b, "ref %s;", md.FullName())
+		if i, ok := seen[md.FullName()]; ok {
+			fmt.Fprintf(&b, "ref %d;", i)
 			return
 		}
-		seen[md.FullName()] = true
+		seen[md.FullName()] = len(seen)
 		fields := md.Fields()
 		order := make([]int, fields.Len())
 		for i := range order {
 			order[i] = i
 		}
 		slices.SortFunc(order, func(x, y int) int { return int(fields.Get(x).Number() - fields.Get(y).Number()) })
-		fmt.Fprintf(&b, "msg %s {", md.FullName())
+		fmt.Fprintf(&b, "msg %t {", isAny(md))
 		for _, i := range order {
-			fd := fields.Get(i)
-			od := fd.ContainingOneof()
-			fmt.Fprintf(&b, "%d %v %v %t %t", fd.Number(), fd.Kind(), fd.Cardinality(), fd.IsMap(), od != nil && !od.IsSynthetic())
-			if ed := fd.Enum(); ed != nil && ed.IsClosed() {
-				d := enumDigest(ed)
-				fmt.Fprintf(&b, " enum %x", d)
+			f := makeFieldPlan(fields.Get(i))
+			fmt.Fprintf(&b, "%d %v %v %x", f.number, f.fd.Kind(), f.fd.Cardinality(), f.tag)
+			if f.closed {
+				fmt.Fprintf(&b, " enum %x", f.enum)
+			}
+			if f.zeroAbsent {
+				fmt.Fprintf(&b, " default %x", f.def)
 			}
 			b.WriteString(";")
-			if fd.Message() != nil {
-				describe(fd.Message())
+			if f.isMsg {
+				describe(f.fd.Message())
 			}
 		}
 		b.WriteString("}")

@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"fmt"
 	"math"
 	"strings"
 	"testing"
@@ -81,6 +82,9 @@ func TestUnitFingerprintFloats(t *testing.T) {
 
 // An Any counts as the message it packs, by type name: the URL's prefix,
 // unknown fields in the packed message and their order do not count.
+// (Unknown fields are in the Any's canonical bytes, which the fingerprint
+// keeps for a comparison with an Any not unpacked; so two fingerprints
+// name the same request without being equal byte for byte.)
 func TestUnitFingerprintAny(t *testing.T) {
 	t.Parallel()
 	packed := func(url string, value []byte) []byte {
@@ -90,7 +94,10 @@ func TestUnitFingerprintAny(t *testing.T) {
 	require.NoError(t, err)
 	unknown := protowire.AppendVarint(protowire.AppendTag(nil, 9, protowire.VarintType), 1)
 	require.Equal(t, packed("type.googleapis.com/google.protobuf.StringValue", sv), packed("example.com/google.protobuf.StringValue", sv), "the URL's prefix")
-	require.Equal(t, packed("type.googleapis.com/google.protobuf.StringValue", sv), packed("google.protobuf.StringValue", append(slicesClone(unknown), sv...)), "unknown fields inside")
+	// Unknown fields inside are the same request (the messages packed are
+	// compared), though the fingerprints differ: each also keeps the Any's
+	// canonical bytes, compared with an Any that could not be unpacked.
+	require.True(t, sameRequest(packed("type.googleapis.com/google.protobuf.StringValue", sv), packed("google.protobuf.StringValue", append(slicesClone(unknown), sv...))), "unknown fields inside")
 	require.False(t, sameRequest(packed("x/google.protobuf.StringValue", sv), packed("x/google.protobuf.BytesValue", sv)), "another type")
 	other, err := proto.Marshal(wrapperspb.String("refund"))
 	require.NoError(t, err)
@@ -229,4 +236,86 @@ func TestUnitFingerprintIsBounded(t *testing.T) {
 	require.LessOrEqual(t, len(big), maxFieldsLen)
 	require.True(t, sameRequest(big, fpOf(t, wmd, all("x"))))
 	require.False(t, sameRequest(big, fpOf(t, wmd, all("y"))))
+}
+
+// Lists and maps of messages are compared element by element: another
+// element, another order of a list, another length, another key are other
+// requests; a map's order is not.
+func TestUnitFingerprintListsAndMapsOfMessages(t *testing.T) {
+	t.Parallel()
+	msgField := func(name string, num int32, typeName string, label descriptorpb.FieldDescriptorProto_Label) *descriptorpb.FieldDescriptorProto {
+		f := field(name, num, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, label)
+		f.TypeName = proto.String(typeName)
+		return f
+	}
+	item := &descriptorpb.DescriptorProto{Name: proto.String("Item"), Field: []*descriptorpb.FieldDescriptorProto{
+		field("sku", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)}}
+	entry := &descriptorpb.DescriptorProto{Name: proto.String("ByEntry"), Options: &descriptorpb.MessageOptions{MapEntry: proto.Bool(true)},
+		Field: []*descriptorpb.FieldDescriptorProto{field("key", 1, descriptorpb.FieldDescriptorProto_TYPE_STRING, optional),
+			msgField("value", 2, ".fp.M.Item", optional)}}
+	md := schemaOf(t, "proto3", &descriptorpb.DescriptorProto{NestedType: []*descriptorpb.DescriptorProto{item, entry}, Field: []*descriptorpb.FieldDescriptorProto{
+		msgField("items", 1, ".fp.M.Item", repeated), msgField("by", 2, ".fp.M.ByEntry", repeated)}})
+	it := func(sku uint64) []byte {
+		return protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), sku)
+	}
+	list := func(skus ...uint64) []byte {
+		var b []byte
+		for _, s := range skus {
+			b = protowire.AppendBytes(protowire.AppendTag(b, 1, protowire.BytesType), it(s))
+		}
+		return b
+	}
+	byKey := func(kv ...any) []byte {
+		var b []byte
+		for i := 0; i < len(kv); i += 2 {
+			e := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), kv[i].(string))
+			e = protowire.AppendBytes(protowire.AppendTag(e, 2, protowire.BytesType), it(uint64(kv[i+1].(int))))
+			b = protowire.AppendBytes(protowire.AppendTag(b, 2, protowire.BytesType), e)
+		}
+		return b
+	}
+	require.True(t, sameRequest(fpOf(t, md, list(1, 2)), fpOf(t, md, list(1, 2))))
+	require.False(t, sameRequest(fpOf(t, md, list(1, 2)), fpOf(t, md, list(1, 3))), "another element")
+	require.False(t, sameRequest(fpOf(t, md, list(1, 2)), fpOf(t, md, list(2, 1))), "a list's order counts")
+	require.False(t, sameRequest(fpOf(t, md, list(1, 2)), fpOf(t, md, list(1))), "another length")
+	require.False(t, sameRequest(fpOf(t, md, list(1)), fpOf(t, md, nil)), "a list against none")
+	require.Equal(t, fpOf(t, md, byKey("a", 1, "b", 2)), fpOf(t, md, byKey("b", 2, "a", 1)), "a map's order does not count")
+	require.False(t, sameRequest(fpOf(t, md, byKey("a", 1, "b", 2)), fpOf(t, md, byKey("a", 1, "b", 3))), "another value")
+	require.False(t, sameRequest(fpOf(t, md, byKey("a", 1)), fpOf(t, md, byKey("c", 1))), "another key")
+}
+
+// A request whose fingerprint would outgrow maxFieldsLen is cut: the
+// fields before the cut are compared with any request, those after it
+// with another cut request of the same schema only, so a retry across a
+// deploy still replays.
+func TestUnitFingerprintCutRequests(t *testing.T) {
+	t.Parallel()
+	schema := func(file string, fields int32) protoreflect.MessageDescriptor {
+		msg := &descriptorpb.DescriptorProto{Name: proto.String("M"), Field: []*descriptorpb.FieldDescriptorProto{
+			field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)}}
+		for i := int32(2); i <= fields; i++ {
+			msg.Field = append(msg.Field, field(fmt.Sprintf("n%d", i), i, descriptorpb.FieldDescriptorProto_TYPE_STRING, optional))
+		}
+		fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
+			Name: proto.String("fp_" + file + ".proto"), Package: proto.String("fp." + file), Syntax: proto.String("proto3"),
+			MessageType: []*descriptorpb.DescriptorProto{msg},
+		}, nil)
+		require.NoError(t, err)
+		return fd.Messages().Get(0)
+	}
+	v1, v2 := schema("cut1", 1200), schema("cut2", 1300)
+	req := func(amount uint64, last string) []byte {
+		b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), amount)
+		for i := 2; i < 1200; i++ {
+			b = protowire.AppendString(protowire.AppendTag(b, protowire.Number(i), protowire.BytesType), "n")
+		}
+		return protowire.AppendString(protowire.AppendTag(b, 1200, protowire.BytesType), last)
+	}
+	first := fpOf(t, v1, req(100, "x"))
+	require.LessOrEqual(t, len(first), maxFieldsLen)
+	require.True(t, sameRequest(first, fpOf(t, v1, req(100, "x"))))
+	require.False(t, sameRequest(first, fpOf(t, v1, req(100, "y"))), "one schema: the last field, after the cut, still counts")
+	require.False(t, sameRequest(first, fpOf(t, v2, req(999, "x"))), "across a deploy: a field before the cut")
+	require.True(t, sameRequest(first, fpOf(t, v2, req(100, "x"))), "across a deploy: the genuine retry")
+	require.True(t, sameRequest(fpOf(t, v2, req(100, "x")), first))
 }
