@@ -47,7 +47,7 @@ func advField(name string, num int32, typ descriptorpb.FieldDescriptorProto_Type
 //
 // Correct behaviour: the second call is FailedPrecondition KEY_REUSED and
 // the ledger keeps one row, the first call's.
-func TestAdvFPE2EListOfAnysOfAnotherLengthReplays(t *testing.T) {
+func TestAdvFPE2EListOfAnysOfAnotherLengthIsKeyReused(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
 	md := advPaySchema(t, "adv_lines",
@@ -78,7 +78,7 @@ func TestAdvFPE2EListOfAnysOfAnotherLengthReplays(t *testing.T) {
 // replays "charged 100".
 //
 // Correct behaviour: the second call is FailedPrecondition KEY_REUSED.
-func TestAdvFPE2ELargeThenSmallRequestReplays(t *testing.T) {
+func TestAdvFPE2ELargeThenSmallRequestIsKeyReused(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
 	fields := []*descriptorpb.FieldDescriptorProto{advField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}

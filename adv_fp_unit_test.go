@@ -55,7 +55,7 @@ func advAny(t *testing.T, m proto.Message) []byte {
 // (one charge line against two), or [Any(StringValue)] against
 // [Any(Int64Value)], are different requests: sameRequest is false, so the
 // key is KEY_REUSED.
-func TestAdvFPListOfAnysOfAnotherLengthIsNotCompared(t *testing.T) {
+func TestAdvFPListOfAnysOfAnotherLengthIsAnotherRequest(t *testing.T) {
 	t.Parallel()
 	md := advSchema(t, "anylist", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
@@ -84,7 +84,7 @@ func TestAdvFPListOfAnysOfAnotherLengthIsNotCompared(t *testing.T) {
 //
 // Correct behaviour: [{sku: 1, gift: true}] and [{sku: 2}] on one build
 // (the extension linked in) are different requests.
-func TestAdvFPListWithExtensionInOneRequestOnlyIsNotCompared(t *testing.T) {
+func TestAdvFPListWithExtensionInOneRequestOnlyIsCompared(t *testing.T) {
 	t.Parallel()
 	item := &descriptorpb.DescriptorProto{
 		Name:           proto.String("Item"),
@@ -128,7 +128,7 @@ func TestAdvFPListWithExtensionInOneRequestOnlyIsNotCompared(t *testing.T) {
 // Correct behaviour: a request of amount 100 with a thousand notes and a
 // request of amount 999 with none are different (sameRequest false), as
 // are the same two in the other order.
-func TestAdvFPLargeRequestFallbackComparesWithNothing(t *testing.T) {
+func TestAdvFPLargeRequestIsComparedWithASmallOne(t *testing.T) {
 	t.Parallel()
 	msg := &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)}}
@@ -211,7 +211,7 @@ func TestAdvFPProto2ExplicitDefaultIsTheSameRequest(t *testing.T) {
 // Correct behaviour: with `map<string,int64> lines = 2` renamed to
 // `map<string,int64> items = 2`, {a: 1} on v1 and {a: 999} on v2 are
 // different requests.
-func TestAdvFPRenamedMapFieldIsNotCompared(t *testing.T) {
+func TestAdvFPRenamedMapFieldIsStillCompared(t *testing.T) {
 	t.Parallel()
 	schema := func(file, name string) protoreflect.MessageDescriptor {
 		entry := strings.ToUpper(name[:1]) + name[1:] + "Entry"
@@ -242,7 +242,7 @@ func TestAdvFPRenamedMapFieldIsNotCompared(t *testing.T) {
 	require.False(t, sameRequest(fpOf(t, v1, req(1)), fpOf(t, v2, req(999))), "another map value across the rename: a different request")
 }
 
-// schemaRenamed is release 2 of TestAdvFPRenamedMapFieldIsNotCompared's
+// schemaRenamed is release 2 of TestAdvFPRenamedMapFieldIsStillCompared's
 // schema: the same package and message, the map field renamed.
 func schemaRenamed(t *testing.T) protoreflect.MessageDescriptor {
 	t.Helper()
@@ -347,7 +347,7 @@ func TestAdvFPLookalikeAnyDoesNotPanic(t *testing.T) {
 //
 // Correct behaviour: Any{StringValue "charge"} and Any{StringValue, bytes
 // that do not decode} are different requests.
-func TestAdvFPLinkedAnyWithUndecodableBytesIsNotCompared(t *testing.T) {
+func TestAdvFPLinkedAnyWithUndecodableBytesIsCompared(t *testing.T) {
 	t.Parallel()
 	good, err := proto.Marshal(wrapperspb.String("charge"))
 	require.NoError(t, err)
@@ -367,7 +367,7 @@ func TestAdvFPLinkedAnyWithUndecodableBytesIsNotCompared(t *testing.T) {
 // Correct behaviour: Any{adv.linkin.Charge{amount: 100}} fingerprinted
 // before the type is linked in and Any{adv.linkin.Charge{amount: 999}}
 // after are different requests.
-func TestAdvFPAnyTypeLinkedInByARebuildIsNotCompared(t *testing.T) {
+func TestAdvFPAnyTypeLinkedInByARebuildIsStillCompared(t *testing.T) {
 	t.Parallel()
 	md := advSchema(t, "linkin", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)}})

@@ -76,7 +76,7 @@ func advFlatService(t *testing.T, e *env, fields int) string {
 // and on replays, and never as the stored bytes.
 //
 // Correct: every response of the key is byte-identical to the stored row.
-func TestAdvDynamicResponseWithoutMapIsNotTheStoredBytes(t *testing.T) {
+func TestAdvDynamicResponseIsTheStoredBytes(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	conn := dial(t, advFlatService(t, e, 12))
@@ -111,7 +111,7 @@ func TestAdvDynamicResponseWithoutMapIsNotTheStoredBytes(t *testing.T) {
 //
 // Correct: the first call and its replays carry the same headers (either
 // both with the echoed header, or the handler's SetHeader refuses it).
-func TestAdvEchoedKeyHeaderIsNotReplayed(t *testing.T) {
+func TestAdvEchoedKeyHeaderIsReplayed(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		key := metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey)[0]

@@ -28,7 +28,7 @@ import (
 //
 // Correct: calls the server passes through whatever their keys are pass
 // the client interceptor too (their keys ignored or stripped).
-func TestAdvClientRefusesKeysOnInfrastructureCalls(t *testing.T) {
+func TestAdvClientPassesInfrastructureCallsWhateverTheKey(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	store := migratedStore(t, db)

@@ -26,7 +26,7 @@ import (
 //
 // Correct: what the client receives is the message the outer interceptor
 // returned (its edit visible), or the edit is refused loudly.
-func TestAdvOuterEditOfMapResponseIsLost(t *testing.T) {
+func TestAdvOuterEditOfMapResponseReachesTheClient(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	var edited proto.Message

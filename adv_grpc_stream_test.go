@@ -35,7 +35,7 @@ import (
 // Correct: a streaming call whose context names a key is refused (on the
 // client, or by sending the key so the server refuses it with
 // STREAMING_UNSUPPORTED); it never runs twice unnoticed.
-func TestAdvStreamWithOutgoingKeyRunsTwiceSilently(t *testing.T) {
+func TestAdvStreamWithOutgoingKeyIsRefused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	var runs atomic.Int64
@@ -74,7 +74,7 @@ func TestAdvStreamWithOutgoingKeyRunsTwiceSilently(t *testing.T) {
 // interceptor refuses it there: that RecvMsg fails with
 // STREAMING_UNSUPPORTED (CheckStreamingMethods, which sees only what the
 // global registry holds, cannot name such a method at startup).
-func TestAdvRuntimeAnnotatedStreamPasses(t *testing.T) {
+func TestAdvRuntimeAnnotatedStreamIsRefusedAtItsFirstMessage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	fd := buildFile(&descriptorpb.FileDescriptorProto{
