@@ -16,10 +16,9 @@ import (
 // single() but never spill(), so the scalars of a map<int64, int64> are
 // all copied into the walker's buffer, grown by doubling, before they are
 // hashed: the list case fixed after the first review, for maps. A 4.8 MB
-// request of 300k entries allocates about 38 MB per call (measured; the
-// test uses 100k) (its keys are
-// also sorted twice, once for the node walk though only a few hundred
-// entries fit before the cut).
+// request of 300k entries allocates about 38 MB per call (this test uses
+// 100k); its keys are also sorted twice, once for the node walk though
+// only a few hundred entries fit before the cut.
 //
 // Correct behaviour: hashing a map's entries keeps the buffer within its
 // first array plus one entry (cap(buf) of at most 2 * len(small)).
