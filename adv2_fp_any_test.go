@@ -27,7 +27,7 @@ import (
 // Correct behaviour: Any{Opts, ""} and Any{Opts, "08 00"} with Opts
 // linked in both unpack to Opts{}: the same request (sameRequest true),
 // as {notify: false} and {} are at the top level.
-func TestAdv2FPLinkedAnyEmptyValueAgainstExplicitDefault(t *testing.T) {
+func TestAdv2FPLinkedAnyEmptyValueAndExplicitDefaultAreOneRequest(t *testing.T) {
 	t.Parallel()
 	opts := advSchema(t, "adv2anyopt", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("notify", 1, descriptorpb.FieldDescriptorProto_TYPE_BOOL, optional)}})

@@ -27,7 +27,7 @@ import (
 //
 // Correct behaviour: on one schema, a cut request and an uncut one that
 // differ after the cut are different requests (sameRequest false).
-func TestAdv2FPCutAgainstUncutOfTheSameSchema(t *testing.T) {
+func TestAdv2FPCutAgainstUncutOfTheSameSchemaIsAnotherRequest(t *testing.T) {
 	t.Parallel()
 	msg := &descriptorpb.DescriptorProto{Name: proto.String("M")}
 	for i := int32(1); i <= 1200; i++ {
@@ -75,8 +75,11 @@ func TestAdv2FPCutAgainstUncutOfTheSameSchema(t *testing.T) {
 //
 // Correct behaviour: on one build with the extension linked in, {...9
 // levels... {surcharge: 500}} and the same without it are different
-// requests.
-func TestAdv2FPDeepLeafLeavesExtensionsOut(t *testing.T) {
+// requests; the same bytes decoded by a build that does not link the
+// extension in (it stays an unknown field) are the same request. A leaf
+// now carries a hash of the extensions set below it, compared unless one
+// side held one undecoded.
+func TestAdv2FPDeepLeafComparesExtensions(t *testing.T) {
 	t.Parallel()
 	ext := field("surcharge", 100, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)
 	ext.Extendee, ext.JsonName = proto.String(".adv.adv2deepext.M"), nil
@@ -111,4 +114,12 @@ func TestAdv2FPDeepLeafLeavesExtensionsOut(t *testing.T) {
 	require.False(t, sameRequest(fp(nest(3, 500)), fp(nest(3, 700))), "sanity: a shallow extension is compared")
 	require.False(t, sameRequest(fp(nest(10, 500)), fp(nest(10, 700))),
 		"one build: surcharge 500 against 700, ten levels down, is a different request")
+	require.False(t, sameRequest(fp(nest(10, 500)), fp(nest(10, 0))),
+		"one build: surcharge set ten levels down in one request only")
+	require.True(t, sameRequest(fp(nest(10, 500)), fp(nest(10, 500))), "sanity: the same request")
+	undecoded := dynamicpb.NewMessage(md)
+	require.NoError(t, proto.Unmarshal(nest(10, 500), undecoded))
+	require.True(t, sameRequest(fp(nest(10, 500)), mustFP(t, undecoded)),
+		"the same bytes on a build that does not link the extension in: the same request")
+	require.False(t, sameRequest(fp(nest(10, 500)), fp(nest(9, 500))), "sanity: another depth")
 }

@@ -23,7 +23,7 @@ import (
 //
 // Correct behaviour: the retry replays the first call's response, byte for
 // byte, and the ledger keeps one row.
-func TestAdv2FPE2ELinkedAnyExplicitDefaultRetryIsKeyReused(t *testing.T) {
+func TestAdv2FPE2ELinkedAnyExplicitDefaultRetryReplays(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
 	ofd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
@@ -55,7 +55,7 @@ func TestAdv2FPE2ELinkedAnyExplicitDefaultRetryIsKeyReused(t *testing.T) {
 // replays "charged 100" on the same server, no deploy.
 //
 // Correct behaviour: the second call is FailedPrecondition KEY_REUSED.
-func TestAdv2FPE2EWideRequestReplaysAnotherRequest(t *testing.T) {
+func TestAdv2FPE2EWideRequestWithAnotherFieldIsKeyReused(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
 	fields := []*descriptorpb.FieldDescriptorProto{advField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}

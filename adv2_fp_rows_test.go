@@ -40,7 +40,7 @@ func adv2Wide(n int32) []*descriptorpb.FieldDescriptorProto {
 // value other than its default) makes another request: sameRequest is
 // false. (A row too long to keep could be replaced by the schema digest
 // and compared as known when the digests agree.)
-func TestAdv2FPWideTypeRowLeftOutComparesNoAbsentField(t *testing.T) {
+func TestAdv2FPWideTypeComparesAFieldSetOnOneSideOnly(t *testing.T) {
 	t.Parallel()
 	md := advSchema(t, "adv2wide", "proto3", &descriptorpb.DescriptorProto{Field: adv2Wide(220)})
 	p := planOf(md)
@@ -58,6 +58,14 @@ func TestAdv2FPWideTypeRowLeftOutComparesNoAbsentField(t *testing.T) {
 		"one schema: {f1 100} and {f5 100} are different requests")
 	require.False(t, sameRequest(fpOf(t, md, amount), fpOf(t, md, nil)),
 		"one schema: {amount 100} and {} are different requests")
+	require.True(t, sameRequest(fpOf(t, md, withCapture), fpOf(t, md, withCapture)), "sanity: the genuine retry")
+
+	// A deploy that adds a field: the digests differ, and a field set on
+	// one side only is skipped, as for a type whose row is listed.
+	v2 := advSchema(t, "adv2widev2", "proto3", &descriptorpb.DescriptorProto{Field: adv2Wide(221)})
+	require.True(t, sameRequest(fpOf(t, md, amount), fpOf(t, v2, amount)), "across the deploy: the genuine retry")
+	require.False(t, sameRequest(fpOf(t, md, amount), fpOf(t, v2, protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 999))),
+		"across the deploy: a field both know, another value")
 }
 
 // Defect (b), one schema, at the budget's edge: a type met when the
@@ -71,8 +79,9 @@ func TestAdv2FPWideTypeRowLeftOutComparesNoAbsentField(t *testing.T) {
 // Correct behaviour: a message whose row was left out is either compared
 // as known when both sides are of one schema, or counts as cut (so that
 // the whole-request hash decides); either way the two are different
-// requests.
-func TestAdv2FPRowLeftOutAtTheBudgetEdgeComparesNothing(t *testing.T) {
+// requests. The walk is now cut where a row does not fit, so the test
+// looks for the filler at which Sub's node is the cut one.
+func TestAdv2FPRowThatDoesNotFitCutsTheWalk(t *testing.T) {
 	t.Parallel()
 	sub := &descriptorpb.DescriptorProto{Name: proto.String("Sub"), Field: adv2Wide(40)}
 	msg := &descriptorpb.DescriptorProto{Name: proto.String("M"), NestedType: []*descriptorpb.DescriptorProto{sub}}
@@ -125,7 +134,7 @@ func TestAdv2FPRowLeftOutAtTheBudgetEdgeComparesNothing(t *testing.T) {
 // Correct behaviour: on one build, an extension set to a non-default
 // value on one side only makes another request (the rows could list the
 // extensions linked in for the type, or a digest of them).
-func TestAdv2FPExtensionSetOnOneSideOnlyOnOneBuild(t *testing.T) {
+func TestAdv2FPExtensionSetOnOneSideOnlyOnOneBuildIsAnotherRequest(t *testing.T) {
 	t.Parallel()
 	gift := field("surcharge", 100, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)
 	gift.Extendee, gift.JsonName = proto.String(".adv.adv2ext.M"), nil
@@ -153,4 +162,9 @@ func TestAdv2FPExtensionSetOnOneSideOnlyOnOneBuild(t *testing.T) {
 	require.False(t, sameRequest(fp(ext(500)), fp(ext(700))), "sanity: set on both sides, compared")
 	require.False(t, sameRequest(fp(sku), fp(ext(500))), "one build: {sku 1} and {sku 1, surcharge 500} are different requests")
 	require.False(t, sameRequest(fp(ext(500)), fp(sku)))
+	undecoded := dynamicpb.NewMessage(md)
+	require.NoError(t, proto.Unmarshal(ext(500), undecoded))
+	require.True(t, sameRequest(fp(ext(500)), mustFP(t, undecoded)),
+		"the same bytes on a build that does not link the extension in: the same request")
+	require.True(t, sameRequest(mustFP(t, undecoded), fp(ext(500))))
 }

@@ -43,19 +43,29 @@ import (
 //	whole      only when the root node is cut: 8 bytes of schema digest,
 //	           16 bytes of hash of the whole request
 //
-//	row        count (uvarint) of runs, each: first number (uvarint), how
-//	           many consecutive numbers (uvarint), tag, flags (1: 16 bytes
-//	           of the hash of the value an absent scalar reads as follow,
-//	           2: 8 bytes of a closed enum's digest follow)
-//	node       row (uvarint; 0: a row left out, the type's fields unknown),
-//	           the entries of the fields present, by number, then 0 and
-//	           a byte: 1 when the node was cut (see below), else 0
+//	row        0, then count (uvarint) of runs, each: first number
+//	           (uvarint), how many consecutive numbers (uvarint), tag,
+//	           flags (1: 16 bytes of the hash of the value an absent scalar
+//	           reads as follow, 2: 8 bytes of a closed enum's digest
+//	           follow); or, for a type whose runs pass maxRowLen, 1 and 8
+//	           bytes of their digest (its fields are known, not listed)
+//	node       row (uvarint; 0 only when the walk was cut before the row
+//	           fit), count (uvarint) and numbers of the extensions it held
+//	           undecoded (its unknown fields in its extension ranges; past
+//	           maxUnknown, the number 0 alone: any), the entries of the
+//	           fields present, by number, then 0 and flags (1: the walk
+//	           was cut in the node, see below; 2: the number (uvarint) of
+//	           declared fields present follows, written or not: every node
+//	           but an Any's)
 //	entry      number (uvarint), tag (1 byte: kind, list, map, in a real
 //	           oneof; the key's kind for a map), form (1 byte), by form:
 //	  hash       16 bytes: a scalar or a list of scalars
 //	  node       a singular message, to maxNodeDepth levels
-//	  leaf       8 bytes of schema digest, 16 bytes of hash: a message
-//	             below maxNodeDepth, a closed enum (its digest)
+//	  leaf       8 bytes of schema digest, 16 bytes of hash, then 0 (no
+//	             extension can be set below), 1 and 16 bytes of hash of
+//	             the extensions set below, or 2 (one below was held
+//	             undecoded: not compared): a message below maxNodeDepth, a
+//	             closed enum (its digest, then 0)
 //	  list       count (uvarint), then each message as form and payload
 //	             (node or leaf), or cut (0xff) where the walk stopped
 //	  map        count (uvarint), the value's tag (0x80: a closed enum,
@@ -72,24 +82,36 @@ import (
 // reads when it is unset). Two version 3 fingerprints name the same request
 // when every field number both nodes list with the same tag holds the same
 // value, and a field present on one side only is, on the other, a field its
-// row does not know (not comparable: skipped), or one that reads as the
-// same value there (a scalar equal to the other side's default). A list or
-// map of another length is another request; elements are compared one by
-// one; two Anys compare the messages they pack when both are unpacked, and
-// their canonical bytes otherwise. So a field added or removed by a deploy,
-// a proto2 extension linked in by a rebuild, an Any's type linked in, or
-// presence added to a scalar never makes a retry KEY_REUSED, while the
-// fields both sides know are still compared exactly. One exception, the
-// price of comparing an Any across the rebuild that links its type in: an
-// Any unpacked on one side only is compared on its canonical bytes, so a
-// packed message re-encoded by the client at the same time (an explicit
-// zero, another packing) counts as another request.
+// row does not know (not comparable: skipped), one that reads as the same
+// value there (a scalar equal to the other side's default), an extension
+// that side held undecoded (its build did not link it in), or an Any's
+// value that unpacks to a message with no field present (what an empty
+// value decodes to). Two nodes with the same row are of one schema: a
+// field of theirs present on one side only (an extension too, unless held
+// undecoded) is another request, whether the row lists it or is a digest.
+// A list or map of another length is another request; elements are
+// compared one by one; two Anys compare the messages they pack when both
+// are unpacked, and their canonical bytes otherwise. So a field added or
+// removed by a deploy, a proto2 extension linked in by a rebuild, an Any's
+// type linked in, or presence added to a scalar never makes a retry
+// KEY_REUSED, while the fields both sides know are still compared
+// exactly. One exception, the price of comparing an Any across the
+// rebuild that links its type in: an Any unpacked on one side only is
+// compared on its canonical bytes, so a packed message re-encoded by the
+// client at the same time (an explicit zero, another packing) counts as
+// another request; so it does, for the same reason, in a leaf or in
+// whole, which never unpack.
 //
-// A fingerprint is kept under maxFieldsLen: when it would outgrow it, the
-// walk stops, and every node then open is cut. Fields after the last entry
-// of a cut node are not compared, except through whole, when both sides
-// are cut and of one schema. The work is bounded by the request's size:
-// only fields present are visited, and a row is written once per type.
+// A fingerprint is kept under maxFieldsLen: when it would outgrow it (an
+// entry or a row that does not fit), the walk stops, and every node then
+// open is cut. Fields after the last entry of a cut node are not compared,
+// except through the number of declared fields (two nodes of one schema
+// holding another number are another request, cut or not: on one build, a
+// request cut where another of its schema ended holds more) and through
+// whole, when both sides are cut and of one schema. The work is bounded by
+// the request's size: only fields present are visited, a row is written
+// once per type, and a leaf's extensions are walked only for a type from
+// which an extension range can be reached.
 //
 // Fingerprints of different versions, and tagged against untagged, are not
 // comparable: the call counts as the same request, so an upgrade never
