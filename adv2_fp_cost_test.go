@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
 )
@@ -47,4 +48,17 @@ func TestAdv2FPMapInALeafIsHashedInChunks(t *testing.T) { // not parallel: it re
 	fd := md.Fields().ByNumber(1)
 	w.value(fd, m.Get(fd))
 	require.LessOrEqual(t, cap(w.buf), 2*len(w.small), "a map's entries must be hashed as they are walked, not buffered whole")
+
+	// The node walk sorts only the keys that can fit before the cut: the
+	// entries written are still the first keys, in order.
+	doc, ok := readFields(fp[fieldsHeadLen:])
+	require.True(t, ok)
+	require.True(t, doc.root.cut)
+	items := doc.root.entries[0].items
+	require.Greater(t, len(items), 100)
+	for i, it := range items {
+		kw := newWalker()
+		kw.single(fd.MapKey(), protoreflect.ValueOfInt64(1<<40+int64(i)))
+		require.Equal(t, kw.sum(nil), it.key, "entry %d: the %dth key", i, i)
+	}
 }

@@ -127,10 +127,11 @@ const (
 	hashLen       = 16
 	digestLen     = 8
 	maxNodeDepth  = 8
-	maxFieldsLen  = 16 << 10 // beyond it, the walk stops
-	fieldsReserve = 256      // kept free to close a cut walk
-	maxRowLen     = 4 << 10  // a longer row is written as its digest
-	maxReadDepth  = 64       // of nested nodes when reading
+	maxFieldsLen  = 16 << 10    // beyond it, the walk stops
+	fieldsReserve = 256         // kept free to close a cut walk
+	maxRowLen     = 4 << 10     // a longer row is written as its digest
+	maxReadDepth  = 64          // of nested nodes when reading
+	minMapEntry   = 2 + hashLen // marker, key's hash, value's form
 )
 
 // Forms of a version 3 entry, list element or map value.
@@ -166,7 +167,7 @@ const (
 
 // maxUnknown is how many extension numbers held undecoded a node lists;
 // past it, the list is 0 alone: any of them may be.
-const maxUnknown = 32
+const maxUnknown = 16
 
 // Flags of a row's run.
 const (
@@ -1014,7 +1015,10 @@ func (w *walker) mapEntry(fd protoreflect.FieldDescriptor, mp protoreflect.Map, 
 	} else {
 		w.out = append(w.out, vtag)
 	}
-	keys, start := w.sortedKeys(fd, mp)
+	// An entry takes at least minMapEntry bytes: of a large map, only the
+	// first keys can fit before the cut, and only those are sorted.
+	fit := (maxFieldsLen-fieldsReserve-len(w.out)-len(w.table))/minMapEntry + 1
+	keys, start := w.firstKeys(fd, mp, max(fit, 1))
 	defer func() { w.keys = w.keys[:start] }()
 	for _, k := range keys {
 		if !w.room() {
@@ -1031,6 +1035,11 @@ func (w *walker) mapEntry(fd protoreflect.FieldDescriptor, mp protoreflect.Map, 
 			w.single(vfd, v)
 			w.out = w.sum(w.out)
 		}
+	}
+	if len(keys) < mp.Len() {
+		// The keys left out would not have fit.
+		w.cut = true
+		w.out = append(w.out, formCut)
 	}
 }
 
@@ -1115,23 +1124,72 @@ func (w *walker) value(fd protoreflect.FieldDescriptor, v protoreflect.Value) {
 // sortedKeys returns a map's keys in order, appended to w.keys from start;
 // the caller truncates w.keys back to start when done.
 func (w *walker) sortedKeys(fd protoreflect.FieldDescriptor, mp protoreflect.Map) (keys []protoreflect.MapKey, start int) {
+	return w.firstKeys(fd, mp, mp.Len())
+}
+
+// firstKeys is sortedKeys for the n first keys only: of a map much larger
+// than n, it keeps the n first in a heap rather than sorting them all.
+func (w *walker) firstKeys(fd protoreflect.FieldDescriptor, mp protoreflect.Map, n int) (keys []protoreflect.MapKey, start int) {
+	order := keyOrder(fd)
 	start = len(w.keys)
+	if mp.Len() <= 2*n {
+		w.keys = slices.Grow(w.keys, mp.Len())
+		mp.Range(func(k protoreflect.MapKey, _ protoreflect.Value) bool {
+			w.keys = append(w.keys, k)
+			return true
+		})
+		keys = w.keys[start:]
+		slices.SortFunc(keys, order)
+		return keys, start
+	}
+	// A max-heap of the n first keys met.
+	w.keys = slices.Grow(w.keys, n)
 	mp.Range(func(k protoreflect.MapKey, _ protoreflect.Value) bool {
-		w.keys = append(w.keys, k)
+		h := w.keys[start:]
+		if len(h) < n {
+			w.keys = append(w.keys, k)
+			h = w.keys[start:]
+			for i := len(h) - 1; i > 0 && order(h[(i-1)/2], h[i]) < 0; i = (i - 1) / 2 {
+				h[i], h[(i-1)/2] = h[(i-1)/2], h[i]
+			}
+			return true
+		}
+		if order(k, h[0]) >= 0 {
+			return true
+		}
+		h[0] = k
+		for i := 0; ; {
+			c := 2*i + 1
+			if c >= len(h) {
+				break
+			}
+			if c+1 < len(h) && order(h[c], h[c+1]) < 0 {
+				c++
+			}
+			if order(h[i], h[c]) >= 0 {
+				break
+			}
+			h[i], h[c] = h[c], h[i]
+			i = c
+		}
 		return true
 	})
 	keys = w.keys[start:]
+	slices.SortFunc(keys, order)
+	return keys, start
+}
+
+// keyOrder returns the order of a map's keys.
+func keyOrder(fd protoreflect.FieldDescriptor) func(a, b protoreflect.MapKey) int {
 	switch fd.MapKey().Kind() {
 	case protoreflect.StringKind:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return strings.Compare(a.String(), b.String()) })
+		return func(a, b protoreflect.MapKey) int { return strings.Compare(a.String(), b.String()) }
 	case protoreflect.BoolKind:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return cmp.Compare(b2i(a.Bool()), b2i(b.Bool())) })
+		return func(a, b protoreflect.MapKey) int { return cmp.Compare(b2i(a.Bool()), b2i(b.Bool())) }
 	case protoreflect.Uint32Kind, protoreflect.Uint64Kind, protoreflect.Fixed32Kind, protoreflect.Fixed64Kind:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Uint(), b.Uint()) })
-	default:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Int(), b.Int()) })
+		return func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Uint(), b.Uint()) }
 	}
-	return keys, start
+	return func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Int(), b.Int()) }
 }
 
 func b2i(b bool) int {
