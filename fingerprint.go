@@ -1272,8 +1272,8 @@ func floatBits(f float64) uint64 {
 // message writes m whole, for a leaf: its fields present in number order,
 // each as number, tag and value, then a 0 (no field's number). So that
 // the hash depends on the schema alone (its digest), extensions are left
-// out and an Any counts as its type name and canonical bytes, never as
-// the message it packs.
+// out (a leaf hashes them apart: see extensions) and an Any counts as its
+// type name and canonical bytes, never as the message it packs.
 func (w *walker) message(m protoreflect.Message) {
 	p := planOf(m.Descriptor())
 	if p.isAny {
