@@ -43,19 +43,29 @@ import (
 //	whole      only when the root node is cut: 8 bytes of schema digest,
 //	           16 bytes of hash of the whole request
 //
-//	row        count (uvarint) of runs, each: first number (uvarint), how
-//	           many consecutive numbers (uvarint), tag, flags (1: 16 bytes
-//	           of the hash of the value an absent scalar reads as follow,
-//	           2: 8 bytes of a closed enum's digest follow)
-//	node       row (uvarint; 0: a row left out, the type's fields unknown),
-//	           the entries of the fields present, by number, then 0 and
-//	           a byte: 1 when the node was cut (see below), else 0
+//	row        0, then count (uvarint) of runs, each: first number
+//	           (uvarint), how many consecutive numbers (uvarint), tag,
+//	           flags (1: 16 bytes of the hash of the value an absent scalar
+//	           reads as follow, 2: 8 bytes of a closed enum's digest
+//	           follow); or, for a type whose runs pass maxRowLen, 1 and 8
+//	           bytes of their digest (its fields are known, not listed)
+//	node       row (uvarint; 0 only when the walk was cut before the row
+//	           fit), count (uvarint) and numbers of the extensions it held
+//	           undecoded (its unknown fields in its extension ranges; past
+//	           maxUnknown, the number 0 alone: any), the entries of the
+//	           fields present, by number, then 0 and flags (1: the walk
+//	           was cut in the node, see below; 2: the number (uvarint) of
+//	           declared fields present follows, written or not: every node
+//	           but an Any's)
 //	entry      number (uvarint), tag (1 byte: kind, list, map, in a real
 //	           oneof; the key's kind for a map), form (1 byte), by form:
 //	  hash       16 bytes: a scalar or a list of scalars
 //	  node       a singular message, to maxNodeDepth levels
-//	  leaf       8 bytes of schema digest, 16 bytes of hash: a message
-//	             below maxNodeDepth, a closed enum (its digest)
+//	  leaf       8 bytes of schema digest, 16 bytes of hash, then 0 (no
+//	             extension can be set below), 1 and 16 bytes of hash of
+//	             the extensions set below, or 2 (one below was held
+//	             undecoded: not compared): a message below maxNodeDepth, a
+//	             closed enum (its digest, then 0)
 //	  list       count (uvarint), then each message as form and payload
 //	             (node or leaf), or cut (0xff) where the walk stopped
 //	  map        count (uvarint), the value's tag (0x80: a closed enum,
@@ -72,24 +82,36 @@ import (
 // reads when it is unset). Two version 3 fingerprints name the same request
 // when every field number both nodes list with the same tag holds the same
 // value, and a field present on one side only is, on the other, a field its
-// row does not know (not comparable: skipped), or one that reads as the
-// same value there (a scalar equal to the other side's default). A list or
-// map of another length is another request; elements are compared one by
-// one; two Anys compare the messages they pack when both are unpacked, and
-// their canonical bytes otherwise. So a field added or removed by a deploy,
-// a proto2 extension linked in by a rebuild, an Any's type linked in, or
-// presence added to a scalar never makes a retry KEY_REUSED, while the
-// fields both sides know are still compared exactly. One exception, the
-// price of comparing an Any across the rebuild that links its type in: an
-// Any unpacked on one side only is compared on its canonical bytes, so a
-// packed message re-encoded by the client at the same time (an explicit
-// zero, another packing) counts as another request.
+// row does not know (not comparable: skipped), one that reads as the same
+// value there (a scalar equal to the other side's default), an extension
+// that side held undecoded (its build did not link it in), or an Any's
+// value that unpacks to a message with no field present (what an empty
+// value decodes to). Two nodes with the same row are of one schema: a
+// field of theirs present on one side only (an extension too, unless held
+// undecoded) is another request, whether the row lists it or is a digest.
+// A list or map of another length is another request; elements are
+// compared one by one; two Anys compare the messages they pack when both
+// are unpacked, and their canonical bytes otherwise. So a field added or
+// removed by a deploy, a proto2 extension linked in by a rebuild, an Any's
+// type linked in, or presence added to a scalar never makes a retry
+// KEY_REUSED, while the fields both sides know are still compared
+// exactly. One exception, the price of comparing an Any across the
+// rebuild that links its type in: an Any unpacked on one side only is
+// compared on its canonical bytes, so a packed message re-encoded by the
+// client at the same time (an explicit zero, another packing) counts as
+// another request; so it does, for the same reason, in a leaf or in
+// whole, which never unpack.
 //
-// A fingerprint is kept under maxFieldsLen: when it would outgrow it, the
-// walk stops, and every node then open is cut. Fields after the last entry
-// of a cut node are not compared, except through whole, when both sides
-// are cut and of one schema. The work is bounded by the request's size:
-// only fields present are visited, and a row is written once per type.
+// A fingerprint is kept under maxFieldsLen: when it would outgrow it (an
+// entry or a row that does not fit), the walk stops, and every node then
+// open is cut. Fields after the last entry of a cut node are not compared,
+// except through the number of declared fields (two nodes of one schema
+// holding another number are another request, cut or not: on one build, a
+// request cut where another of its schema ended holds more) and through
+// whole, when both sides are cut and of one schema. The work is bounded by
+// the request's size: only fields present are visited, a row is written
+// once per type, and a leaf's extensions are walked only for a type from
+// which an extension range can be reached.
 //
 // Fingerprints of different versions, and tagged against untagged, are not
 // comparable: the call counts as the same request, so an upgrade never
@@ -105,10 +127,11 @@ const (
 	hashLen       = 16
 	digestLen     = 8
 	maxNodeDepth  = 8
-	maxFieldsLen  = 16 << 10 // beyond it, the walk stops
-	fieldsReserve = 256      // kept free to close a cut walk
-	maxRowLen     = 4 << 10  // a longer row is left out
-	maxReadDepth  = 64       // of nested nodes when reading
+	maxFieldsLen  = 16 << 10    // beyond it, the walk stops
+	fieldsReserve = 256         // kept free to close a cut walk
+	maxRowLen     = 4 << 10     // a longer row is written as its digest
+	maxReadDepth  = 64          // of nested nodes when reading
+	minMapEntry   = 2 + hashLen // marker, key's hash, value's form
 )
 
 // Forms of a version 3 entry, list element or map value.
@@ -121,6 +144,30 @@ const (
 	formAny
 	formCut = 0xff
 )
+
+// What follows a leaf's hash: whether the extensions set below it are
+// compared.
+const (
+	leafNoExtensions byte = iota // none can be set below it
+	leafExtensions               // 16 bytes of hash of those set follow
+	leafUndecoded                // one below it was not decoded: not compared
+)
+
+// Kinds of row.
+const (
+	rowRuns   byte = iota // the fields, as runs
+	rowDigest             // a digest of the runs, for a type too wide
+)
+
+// Flags of a node's end.
+const (
+	closeCut     byte = 1 << iota // the walk stopped in the node
+	closeCounted                  // the number of declared fields present follows
+)
+
+// maxUnknown is how many extension numbers held undecoded a node lists;
+// past it, the list is 0 alone: any of them may be.
+const maxUnknown = 16
 
 // Flags of a row's run.
 const (
@@ -256,13 +303,18 @@ func sameFields(stored, current []byte) bool {
 
 // fpDoc is a parsed version 3 fingerprint, after its method.
 type fpDoc struct {
-	rows  []fpRow
+	rows  []*fpRow
 	root  *fpNode
 	whole []byte // digest and hash, when root is cut
 }
 
-// fpRow is what a message type knows: runs of field numbers, by number.
-type fpRow []fpRun
+// fpRow is what a message type knows: runs of field numbers, by number,
+// or, for a type too wide to list, only a digest of them.
+type fpRow struct {
+	raw    []byte // as written: two rows alike are of one schema
+	runs   []fpRun
+	digest bool // runs unknown; raw says which schema
+}
 
 type fpRun struct {
 	first, n  uint64
@@ -272,8 +324,8 @@ type fpRun struct {
 }
 
 // find returns the run holding number n, or nil.
-func (r fpRow) find(n uint64) *fpRun {
-	i, _ := slices.BinarySearchFunc(r, n, func(run fpRun, n uint64) int {
+func (r *fpRow) find(n uint64) *fpRun {
+	i, _ := slices.BinarySearchFunc(r.runs, n, func(run fpRun, n uint64) int {
 		switch {
 		case run.first+run.n <= n:
 			return -1
@@ -282,18 +334,22 @@ func (r fpRow) find(n uint64) *fpRun {
 		}
 		return 0
 	})
-	if i < len(r) && r[i].first <= n && n < r[i].first+r[i].n {
-		return &r[i]
+	if i < len(r.runs) && r.runs[i].first <= n && n < r.runs[i].first+r.runs[i].n {
+		return &r.runs[i]
 	}
 	return nil
 }
 
-// fpNode is a parsed node: its row (nil when left out) and its entries.
+// fpNode is a parsed node: its row (unknown when the walk was cut before
+// it), the extension numbers it holds undecoded, its entries, and when cut
+// how many declared fields it holds.
 type fpNode struct {
-	row     fpRow
-	known   bool
-	entries []fpEntry
-	cut     bool
+	row      *fpRow
+	unknown  []uint64
+	entries  []fpEntry
+	cut      bool
+	counted  bool   // declared was written (every node but an Any's)
+	declared uint64 // declared fields present, written or not
 }
 
 type fpEntry struct {
@@ -304,13 +360,15 @@ type fpEntry struct {
 
 // fpValue is an entry's, a list element's or a map value's payload.
 type fpValue struct {
-	form   byte
-	digest []byte // leaf; map: the value's tag and closed enum digest
-	hash   []byte // hash, leaf, any (the canonical bytes)
-	node   *fpNode
-	packed *fpValue // any, when unpacked
-	count  uint64   // list, map
-	items  []fpItem // list, map: those written before a cut
+	form    byte
+	digest  []byte // leaf; map: the value's tag and closed enum digest
+	hash    []byte // hash, leaf, any (the canonical bytes)
+	ext     byte   // leaf: what follows its hash
+	extHash []byte // leaf: the hash of the extensions set below it
+	node    *fpNode
+	packed  *fpValue // any, when unpacked
+	count   uint64   // list, map
+	items   []fpItem // list, map: those written before a cut
 }
 
 type fpItem struct {
@@ -323,7 +381,7 @@ type fpItem struct {
 type fpReader struct {
 	b    []byte
 	ok   bool
-	rows []fpRow
+	rows []*fpRow
 }
 
 func (r *fpReader) byte() byte {
@@ -374,13 +432,25 @@ func readFields(b []byte) (fpDoc, bool) {
 	return doc, r.ok && len(r.b) == 0
 }
 
-func (r *fpReader) row() fpRow {
+func (r *fpReader) row() *fpRow {
+	start := r.b
+	row := &fpRow{}
+	switch r.byte() {
+	case rowRuns:
+	case rowDigest:
+		r.bytes(digestLen)
+		row.raw, row.digest = start[:len(start)-len(r.b)], true
+		return row
+	default:
+		r.ok = false
+		return nil
+	}
 	n := r.uvarint()
 	if n > uint64(len(r.b)) {
 		r.ok = false
 		return nil
 	}
-	row := make(fpRow, 0, n)
+	row.runs = make([]fpRun, 0, n)
 	for range n {
 		run := fpRun{first: r.uvarint(), n: r.uvarint(), tag: r.byte(), flag: r.byte()}
 		if run.flag&runDefault != 0 {
@@ -389,12 +459,13 @@ func (r *fpReader) row() fpRow {
 		if run.flag&runEnum != 0 {
 			run.enum = r.bytes(digestLen)
 		}
-		if !r.ok || run.n == 0 || len(row) > 0 && row[len(row)-1].first+row[len(row)-1].n > run.first {
+		if !r.ok || run.n == 0 || len(row.runs) > 0 && row.runs[len(row.runs)-1].first+row.runs[len(row.runs)-1].n > run.first {
 			r.ok = false
 			return nil
 		}
-		row = append(row, run)
+		row.runs = append(row.runs, run)
 	}
+	row.raw = start[:len(start)-len(r.b)]
 	return row
 }
 
@@ -407,17 +478,25 @@ func (r *fpReader) node(depth int) *fpNode {
 	if i := r.uvarint(); i > uint64(len(r.rows)) {
 		r.ok = false
 	} else if i > 0 {
-		nd.row, nd.known = r.rows[i-1], true
+		nd.row = r.rows[i-1]
+	}
+	if n := r.uvarint(); n > uint64(len(r.b)) {
+		r.ok = false
+	} else {
+		for range n {
+			nd.unknown = append(nd.unknown, r.uvarint())
+		}
 	}
 	for r.ok {
 		e := fpEntry{num: r.uvarint()}
 		if e.num == 0 {
-			switch r.byte() {
-			case 0:
-			case 1:
-				nd.cut = true
-			default:
-				r.ok = false
+			flags := r.byte()
+			nd.cut, nd.counted = flags&closeCut != 0, flags&closeCounted != 0
+			if nd.counted {
+				nd.declared = r.uvarint()
+			}
+			if flags&^(closeCut|closeCounted) != 0 || nd.row == nil && !nd.cut {
+				r.ok = false // only a cut leaves a row out
 			}
 			return nd
 		}
@@ -438,6 +517,13 @@ func (r *fpReader) value(form byte, depth int) fpValue {
 		v.hash = r.bytes(hashLen)
 	case formLeaf:
 		v.digest, v.hash = r.bytes(digestLen), r.bytes(hashLen)
+		switch v.ext = r.byte(); v.ext {
+		case leafNoExtensions, leafUndecoded:
+		case leafExtensions:
+			v.extHash = r.bytes(hashLen)
+		default:
+			r.ok = false
+		}
 	case formNode:
 		v.node = r.node(depth + 1)
 	case formAny:
@@ -485,16 +571,21 @@ func (r *fpReader) value(form byte, depth int) fpValue {
 // sameNode reports whether two nodes hold the same values in every field
 // both can compare.
 func sameNode(a, b *fpNode) bool {
+	if (a.cut || b.cut) && a.counted && b.counted && a.declared != b.declared && sameRow(a, b) {
+		// Of one schema, with another number of fields: what the cut left
+		// out differs.
+		return false
+	}
 	i, j := 0, 0
 	for i < len(a.entries) || j < len(b.entries) {
 		switch {
 		case j == len(b.entries) || i < len(a.entries) && a.entries[i].num < b.entries[j].num:
-			if !absentAlike(a.entries[i], b) {
+			if !absentAlike(a.entries[i], a, b) {
 				return false
 			}
 			i++
 		case i == len(a.entries) || b.entries[j].num < a.entries[i].num:
-			if !absentAlike(b.entries[j], a) {
+			if !absentAlike(b.entries[j], b, a) {
 				return false
 			}
 			j++
@@ -509,18 +600,39 @@ func sameNode(a, b *fpNode) bool {
 	return true
 }
 
-// absentAlike reports whether node other, which lacks field x, may hold
-// the same request: true when other does not know x's field (another
-// schema, or past the cut) or reads it as x's value.
-func absentAlike(x fpEntry, other *fpNode) bool {
+// sameRow reports whether two nodes are of one schema.
+func sameRow(a, b *fpNode) bool {
+	return a.row != nil && b.row != nil && bytes.Equal(a.row.raw, b.row.raw)
+}
+
+// absentAlike reports whether node other, which lacks field x of node
+// self, may hold the same request: true when other does not know x's field
+// (another schema, an extension it held undecoded, or past the cut) or
+// reads it as x's value.
+func absentAlike(x fpEntry, self, other *fpNode) bool {
 	if other.cut && (len(other.entries) == 0 || x.num > other.entries[len(other.entries)-1].num) {
 		return true // past the cut: not compared
 	}
-	if !other.known {
+	if x.form == formAny && x.packed != nil && emptyPacked(x.packed) {
+		return true // an Any's value of defaults only: as an empty one
+	}
+	if other.row == nil {
 		return true
 	}
-	run := other.row.find(x.num)
-	if run == nil || run.tag != x.tag {
+	var run *fpRun
+	if !other.row.digest {
+		run = other.row.find(x.num)
+	}
+	if run == nil {
+		if !sameRow(self, other) {
+			return true // a field other's schema does not know
+		}
+		// One schema: a declared field of a wide type, or an extension,
+		// which other either held undecoded (not linked into its build:
+		// not comparable) or was not sent.
+		return slices.Contains(other.unknown, x.num) || slices.Contains(other.unknown, 0)
+	}
+	if run.tag != x.tag {
 		return true // a field other's schema does not know
 	}
 	if protoreflect.Kind(x.tag&0x1f) == protoreflect.EnumKind && x.tag&0x40 == 0 &&
@@ -535,6 +647,21 @@ func absentAlike(x fpEntry, other *fpNode) bool {
 	return false // present on one side only
 }
 
+// emptyLeaf is the hash of a leaf with no field present.
+var emptyLeaf = func() []byte { s := sha256.Sum256([]byte{0}); return s[:hashLen] }()
+
+// emptyPacked reports whether an Any's unpacked message holds no field: the
+// message an empty value decodes to.
+func emptyPacked(v *fpValue) bool {
+	switch v.form {
+	case formNode:
+		return len(v.node.entries) == 0 && !v.node.cut
+	case formLeaf:
+		return bytes.Equal(v.hash, emptyLeaf) && v.ext != leafExtensions
+	}
+	return false
+}
+
 // sameValue compares two values of one field with the same number and
 // tag; true when they are the same or not comparable.
 func sameValue(x, y *fpValue) bool {
@@ -543,6 +670,9 @@ func sameValue(x, y *fpValue) bool {
 		return true // encoded another way since: not comparable
 	case x.form == formLeaf && !bytes.Equal(x.digest, y.digest):
 		return true // the schema below changed: not comparable
+	case x.form == formLeaf && x.ext != leafUndecoded && y.ext != leafUndecoded &&
+		(x.ext != y.ext || !bytes.Equal(x.extHash, y.extHash)):
+		return false // extensions, decoded on both sides, differ
 	case x.form == formHash || x.form == formLeaf:
 		return bytes.Equal(x.hash, y.hash)
 	case x.form == formNode:
@@ -583,12 +713,14 @@ type walker struct {
 	cut   bool     // the walk stopped at maxFieldsLen
 
 	canon   canonical
-	fields  []presentField // of the messages being walked, a segment each
-	plan    *msgPlan       // of the message collect is ranging over
+	nums    []uint64              // scratch of unknownExtensions
+	keys    []protoreflect.MapKey // scratch of sortedKeys, a segment per map
+	fields  []presentField        // of the messages being walked, a segment each
+	plan    *msgPlan              // of the message collect is ranging over
 	collect func(protoreflect.FieldDescriptor, protoreflect.Value) bool
 }
 
-// rowRef is the index of a type's row; 0 when it was left out.
+// rowRef is the index of a type's row.
 type rowRef struct {
 	p *msgPlan
 	i uint64
@@ -612,14 +744,15 @@ var walkers = sync.Pool{New: func() any { return newWalker() }}
 
 // release returns w to walkers, unless a large request grew its buffers.
 func (w *walker) release() {
-	if cap(w.out) > 2*maxFieldsLen || cap(w.fields) > 1<<10 || cap(w.rows) > 1<<10 ||
+	if cap(w.out) > 2*maxFieldsLen || cap(w.fields) > 1<<10 || cap(w.rows) > 1<<10 || cap(w.keys) > 1<<10 ||
 		cap(w.canon.arena) > 64<<10 || cap(w.canon.spans) > 4<<10 || cap(w.canon.fields) > 4<<10 {
 		return
 	}
 	clear(w.fields[:cap(w.fields)])
 	clear(w.rows[:cap(w.rows)])
+	clear(w.keys[:cap(w.keys)])
 	w.h.Reset()
-	w.buf, w.out, w.table, w.rows, w.fields = w.small[:0], w.out[:0], w.table[:0], w.rows[:0], w.fields[:0]
+	w.buf, w.out, w.table, w.rows, w.fields, w.keys = w.small[:0], w.out[:0], w.table[:0], w.rows[:0], w.fields[:0], w.keys[:0]
 	w.nrows, w.cut, w.plan = 0, false, nil
 	walkers.Put(w)
 }
@@ -647,21 +780,63 @@ func (w *walker) room() bool {
 }
 
 // row returns the index of p's row in the table, adding it the first
-// time; 0 when it does not fit.
+// time; when it does not fit, the walk is cut there and row returns 0.
 func (w *walker) row(p *msgPlan) uint64 {
 	for _, r := range w.rows {
 		if r.p == p {
 			return r.i
 		}
 	}
-	var i uint64
-	if len(p.row) <= maxRowLen && len(w.out)+len(w.table)+len(p.row) <= maxFieldsLen-fieldsReserve {
-		w.table = append(w.table, p.row...)
-		w.nrows++
-		i = w.nrows
+	if w.cut || len(w.out)+len(w.table)+len(p.row) > maxFieldsLen-fieldsReserve {
+		w.cut = true
+		return 0
 	}
-	w.rows = append(w.rows, rowRef{p, i})
-	return i
+	w.table = append(w.table, p.row...)
+	w.nrows++
+	w.rows = append(w.rows, rowRef{p, w.nrows})
+	return w.nrows
+}
+
+// unknownExtensions appends the list of the numbers of m's extensions
+// held undecoded.
+func (w *walker) unknownExtensions(m protoreflect.Message, p *msgPlan) {
+	if !p.extensible {
+		w.out = append(w.out, 0)
+		return
+	}
+	nums := w.undecoded(m)
+	if len(nums) > maxUnknown {
+		nums = append(nums[:0], 0)
+	}
+	w.out = binary.AppendUvarint(w.out, uint64(len(nums)))
+	for _, n := range nums {
+		w.out = binary.AppendUvarint(w.out, n)
+	}
+}
+
+// undecoded returns, sorted, the numbers of m's unknown fields that lie
+// in its extension ranges: extensions its build did not link in. The
+// slice is w's scratch, valid until the next call.
+func (w *walker) undecoded(m protoreflect.Message) []uint64 {
+	nums := w.nums[:0]
+	ranges := m.Descriptor().ExtensionRanges()
+	for u := m.GetUnknown(); len(u) > 0; {
+		num, typ, n := protowire.ConsumeTag(u)
+		if n < 0 {
+			break
+		}
+		k := protowire.ConsumeFieldValue(num, typ, u[n:])
+		if k < 0 {
+			break
+		}
+		u = u[n+k:]
+		if ranges.Has(num) {
+			nums = append(nums, uint64(num))
+		}
+	}
+	slices.Sort(nums)
+	w.nums = slices.Compact(nums)
+	return w.nums
 }
 
 // present collects the fields of m that count as present, by number, onto
@@ -692,17 +867,24 @@ func (w *walker) collectField(fd protoreflect.FieldDescriptor, v protoreflect.Va
 func (w *walker) node(m protoreflect.Message, depth int) {
 	p := planOf(m.Descriptor())
 	w.out = binary.AppendUvarint(w.out, w.row(p))
+	w.unknownExtensions(m, p)
 	if p.isAny {
 		w.anyEntries(m, p, depth)
-	} else {
-		start := w.present(m, p)
-		for i := start; i < len(w.fields) && w.room(); i++ {
-			pf := w.fields[i]
-			w.entry(pf.f, pf.v, depth)
-		}
-		w.fields = w.fields[:start]
+		w.out = append(w.out, 0, byte(b2i(w.cut))*closeCut)
+		return
 	}
-	w.out = append(w.out, 0, byte(b2i(w.cut)))
+	start := w.present(m, p)
+	var declared uint64
+	for _, pf := range w.fields[start:] {
+		declared += uint64(b2i(!pf.f.fd.IsExtension()))
+	}
+	for i := start; i < len(w.fields) && w.room(); i++ {
+		pf := w.fields[i]
+		w.entry(pf.f, pf.v, depth)
+	}
+	w.fields = w.fields[:start]
+	w.out = append(w.out, 0, byte(b2i(w.cut))*closeCut|closeCounted)
+	w.out = binary.AppendUvarint(w.out, declared)
 }
 
 // entry appends the entry of field f, of value v.
@@ -730,7 +912,7 @@ func (w *walker) entry(f *fieldPlan, v protoreflect.Value, depth int) {
 		w.out = append(w.out, formLeaf)
 		w.out = append(w.out, f.enum[:]...)
 		w.value(fd, v)
-		w.out = w.sum(w.out)
+		w.out = append(w.sum(w.out), leafNoExtensions)
 	default:
 		w.out = append(w.out, formHash)
 		w.value(fd, v)
@@ -746,11 +928,79 @@ func (w *walker) messageValue(m protoreflect.Message, depth int) {
 		w.node(m, depth+1)
 		return
 	}
-	d := planOf(m.Descriptor()).digest
+	p := planOf(m.Descriptor())
 	w.out = append(w.out, formLeaf)
-	w.out = append(w.out, d[:]...)
+	w.out = append(w.out, p.digest[:]...)
 	w.message(m)
 	w.out = w.sum(w.out)
+	switch {
+	case !p.mayExtend:
+		w.out = append(w.out, leafNoExtensions)
+	case w.extensions(m):
+		w.out = w.sum(append(w.out, leafExtensions))
+	default:
+		w.flush()
+		w.h.Reset()
+		w.out = append(w.out, leafUndecoded)
+	}
+}
+
+// extensions writes the extensions set in m and in the messages below it,
+// each under the path of fields that leads to it; false, at once, when one
+// of those messages holds an extension undecoded (not linked into this
+// build).
+func (w *walker) extensions(m protoreflect.Message) bool {
+	p := planOf(m.Descriptor())
+	if !p.mayExtend {
+		return true
+	}
+	if p.extensible && len(w.undecoded(m)) > 0 {
+		return false
+	}
+	start := w.present(m, p)
+	defer func() { w.fields = w.fields[:start] }()
+	for i := start; i < len(w.fields); i++ {
+		pf := w.fields[i]
+		fd := pf.f.fd
+		switch {
+		case fd.IsExtension():
+			w.buf = binary.AppendUvarint(w.buf, uint64(pf.f.number))
+			w.buf = append(w.buf, pf.f.tag)
+			w.value(fd, pf.v)
+		case !pf.f.isMsg:
+		case fd.IsMap():
+			if fd.MapValue().Message() == nil {
+				continue
+			}
+			mp := pf.v.Map()
+			keys, kstart := w.sortedKeys(fd, mp)
+			for _, k := range keys {
+				w.buf = binary.AppendUvarint(w.buf, uint64(pf.f.number))
+				w.single(fd.MapKey(), k.Value())
+				if !w.extensions(mp.Get(k).Message()) {
+					w.keys = w.keys[:kstart]
+					return false
+				}
+			}
+			w.keys = w.keys[:kstart]
+		case fd.IsList():
+			l := pf.v.List()
+			for j := range l.Len() {
+				w.buf = binary.AppendUvarint(binary.AppendUvarint(w.buf, uint64(pf.f.number)), uint64(j))
+				if !w.extensions(l.Get(j).Message()) {
+					return false
+				}
+			}
+		default:
+			w.buf = binary.AppendUvarint(w.buf, uint64(pf.f.number))
+			if !w.extensions(pf.v.Message()) {
+				return false
+			}
+		}
+	}
+	w.buf = append(w.buf, 0)
+	w.spill()
+	return true
 }
 
 // mapEntry appends a map's payload, its entries in key order.
@@ -765,7 +1015,12 @@ func (w *walker) mapEntry(fd protoreflect.FieldDescriptor, mp protoreflect.Map, 
 	} else {
 		w.out = append(w.out, vtag)
 	}
-	for _, k := range sortedKeys(fd, mp) {
+	// An entry takes at least minMapEntry bytes: of a large map, only the
+	// first keys can fit before the cut, and only those are sorted.
+	fit := (maxFieldsLen-fieldsReserve-len(w.out)-len(w.table))/minMapEntry + 1
+	keys, start := w.firstKeys(fd, mp, max(fit, 1))
+	defer func() { w.keys = w.keys[:start] }()
+	for _, k := range keys {
 		if !w.room() {
 			w.out = append(w.out, formCut)
 			return
@@ -780,6 +1035,11 @@ func (w *walker) mapEntry(fd protoreflect.FieldDescriptor, mp protoreflect.Map, 
 			w.single(vfd, v)
 			w.out = w.sum(w.out)
 		}
+	}
+	if len(keys) < mp.Len() {
+		// The keys left out would not have fit.
+		w.cut = true
+		w.out = append(w.out, formCut)
 	}
 }
 
@@ -842,10 +1102,13 @@ func (w *walker) value(fd protoreflect.FieldDescriptor, v protoreflect.Value) {
 	case fd.IsMap():
 		mp := v.Map()
 		w.buf = binary.AppendUvarint(w.buf, uint64(mp.Len()))
-		for _, k := range sortedKeys(fd, mp) {
+		keys, start := w.sortedKeys(fd, mp)
+		for _, k := range keys {
 			w.single(fd.MapKey(), k.Value())
 			w.single(fd.MapValue(), mp.Get(k))
+			w.spill()
 		}
+		w.keys = w.keys[:start]
 	case fd.IsList():
 		l := v.List()
 		w.buf = binary.AppendUvarint(w.buf, uint64(l.Len()))
@@ -858,24 +1121,75 @@ func (w *walker) value(fd protoreflect.FieldDescriptor, v protoreflect.Value) {
 	}
 }
 
-// sortedKeys returns a map's keys in order.
-func sortedKeys(fd protoreflect.FieldDescriptor, mp protoreflect.Map) []protoreflect.MapKey {
-	keys := make([]protoreflect.MapKey, 0, mp.Len())
+// sortedKeys returns a map's keys in order, appended to w.keys from start;
+// the caller truncates w.keys back to start when done.
+func (w *walker) sortedKeys(fd protoreflect.FieldDescriptor, mp protoreflect.Map) (keys []protoreflect.MapKey, start int) {
+	return w.firstKeys(fd, mp, mp.Len())
+}
+
+// firstKeys is sortedKeys for the n first keys only: of a map much larger
+// than n, it keeps the n first in a heap rather than sorting them all.
+func (w *walker) firstKeys(fd protoreflect.FieldDescriptor, mp protoreflect.Map, n int) (keys []protoreflect.MapKey, start int) {
+	order := keyOrder(fd)
+	start = len(w.keys)
+	if mp.Len() <= 2*n {
+		w.keys = slices.Grow(w.keys, mp.Len())
+		mp.Range(func(k protoreflect.MapKey, _ protoreflect.Value) bool {
+			w.keys = append(w.keys, k)
+			return true
+		})
+		keys = w.keys[start:]
+		slices.SortFunc(keys, order)
+		return keys, start
+	}
+	// A max-heap of the n first keys met.
+	w.keys = slices.Grow(w.keys, n)
 	mp.Range(func(k protoreflect.MapKey, _ protoreflect.Value) bool {
-		keys = append(keys, k)
+		h := w.keys[start:]
+		if len(h) < n {
+			w.keys = append(w.keys, k)
+			h = w.keys[start:]
+			for i := len(h) - 1; i > 0 && order(h[(i-1)/2], h[i]) < 0; i = (i - 1) / 2 {
+				h[i], h[(i-1)/2] = h[(i-1)/2], h[i]
+			}
+			return true
+		}
+		if order(k, h[0]) >= 0 {
+			return true
+		}
+		h[0] = k
+		for i := 0; ; {
+			c := 2*i + 1
+			if c >= len(h) {
+				break
+			}
+			if c+1 < len(h) && order(h[c], h[c+1]) < 0 {
+				c++
+			}
+			if order(h[i], h[c]) >= 0 {
+				break
+			}
+			h[i], h[c] = h[c], h[i]
+			i = c
+		}
 		return true
 	})
+	keys = w.keys[start:]
+	slices.SortFunc(keys, order)
+	return keys, start
+}
+
+// keyOrder returns the order of a map's keys.
+func keyOrder(fd protoreflect.FieldDescriptor) func(a, b protoreflect.MapKey) int {
 	switch fd.MapKey().Kind() {
 	case protoreflect.StringKind:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return strings.Compare(a.String(), b.String()) })
+		return func(a, b protoreflect.MapKey) int { return strings.Compare(a.String(), b.String()) }
 	case protoreflect.BoolKind:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return cmp.Compare(b2i(a.Bool()), b2i(b.Bool())) })
+		return func(a, b protoreflect.MapKey) int { return cmp.Compare(b2i(a.Bool()), b2i(b.Bool())) }
 	case protoreflect.Uint32Kind, protoreflect.Uint64Kind, protoreflect.Fixed32Kind, protoreflect.Fixed64Kind:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Uint(), b.Uint()) })
-	default:
-		slices.SortFunc(keys, func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Int(), b.Int()) })
+		return func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Uint(), b.Uint()) }
 	}
-	return keys
+	return func(a, b protoreflect.MapKey) int { return cmp.Compare(a.Int(), b.Int()) }
 }
 
 func b2i(b bool) int {
@@ -958,8 +1272,8 @@ func floatBits(f float64) uint64 {
 // message writes m whole, for a leaf: its fields present in number order,
 // each as number, tag and value, then a 0 (no field's number). So that
 // the hash depends on the schema alone (its digest), extensions are left
-// out and an Any counts as its type name and canonical bytes, never as
-// the message it packs.
+// out (a leaf hashes them apart: see extensions) and an Any counts as its
+// type name and canonical bytes, never as the message it packs.
 func (w *walker) message(m protoreflect.Message) {
 	p := planOf(m.Descriptor())
 	if p.isAny {
@@ -1095,6 +1409,8 @@ func (c *canonical) level(b []byte, depth int) (sum [sha256.Size]byte, ok bool) 
 type msgPlan struct {
 	fields           []fieldPlan // by declaration index (fd.Index())
 	isAny            bool
+	extensible       bool    // it has extension ranges
+	mayExtend        bool    // it or a message below it has some
 	anyURL, anyValue int     // an Any's fields, by index
 	digest           [8]byte // of the message as a leaf (schemaDigest)
 	row              []byte  // the fields it knows (see the format)
@@ -1170,7 +1486,8 @@ func planOf(md protoreflect.MessageDescriptor) *msgPlan {
 		return p.(*msgPlan)
 	}
 	fields := md.Fields()
-	p := &msgPlan{fields: make([]fieldPlan, fields.Len()), isAny: isAny(md), digest: schemaDigest(md)}
+	p := &msgPlan{fields: make([]fieldPlan, fields.Len()), isAny: isAny(md), digest: schemaDigest(md),
+		extensible: md.ExtensionRanges().Len() > 0, mayExtend: mayExtend(md)}
 	for i := range p.fields {
 		p.fields[i] = makeFieldPlan(fields.Get(i))
 	}
@@ -1210,7 +1527,7 @@ func encodeRow(fields []fieldPlan) []byte {
 			runs = append(runs, []*fieldPlan{f})
 		}
 	}
-	b := binary.AppendUvarint(nil, uint64(len(runs)))
+	b := binary.AppendUvarint([]byte{rowRuns}, uint64(len(runs)))
 	for _, run := range runs {
 		f := run[0]
 		b = binary.AppendUvarint(b, uint64(f.number))
@@ -1228,6 +1545,11 @@ func encodeRow(fields []fieldPlan) []byte {
 			b = append(b, f.enum[:]...)
 		}
 	}
+	if len(b) > maxRowLen {
+		// Too wide to list: two of one schema still compare every field.
+		sum := sha256.Sum256(b)
+		return append([]byte{rowDigest}, sum[:digestLen]...)
+	}
 	return b
 }
 
@@ -1239,6 +1561,30 @@ func isAny(md protoreflect.MessageDescriptor) bool {
 	return md.FullName() == "google.protobuf.Any" &&
 		url != nil && url.Kind() == protoreflect.StringKind && !url.IsList() &&
 		value != nil && value.Kind() == protoreflect.BytesKind && !value.IsList()
+}
+
+// mayExtend reports whether md, or a message type its fields reach, has
+// extension ranges.
+func mayExtend(md protoreflect.MessageDescriptor) bool {
+	seen := map[protoreflect.FullName]bool{}
+	var reach func(protoreflect.MessageDescriptor) bool
+	reach = func(md protoreflect.MessageDescriptor) bool {
+		if seen[md.FullName()] {
+			return false
+		}
+		seen[md.FullName()] = true
+		if md.ExtensionRanges().Len() > 0 {
+			return true
+		}
+		fields := md.Fields()
+		for i := range fields.Len() {
+			if sub := fields.Get(i).Message(); sub != nil && reach(sub) {
+				return true
+			}
+		}
+		return false
+	}
+	return reach(md)
 }
 
 // schemaDigests caches schemaDigest by descriptor.
