@@ -52,18 +52,10 @@ func main() {
 	logger := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	var lis listeners
-	for _, l := range []struct {
-		addr string
-		dst  *net.Listener
-	}{{cfg.addr, &lis.grpc}, {cfg.httpAddr, &lis.http}, {cfg.metricsAddr, &lis.metrics}, {cfg.providerAddr, &lis.provider}} {
-		if l.addr == "" {
-			continue
-		}
-		if *l.dst, err = net.Listen("tcp", l.addr); err != nil {
-			logger.Error("listen", "addr", l.addr, "err", err)
-			os.Exit(1)
-		}
+	lis, err := openListeners(cfg)
+	if err != nil {
+		logger.Error("listen", "err", err)
+		os.Exit(1)
 	}
 	if err := run(ctx, lis, cfg, logger); err != nil {
 		logger.Error("server stopped", "err", err)
@@ -107,6 +99,34 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 // listeners are where the server serves; all but grpc may be nil.
 type listeners struct {
 	grpc, http, metrics, provider net.Listener
+}
+
+// openListeners listens on the addresses of cfg; an empty one is left nil.
+func openListeners(cfg config) (listeners, error) {
+	var lis listeners
+	for _, l := range []struct {
+		addr string
+		dst  *net.Listener
+	}{{cfg.addr, &lis.grpc}, {cfg.httpAddr, &lis.http}, {cfg.metricsAddr, &lis.metrics}, {cfg.providerAddr, &lis.provider}} {
+		if l.addr == "" {
+			continue
+		}
+		var err error
+		if *l.dst, err = net.Listen("tcp", l.addr); err != nil {
+			lis.close()
+			return listeners{}, err
+		}
+	}
+	return lis, nil
+}
+
+// close closes the listeners that are open, for a start that failed.
+func (lis listeners) close() {
+	for _, l := range []net.Listener{lis.grpc, lis.http, lis.metrics, lis.provider} {
+		if l != nil {
+			_ = l.Close()
+		}
+	}
 }
 
 // run serves until ctx is done, then stops gracefully.
