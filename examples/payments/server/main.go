@@ -7,7 +7,13 @@
 //	go -C examples/payments run ./server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -metrics-addr 127.0.0.1:9464 -database-url "$DATABASE_URL"
 //
 // Without -provider-url it serves the provider itself, on -provider-addr
-// (its own HTTP server, key table and charges table, in the same database).
+// (its own HTTP server, pool, key table and charges table, in the same
+// database), a free port by default, so that replicas on one host start
+// with the same flags.
+//
+// Its pool has -max-charges connections for charges, and a few more for
+// everything else: a charge holds its connection while it waits for the
+// provider.
 //
 // It migrates its tables on start, registers gRPC server reflection (so
 // grpcurl can list and call it), logs one structured line per keyed call,
@@ -25,6 +31,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -67,7 +74,13 @@ type config struct {
 	addr, httpAddr, metricsAddr, databaseURL string
 	providerURL, providerAddr                string
 	outbox                                   bool
+	maxCharges                               int
 }
+
+// poolReserve is the connections of the server's pool beyond -max-charges:
+// for GetBalance, the key cleaner, the migrations and, with -outbox,
+// River's listener and worker, which then find one while charges hold theirs.
+const poolReserve = 4
 
 // parseFlags reads the command line. The database URL's default comes
 // from $DATABASE_URL, and -h shows it with the password masked.
@@ -78,14 +91,19 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.StringVar(&c.metricsAddr, "metrics-addr", "127.0.0.1:9464", "address to serve Prometheus metrics on, at GET /metrics; empty disables it")
 	fs.StringVar(&c.databaseURL, "database-url", "", dburl.Usage())
 	fs.StringVar(&c.providerURL, "provider-url", "", "base URL of the payment provider to charge; empty serves the example provider in this process on -provider-addr")
-	fs.StringVar(&c.providerAddr, "provider-addr", "127.0.0.1:8090", "address to serve the example provider on when -provider-url is empty; both empty keep charges in the ledger only")
+	fs.StringVar(&c.providerAddr, "provider-addr", "127.0.0.1:0", "address to serve the example provider on when -provider-url is empty (the default, a free port, is logged); both empty keep charges in the ledger only")
 	fs.BoolVar(&c.outbox, "outbox", false, "charge the provider from a River worker after each call commits, instead of inside the call")
+	fs.IntVar(&c.maxCharges, "max-charges", 32, fmt.Sprintf("charges to run at once, each on a database connection of its own (held while it waits for the provider); the pool has this many plus %d, and further charges wait for one, holding none", poolReserve))
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
 	if c.addr == "" {
 		fmt.Fprintln(fs.Output(), "-addr must not be empty")
 		return c, errors.New("empty -addr")
+	}
+	if c.maxCharges < 1 {
+		fmt.Fprintln(fs.Output(), "-max-charges must be at least 1")
+		return c, errors.New("-max-charges < 1")
 	}
 	if c.databaseURL == "" {
 		c.databaseURL = dburl.URL()
@@ -131,7 +149,7 @@ func (lis listeners) close() {
 
 // run serves until ctx is done, then stops gracefully.
 func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) error {
-	defer lis.grpc.Close()
+	defer lis.close()
 	tracer := payments.LogTracer(logger)
 	var metricsHandler http.Handler
 	if lis.metrics != nil {
@@ -152,9 +170,9 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 		metricsHandler = promhttp.HandlerFor(registry, promhttp.HandlerOpts{})
 	}
 
-	pool, err := pgxpool.New(ctx, cfg.databaseURL)
+	pool, err := openPool(ctx, cfg.databaseURL, int32(cfg.maxCharges+poolReserve))
 	if err != nil {
-		return fmt.Errorf("database: %w", err)
+		return err
 	}
 	defer pool.Close()
 	store, err := idempotency.NewStore(pool, idempotency.WithTracer(tracer))
@@ -171,11 +189,11 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 	}()
 	defer func() { <-cleaned }()
 
-	svc, providerHandler, stopOutbox, err := chargePath(ctx, pool, cfg, lis, logger)
+	svc, providerHandler, stopCharges, err := chargePath(ctx, pool, cfg, lis, logger)
+	defer stopCharges()
 	if err != nil {
 		return err
 	}
-	defer stopOutbox()
 	srv := payments.NewGRPCServer(svc, store)
 	reflection.Register(srv)
 	served := make(chan error, 4)
@@ -231,22 +249,53 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 	return nil
 }
 
+// openPool connects to the database with a pool of maxConns connections.
+// A pool_max_conns in the URL is refused rather than overridden: the pool
+// is sized from -max-charges.
+func openPool(ctx context.Context, databaseURL string, maxConns int32) (*pgxpool.Pool, error) {
+	pcfg, err := pgxpool.ParseConfig(databaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("-database-url: %w", err)
+	}
+	if strings.Contains(databaseURL, "pool_max_conns") {
+		return nil, errors.New("-database-url sets pool_max_conns: size the pool with -max-charges instead")
+	}
+	pcfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("database: %w", err)
+	}
+	return pool, nil
+}
+
 // chargePath builds the PaymentService with its way to the provider: the
 // provider's own handler when this process serves it, and the outbox's
-// worker when -outbox; stop stops the worker.
+// worker when -outbox; stop stops the worker and closes the provider's
+// pool.
 func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listeners, logger *slog.Logger) (svc *payments.Server, providerHandler http.Handler, stop func(), err error) {
 	stop = func() {}
 	url := cfg.providerURL
 	if lis.provider != nil {
-		pstore, err := provider.NewStore(pool, idempotency.WithTracer(payments.LogTracer(logger.With("service", "provider"))))
+		// The provider stands for another service, with connections of its
+		// own: on the service's pool, charges holding every connection
+		// while they wait for the provider would leave it none to answer
+		// them with. Its handler waits for nothing while it holds one, so
+		// pgx's default size serves any number of charges, a few at a time.
+		ppool, err := pgxpool.New(ctx, cfg.databaseURL)
+		if err != nil {
+			return nil, nil, stop, fmt.Errorf("provider database: %w", err)
+		}
+		pstore, err := provider.NewStore(ppool, idempotency.WithTracer(payments.LogTracer(logger.With("service", "provider"))))
 		if err == nil {
-			err = provider.Migrate(ctx, pool, pstore)
+			err = provider.Migrate(ctx, ppool, pstore)
 		}
 		if err != nil {
+			ppool.Close()
 			return nil, nil, stop, fmt.Errorf("provider: %w", err)
 		}
 		providerHandler = provider.NewHandler(pstore)
 		url = "http://" + lis.provider.Addr().String()
+		stop = ppool.Close
 	}
 	if url == "" {
 		return payments.NewServer(pool), nil, stop, nil
@@ -265,12 +314,14 @@ func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listene
 	if err != nil {
 		return nil, nil, stop, err
 	}
+	closeProvider := stop
 	stop = func() {
 		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		if err := ob.Stop(sctx); err != nil {
 			logger.Warn("outbox worker stopped", "err", err)
 		}
+		closeProvider()
 	}
 	return payments.NewServer(pool, payments.WithOutbox(ob)), providerHandler, stop, nil
 }
