@@ -92,14 +92,7 @@ func TestAdv2FPDeepLeafComparesExtensions(t *testing.T) {
 		Extension: []*descriptorpb.FieldDescriptorProto{ext},
 	}, nil)
 	require.NoError(t, err)
-	types := new(protoregistry.Types)
-	require.NoError(t, types.RegisterExtension(dynamicpb.NewExtensionType(fd.Extensions().Get(0))))
-	md := fd.Messages().ByName("M")
-	fp := func(wire []byte) []byte {
-		m := dynamicpb.NewMessage(md)
-		require.NoError(t, proto.UnmarshalOptions{Resolver: types}.Unmarshal(wire, m))
-		return mustFP(t, m)
-	}
+	md, fp := extensionFingerprinter(t, fd)
 	var nest func(levels int, surcharge uint64) []byte
 	nest = func(levels int, surcharge uint64) []byte {
 		b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 1)

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protodesc"
+	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
@@ -146,14 +147,7 @@ func TestAdv2FPExtensionSetOnOneSideOnlyOnOneBuildIsAnotherRequest(t *testing.T)
 		Extension: []*descriptorpb.FieldDescriptorProto{gift},
 	}, nil)
 	require.NoError(t, err)
-	types := new(protoregistry.Types)
-	require.NoError(t, types.RegisterExtension(dynamicpb.NewExtensionType(fd.Extensions().Get(0))))
-	md := fd.Messages().ByName("M")
-	fp := func(wire []byte) []byte {
-		m := dynamicpb.NewMessage(md)
-		require.NoError(t, proto.UnmarshalOptions{Resolver: types}.Unmarshal(wire, m))
-		return mustFP(t, m)
-	}
+	md, fp := extensionFingerprinter(t, fd)
 	sku := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 1)
 	ext := func(v uint64) []byte {
 		return protowire.AppendVarint(protowire.AppendTag(slicesClone(sku), 100, protowire.VarintType), v)
@@ -167,4 +161,19 @@ func TestAdv2FPExtensionSetOnOneSideOnlyOnOneBuildIsAnotherRequest(t *testing.T)
 	require.True(t, sameRequest(fp(ext(500)), mustFP(t, undecoded)),
 		"the same bytes on a build that does not link the extension in: the same request")
 	require.True(t, sameRequest(mustFP(t, undecoded), fp(ext(500))))
+}
+
+// extensionFingerprinter returns message M of fd and a function that
+// fingerprints M decoded from wire on a build that links fd's first
+// extension in.
+func extensionFingerprinter(t *testing.T, fd protoreflect.FileDescriptor) (protoreflect.MessageDescriptor, func(wire []byte) []byte) {
+	t.Helper()
+	types := new(protoregistry.Types)
+	require.NoError(t, types.RegisterExtension(dynamicpb.NewExtensionType(fd.Extensions().Get(0))))
+	md := fd.Messages().ByName("M")
+	return md, func(wire []byte) []byte {
+		m := dynamicpb.NewMessage(md)
+		require.NoError(t, proto.UnmarshalOptions{Resolver: types}.Unmarshal(wire, m))
+		return mustFP(t, m)
+	}
 }

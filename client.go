@@ -205,7 +205,8 @@ func WithPerAttemptTimeout(d time.Duration) ClientOption {
 
 func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		key, inMetadata, err := o.keyFor(ctx, method, req)
+		pol := policyForRequest(method, req)
+		key, inMetadata, err := o.keyWith(ctx, method, pol)
 		if err != nil {
 			return err
 		}
@@ -213,7 +214,7 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 			if c, ok := opt.(captureKey); ok && c.dst != nil {
 				*c.dst = key
 				if key == "" {
-					*c.dst = requestKey(method, req)
+					*c.dst = pol.requestKey(req)
 				}
 			}
 		}
@@ -222,7 +223,7 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 		}
 		switch {
 		case !retryHints:
-		case key == "" && !policyForRequest(method, req).retrySafeWithoutKey():
+		case key == "" && !pol.retrySafeWithoutKey():
 			// Nothing would deduplicate a retry of this call.
 			opts = append(opts, retry.Disable())
 		default:
@@ -238,8 +239,7 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 
 // requestKey is the key a request carries in its method's key_field, ""
 // when the method has none or the request is not a proto message.
-func requestKey(method string, req any) string {
-	pol := policyForRequest(method, req)
+func (pol methodPolicy) requestKey(req any) string {
 	m, ok := req.(proto.Message)
 	if pol.keyField == nil || !ok {
 		return ""
@@ -247,9 +247,9 @@ func requestKey(method string, req any) string {
 	return pol.keyFromField(m)
 }
 
-// keyFor picks the key of a call; "" means the call needs none.
-func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (key string, inMetadata bool, err error) {
-	pol := policyForRequest(method, req)
+// keyWith picks the key of a call of a method with policy pol; "" means
+// the call needs none.
+func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPolicy) (key string, inMetadata bool, err error) {
 	if pol.known && pol.mode == modePassThrough && pol.err == nil {
 		// The server ignores any key of this method (MODE_DISABLED, a safe
 		// idempotency_level, gRPC's infrastructure services): so does the

@@ -98,3 +98,8 @@ func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEqual(t, "served-key", chosen, "a served call's key is not reused for outgoing calls by accident")
 }
+
+// keyFor is keyWith with the policy resolved as the interceptor resolves it.
+func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (string, bool, error) {
+	return o.keyWith(ctx, method, policyForRequest(method, req))
+}

@@ -86,16 +86,7 @@ func TestGRPCReplayIsByteIdenticalWithMaps(t *testing.T) {
 	conn := dial(t, addr)
 	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "receipt-1")
 	req := rawMessage(nil) // Req{}: the empty message
-	var raws [][]byte
-	for range 6 {
-		var out rawMessage
-		var trailer metadata.MD
-		require.NoError(t, conn.Invoke(ctx, "/dynmap.v1.Receipts/Issue", &req, &out, grpc.ForceCodecV2(rawCodec{}), grpc.Trailer(&trailer)))
-		raws = append(raws, out)
-	}
-	require.EqualValues(t, 1, e.runs.Load())
-	var stored []byte
-	require.NoError(t, e.db.Pool.QueryRow(context.Background(), `SELECT response FROM idempotency_keys WHERE key = 'receipt-1'`).Scan(&stored))
+	raws, stored := rawAnswers(t, e, conn, ctx, "/dynmap.v1.Receipts/Issue", &req, "receipt-1", 6)
 	for i, raw := range raws {
 		require.Equal(t, stored, raw, "response %d is the stored bytes (0 is the first call's)", i)
 	}
@@ -108,4 +99,19 @@ func TestGRPCReplayIsByteIdenticalWithMaps(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, stored, b, "marshalled outside, it is the stored bytes too")
 	}
+}
+
+// rawAnswers sends req n times under key (in ctx) and returns the bytes of
+// each answer as they came off the wire, and the response stored for the
+// key; the handler must have run once.
+func rawAnswers(t *testing.T, e *env, conn *grpc.ClientConn, ctx context.Context, method string, req *rawMessage, key string, n int) (raws [][]byte, stored []byte) {
+	t.Helper()
+	for range n {
+		var out rawMessage
+		require.NoError(t, conn.Invoke(ctx, method, req, &out, grpc.ForceCodecV2(rawCodec{})))
+		raws = append(raws, out)
+	}
+	require.EqualValues(t, 1, e.runs.Load(), "one run, the rest replays")
+	require.NoError(t, e.db.Pool.QueryRow(context.Background(), `SELECT response FROM idempotency_keys WHERE key = $1`, key).Scan(&stored))
+	return raws, stored
 }

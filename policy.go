@@ -54,6 +54,9 @@ type methodPolicy struct {
 	// isolation is the level of the method's transactions, "" for the
 	// store's.
 	isolation pgx.TxIsoLevel
+	// responseType is the type the method declares for its response, which
+	// a replay decodes the stored response with; nil when not known.
+	responseType protoreflect.MessageType
 }
 
 // isolationLevels maps the option's isolation to pgx's.
@@ -138,7 +141,7 @@ func resolvePolicy(fullMethod string, req protoreflect.MessageDescriptor) method
 	if md == nil {
 		return methodPolicy{}
 	}
-	p := methodPolicy{known: true}
+	p := methodPolicy{known: true, responseType: responseType(md)}
 	opts, _ := md.Options().(*descriptorpb.MethodOptions)
 	var mp *idempotencyv1.MethodPolicy
 	if opts != nil && proto.HasExtension(opts, idempotencyv1.E_Method) {
@@ -287,30 +290,13 @@ func splitMethod(fullMethod string) (svc, method string, ok bool) {
 	return strings.Cut(strings.TrimPrefix(fullMethod, "/"), "/")
 }
 
-// responseTypes caches declaredResponseType by method and request type.
-var responseTypes sync.Map // methodKey -> protoreflect.MessageType, nil when unknown
-
-// declaredResponseType returns the type a method declares for its
-// response, found as [policyForRequest] finds its policy: in the file that
-// declares the request's type, else in the global registry. A message type
-// built from that descriptor is used when the generated one is not linked
-// in. Nil when the method is not described anywhere (a hand-written
-// ServiceDesc).
-func declaredResponseType(fullMethod string, req proto.Message) protoreflect.MessageType {
-	key := methodKey{fullMethod, req.ProtoReflect().Descriptor()}
-	if mt, ok := responseTypes.Load(key); ok {
-		mt, _ := mt.(protoreflect.MessageType)
-		return mt
+// responseType returns the type md declares for its response: the
+// generated one when it is linked in, else a message type built from the
+// descriptor (a service built at run time).
+func responseType(md protoreflect.MethodDescriptor) protoreflect.MessageType {
+	out := md.Output()
+	if linked, err := protoregistry.GlobalTypes.FindMessageByName(out.FullName()); err == nil && linked.Descriptor() == out {
+		return linked
 	}
-	var mt protoreflect.MessageType
-	if md := findMethod(fullMethod, key.req); md != nil {
-		out := md.Output()
-		if linked, err := protoregistry.GlobalTypes.FindMessageByName(out.FullName()); err == nil && linked.Descriptor() == out {
-			mt = linked
-		} else {
-			mt = dynamicpb.NewMessageType(out)
-		}
-	}
-	responseTypes.Store(key, mt)
-	return mt
+	return dynamicpb.NewMessageType(out)
 }

@@ -252,14 +252,9 @@ func TestThroughPgBouncerCommitOnConnLeavesNoLock(t *testing.T) {
 		// Another client of the same PgBouncer starts a transaction now,
 		// and gets the server connection the handler just released.
 		var err error
-		if otherTx, err = other.Begin(ctx); err != nil {
+		if otherTx, err = beginOnReleasedServer(ctx, t, other, pid); err != nil {
 			return nil, err
 		}
-		var otherPID int
-		if err := otherTx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID); err != nil {
-			return nil, err
-		}
-		t.Logf("handler's server backend %d, other client's %d", pid, otherPID)
 		return wrapperspb.String("done"), nil
 	}
 	call := idempotency.Call{Key: "k", Method: "m"}
@@ -305,14 +300,9 @@ func TestThroughPgBouncerRollbackOnConnRunsOnce(t *testing.T) {
 				return nil, err
 			}
 			var err error
-			if otherTx, err = other.Begin(ctx); err != nil {
+			if otherTx, err = beginOnReleasedServer(ctx, t, other, handlerPID); err != nil {
 				return nil, err
 			}
-			var otherPID int
-			if err := otherTx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID); err != nil {
-				return nil, err
-			}
-			t.Logf("handler's server backend %d, other client's %d", handlerPID, otherPID)
 		}
 		if _, err := c.Exec(ctx, `INSERT INTO `+ledger+` (note, key) VALUES ('charge', 'k')`); err != nil {
 			return nil, err
@@ -807,4 +797,20 @@ func TestRollbackOnConnThenLostSessionIsStored(t *testing.T) {
 	require.Equal(t, idempotency.OutcomeReplayed, res.Outcome)
 	require.EqualValues(t, 1, runs.Load(), "the retry ran the handler again")
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// beginOnReleasedServer begins a transaction of another client of the same
+// PgBouncer, which takes the server connection the handler (on the backend
+// handlerPID) has just released, and logs which backend it got.
+func beginOnReleasedServer(ctx context.Context, t *testing.T, other *pgx.Conn, handlerPID int) (pgx.Tx, error) {
+	tx, err := other.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var otherPID int
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID); err != nil {
+		return tx, err // the caller's cleanup rolls it back
+	}
+	t.Logf("handler's server backend %d, other client's %d", handlerPID, otherPID)
+	return tx, nil
 }
