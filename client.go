@@ -65,10 +65,12 @@ type captureKey struct {
 // [MetadataKey], and keeps it for all of the call's attempts.
 //
 // The key is, in order: the "idempotency-key" already in the outgoing
-// metadata, the key set with [WithOutgoingKey], the key [DownstreamKey]
-// derives for the method when ctx is inside a running call (a handler
-// calling another service: a re-run of the handler sends the same key), or
-// a new UUIDv7. No key is
+// metadata, the key set with [WithOutgoingKey], when ctx is inside a
+// running call (a handler calling another service: a re-run of the handler
+// sends the same key) the key of the effect [WithEffect] names or else the
+// key [DownstreamKey] counts for the method, or a new UUIDv7. A call made
+// with the context of a call that has ended is refused with
+// [ErrCallEnded]. No key is
 // generated for methods whose .proto says they need none: the
 // (idempotency.v1.method) option with MODE_DISABLED or a key_field (the
 // request carries its key), or idempotency_level NO_SIDE_EFFECTS or
@@ -288,8 +290,8 @@ func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPo
 	if isMarkedRetry(md) {
 		return "", false, ErrChainOrder.with(method, nil)
 	}
-	if k, ok := DownstreamKey(ctx, method); ok {
-		return k, false, nil
+	if k, how, err := derivedOutgoingKey(ctx, method); how != outgoingNone || err != nil {
+		return k, false, err
 	}
 	k, err := uuid.NewV7()
 	if err != nil {

@@ -8,15 +8,169 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 )
 
-// downstreamCalls counts a running call's downstream calls per target.
-type downstreamCalls struct {
+// downstream is what a running call's downstream keys derive from, and
+// the counters of its counted keys. It lives in the call's transaction
+// (callTx), so that a call that derives no key allocates nothing for it.
+type downstream struct {
 	mu sync.Mutex
-	n  map[string]uint64
+	// base hashes what tells this operation from every other one (see
+	// downstreamBase); zero until the first key is derived.
+	base    [sha256.Size]byte
+	hasBase bool
+	n       map[string]uint64 // counted keys handed out, per target
+	// sent remembers the counted key HTTPTransport gave each request, so
+	// that a request sent again (a retrying client or transport above it
+	// calls RoundTrip once per attempt with the same *http.Request) keeps
+	// its key rather than take the next ordinal.
+	sent map[*http.Request]string
 }
 
-func (d *downstreamCalls) next(target string) uint64 {
+// Prefixes of derived keys, so that an operator reading a key table can
+// tell one from a client's key; they name the derivation's version.
+const (
+	derivedKeyPrefixV1 = "dk1-"
+	derivedKeyPrefix   = "dk2-"
+)
+
+// derivedKeySum is how many bytes of the hash a version 2 key carries:
+// 240 bits, 40 characters of base64, 44 with the prefix, within the
+// shortest limit a payment provider sets that we know of (Square's 45).
+const derivedKeySum = 30
+
+// ErrCallEnded is returned for an outgoing call made with the context of
+// an idempotent call that has ended: a goroutine the handler left running,
+// or a context kept past the handler's return. The call's keys can no
+// longer be derived (the key the call stood for may already have a stored
+// result, or run again elsewhere), so nothing is sent. Use a context of
+// the handler's own making for work that outlives the call, with a key of
+// its own ([WithOutgoingKey]).
+var ErrCallEnded = &Error{code: codes.Internal, reason: "CALL_ENDED",
+	msg: "an outgoing call was made with the context of an idempotent call that has ended; derive its key while the handler runs, or give it a key of its own"}
+
+// EffectKey returns the key of the downstream effect named name of the
+// call running in ctx, and false when no call runs in ctx (or it has
+// ended). The same name gives the same key, however many times and in
+// whatever order the handler asks, on every run of the same operation:
+// name each effect after what it does, such as "charge " + orderID or
+// "POST /v1/refunds " + itemID, and keep one name for one effect, its
+// retries included. Calls made with a context from [WithEffect] send this
+// key.
+//
+// Like every derived key, it depends on the running call's operation (see
+// [DownstreamKey]) and on nothing the handler does: not on which other
+// effects ran, nor on their order, nor on the build that runs it.
+func EffectKey(ctx context.Context, name string) (string, bool) {
+	t, ok := liveCall(ctx)
+	if !ok {
+		return "", false
+	}
+	return t.effectKey(name), true
+}
+
+// WithEffect returns ctx naming the downstream effect of the calls made
+// with it: inside a running call, [UnaryClientInterceptor], [HTTPTransport]
+// and [HTTPClient] send the key [EffectKey] gives for name, instead of a
+// counted one, unless the call carries a key of its own. A call made only
+// on some runs, calls made concurrently, and a call the handler retries
+// itself keep their keys this way. Outside a running call it changes
+// nothing. An empty name is ignored.
+func WithEffect(ctx context.Context, name string) context.Context {
+	return context.WithValue(ctx, effectName{}, name)
+}
+
+type effectName struct{}
+
+// DownstreamKey returns the key for the next call the call running in ctx
+// makes to target, and false when no call runs in ctx (or it has ended).
+// target names what is called, the same way on every run: a gRPC method,
+// "POST /v1/charges". Each call of DownstreamKey returns the next
+// ordinal's key (0, 1, ... per target): call it once per downstream call,
+// and keep the key for that call's retries. Counting is the fallback for
+// calls nobody named: a call made only on some runs, concurrent calls to
+// one target, or a retry counted as a call shift the ordinals, and a
+// re-run then sends a key under which the first run asked for something
+// else. Name effects that can happen so ([EffectKey], [WithEffect]).
+//
+// A derived key depends on the operation the running call is: its scope
+// and key with its transport (a gRPC call, an HTTP request and a message
+// with the same key derive different keys), its method, the store (its
+// table as configured, and [WithDerivedKeyNamespace]) and its request (a
+// digest of the request's encoding that does not depend on the schema the
+// binary links in, so that a deploy between a crash and its re-run keeps
+// the keys). Two operations that differ in any of them, such as a
+// corrected request sent again under a key that was released, derive
+// different keys; a re-run of the same request derives the same ones.
+// The key is "dk2-" and 40 characters of URL-safe base64 of a SHA-256 of
+// all that: 44 printable ASCII characters that contain neither the scope
+// nor the key. The hash has no secret: whoever can guess all of its inputs
+// can confirm the guess, so do not rely on derived keys to hide guessable
+// ones. A parent key used again for the same request after its record
+// expired derives the same keys as before: a client must never reuse a key
+// for another operation.
+func DownstreamKey(ctx context.Context, target string) (string, bool) {
+	t, ok := liveCall(ctx)
+	if !ok {
+		return "", false
+	}
+	return t.countedKey(target), true
+}
+
+// liveCall is the call running in ctx, while its handler runs.
+func liveCall(ctx context.Context) (*callTx, bool) {
+	t, ok := callFrom(ctx)
+	if !ok || t.ended() {
+		return nil, false
+	}
+	return t, true
+}
+
+// outgoing is how an outgoing call's key was chosen.
+type outgoing int
+
+const (
+	outgoingNone     outgoing = iota // no key: outside a running call, none chosen
+	outgoingExplicit                 // WithOutgoingKey
+	outgoingNamed                    // WithEffect inside a running call
+	outgoingCounted                  // DownstreamKey's ordinal
+)
+
+// derivedOutgoingKey is the key of an outgoing call to target made with
+// ctx that carries none of its own: named by WithEffect, or counted, when
+// ctx is inside a running call; none outside. A call that has ended is
+// ErrCallEnded.
+func derivedOutgoingKey(ctx context.Context, target string) (string, outgoing, error) {
+	t, ok := callFrom(ctx)
+	switch {
+	case !ok:
+		return "", outgoingNone, nil
+	case t.ended():
+		return "", outgoingNone, ErrCallEnded.with(target, nil)
+	}
+	if name, _ := ctx.Value(effectName{}).(string); name != "" {
+		return t.effectKey(name), outgoingNamed, nil
+	}
+	return t.countedKey(target), outgoingCounted, nil
+}
+
+func (t *callTx) effectKey(name string) string {
+	if t.attempt.s.opts.derivedKeyVersion == 1 {
+		// Version 1 had no names: a name is a target with one ordinal.
+		return deriveKeyV1(t.attempt.call.Scope, t.attempt.key, "effect "+name, 0)
+	}
+	d := &t.downstream
+	d.mu.Lock()
+	base := d.baseLocked(t.attempt)
+	d.mu.Unlock()
+	return deriveKey(base, 'n', name, 0)
+}
+
+func (t *callTx) countedKey(target string) string {
+	d := &t.downstream
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.n == nil {
@@ -24,43 +178,68 @@ func (d *downstreamCalls) next(target string) uint64 {
 	}
 	n := d.n[target]
 	d.n[target] = n + 1
-	return n
-}
-
-// derivedKeyPrefix starts every derived key, so that an operator reading a
-// key table can tell one from a client's key; it names the derivation's
-// version.
-const derivedKeyPrefix = "dk1-"
-
-// DownstreamKey returns the key for the next call the call running in ctx
-// makes to target, and false when no call runs in ctx. target names what
-// is called, the same way on every run: a gRPC method, "POST /v1/charges",
-// or a name of the handler's choosing such as "refund item-7". Each call
-// returns the next ordinal's key: call it once per downstream call, and
-// keep the key for that call's retries.
-//
-// The key is the URL-safe base64 of a SHA-256 of the running call's scope,
-// key (with its transport: a gRPC call, an HTTP request and a message with
-// the same key derive different keys), target and ordinal, after the
-// prefix "dk1-": 47 printable ASCII characters that contain neither the
-// scope nor the key. The hash has no secret: whoever can guess a parent key
-// (an order number) can confirm the guess by hashing it, so do not rely on
-// derived keys to hide guessable ones. A parent key used again for a new
-// operation after its record expired derives the same keys as before, and
-// a downstream system that still remembers them answers with the old
-// results: a client must never reuse a key for another operation. The interceptors
-// and [HTTPTransport] call it for outgoing calls that have no key of their own.
-func DownstreamKey(ctx context.Context, target string) (string, bool) {
-	t, ok := callFrom(ctx)
-	if !ok {
-		return "", false
+	if t.attempt.s.opts.derivedKeyVersion == 1 {
+		return deriveKeyV1(t.attempt.call.Scope, t.attempt.key, target, n)
 	}
-	return deriveKey(t.attempt.call.Scope, t.attempt.key, target, t.downstream.next(target)), true
+	return deriveKey(d.baseLocked(t.attempt), 'c', target, n)
 }
 
-// deriveKey hashes its inputs, each length-prefixed so that no two
-// different tuples hash the same bytes.
-func deriveKey(scope, key, target string, n uint64) string {
+// baseLocked is the hash every key of the running call derives from:
+// version, store, scope, the key as stored, method and request, each
+// length-prefixed so that no two different tuples hash the same bytes.
+func (d *downstream) baseLocked(a *attempt) [sha256.Size]byte {
+	if d.hasBase {
+		return d.base
+	}
+	h := sha256.New()
+	var b [binary.MaxVarintLen64]byte
+	o := &a.s.opts
+	req := requestDigest(a.tp.request, a.call.Fingerprint)
+	for _, s := range []string{"idempotency downstream key v2", o.derivedKeyNamespace, o.schema, o.table, a.call.Scope, a.key, a.call.Method, string(req[:])} {
+		h.Write(b[:binary.PutUvarint(b[:], uint64(len(s)))])
+		h.Write([]byte(s))
+	}
+	h.Sum(d.base[:0])
+	d.hasBase = true
+	return d.base
+}
+
+// requestDigest is what derived keys know of the request: for a proto
+// request, a hash of its encoding that ignores the order of fields at
+// every level and the schema linked in (a field this build knows and one
+// the last build held as unknown encode alike), so that a deploy between
+// a crash and its re-run derives the same keys; otherwise a hash of the
+// call's fingerprint, whose versions without a schema part are stable.
+func requestDigest(req proto.Message, fingerprint []byte) [sha256.Size]byte {
+	if req != nil {
+		if b, err := (proto.MarshalOptions{Deterministic: true}).Marshal(req); err == nil {
+			c := canonical{h: sha256.New()}
+			if sum, ok := c.sum(b, 0); ok {
+				return sum
+			}
+			return sha256.Sum256(b)
+		}
+	}
+	return sha256.Sum256(fingerprint)
+}
+
+// deriveKey hashes base, the kind of the key ('n' named, 'c' counted), its
+// name or target, and for a counted key its ordinal.
+func deriveKey(base [sha256.Size]byte, kind byte, name string, n uint64) string {
+	h := sha256.New()
+	var b [binary.MaxVarintLen64]byte
+	h.Write(base[:])
+	h.Write([]byte{kind})
+	h.Write(b[:binary.PutUvarint(b[:], uint64(len(name)))])
+	h.Write([]byte(name))
+	h.Write(b[:binary.PutUvarint(b[:], n)])
+	var sum [sha256.Size]byte
+	return derivedKeyPrefix + base64.RawURLEncoding.EncodeToString(h.Sum(sum[:0])[:derivedKeySum])
+}
+
+// deriveKeyV1 is the first derivation (WithDerivedKeyVersion(1)): scope,
+// key with its transport, target and ordinal; 47 characters.
+func deriveKeyV1(scope, key, target string, n uint64) string {
 	h := sha256.New()
 	var b [binary.MaxVarintLen64]byte
 	for _, s := range []string{"idempotency downstream key v1", scope, key, target} {
@@ -69,7 +248,7 @@ func deriveKey(scope, key, target string, n uint64) string {
 	}
 	h.Write(b[:binary.PutUvarint(b[:], n)])
 	var sum [sha256.Size]byte
-	return derivedKeyPrefix + base64.RawURLEncoding.EncodeToString(h.Sum(sum[:0]))
+	return derivedKeyPrefixV1 + base64.RawURLEncoding.EncodeToString(h.Sum(sum[:0]))
 }
 
 // HTTPTransport is an [http.RoundTripper] that sets the [HeaderKey] header on
@@ -78,24 +257,25 @@ func deriveKey(scope, key, target string, n uint64) string {
 // providers such as Stripe and Adyen, and [HTTPMiddleware]. The key is, in
 // order: the request's own header, the key of [WithOutgoingKey] in the
 // request's context, or, when the request's context is inside a running
-// call, the key [DownstreamKey] derives for the target "METHOD path" (the
-// URL's path without host or query, so that a re-run that reaches another
-// host of the same service sends the same key). Any other request is sent
-// as it is: outside a running call, nothing would make a generated key the
-// same on a retry.
+// call, the key of the effect [WithEffect] names, or else the key
+// [DownstreamKey] counts for the target "METHOD path" (the URL's path
+// without host or query, so that a re-run that reaches another host of the
+// same service sends the same key). Any other request is sent as it is:
+// outside a running call, nothing would make a generated key the same on a
+// retry ([HTTPClient] keeps one across its own retries).
 //
 //	client := &http.Client{Transport: &idempotency.HTTPTransport{}}
-//	req, _ := http.NewRequestWithContext(ctx, "POST", providerURL+"/v1/charges", body)
+//	req, _ := http.NewRequestWithContext(idempotency.WithEffect(ctx, "charge "+orderID), "POST", providerURL+"/v1/charges", body)
 //	resp, err := client.Do(req) // ctx is the handler's: the key is derived
 //
 // A redirect that keeps the method (307, 308) carries the key of the
 // request it follows, so a re-run that is not redirected sends the same
-// keys.
-//
-// A request that is retried above the transport (a retrying HTTP client
-// calls RoundTrip once per attempt) needs its key set before the first
-// attempt, in the header or with [WithOutgoingKey]; otherwise each attempt
-// counts as the next call.
+// keys. The same *http.Request sent again in one run of the call (a
+// retrying client or transport above this one that resends it) keeps its
+// counted key; a retry that builds a new request needs a name
+// ([WithEffect]) or a key set before the first attempt, or it counts as
+// the next call. A request made with the context of a call that has ended
+// is refused with [ErrCallEnded], nothing sent.
 type HTTPTransport struct {
 	// Base sends the requests; nil means [http.DefaultTransport].
 	Base http.RoundTripper
@@ -104,7 +284,8 @@ type HTTPTransport struct {
 // RoundTrip implements [http.RoundTripper]. It does not modify req: a
 // request that gets a key is sent as a shallow copy with its own header.
 // An invalid key from [WithOutgoingKey] is an error of [ErrInvalidKey] and
-// nothing is sent.
+// nothing is sent. The response's Request is the copy sent, with the key,
+// also when Base answers without one.
 func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	base := t.Base
 	if base == nil {
@@ -113,25 +294,72 @@ func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if (req.Method != http.MethodPost && req.Method != http.MethodPatch) || req.Header.Get(HeaderKey) != "" {
 		return base.RoundTrip(req)
 	}
-	ctx := req.Context()
-	key, ok := ctx.Value(outgoingKey{}).(string)
-	if ok {
-		if err := ValidateKey(key); err != nil {
-			closeBody(req)
-			return nil, keyError(err, HeaderKey, "WithOutgoingKey")
-		}
-	} else if key, ok = redirectedKey(req); ok {
-		// The key of the request the call made: a redirect is no call of
-		// its own, and must not take the next ordinal.
-	} else if key, ok = DownstreamKey(ctx, req.Method+" "+req.URL.EscapedPath()); !ok {
+	key, ok, err := httpRequestKey(req)
+	if err != nil {
+		closeBody(req)
+		return nil, err
+	}
+	if !ok {
 		return base.RoundTrip(req)
 	}
-	r := req.Clone(ctx)
+	r := req.Clone(req.Context())
 	if r.Header == nil { // a request built by hand; http.Client always sets one
 		r.Header = make(http.Header)
 	}
 	r.Header.Set(HeaderKey, headerValue(key))
-	return base.RoundTrip(r)
+	resp, err := base.RoundTrip(r)
+	if resp != nil && resp.Request == nil {
+		// http.Client builds a redirect's request on this response's
+		// Request: without it, the redirect would look like a call of its
+		// own and take the next ordinal.
+		resp.Request = r
+	}
+	return resp, err
+}
+
+// httpRequestKey is the key HTTPTransport gives req, which carries no
+// header of its own, and false for none.
+func httpRequestKey(req *http.Request) (string, bool, error) {
+	ctx := req.Context()
+	if key, ok := ctx.Value(outgoingKey{}).(string); ok {
+		if err := ValidateKey(key); err != nil {
+			return "", false, keyError(err, HeaderKey, "WithOutgoingKey")
+		}
+		return key, true, nil
+	}
+	if key, ok := redirectedKey(req); ok {
+		// The key of the request the call made: a redirect is no call of
+		// its own, and must not take the next ordinal.
+		return key, true, nil
+	}
+	if t, ok := callFrom(ctx); ok && !t.ended() {
+		if key, ok := t.downstream.resent(req); ok {
+			return key, true, nil
+		}
+	}
+	key, how, err := derivedOutgoingKey(ctx, req.Method+" "+req.URL.EscapedPath())
+	if how == outgoingCounted {
+		t, _ := callFrom(ctx)
+		t.downstream.remember(req, key)
+	}
+	return key, how != outgoingNone, err
+}
+
+// resent is the counted key req was sent with before in this run.
+func (d *downstream) resent(req *http.Request) (string, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	key, ok := d.sent[req]
+	return key, ok
+}
+
+func (d *downstream) remember(req *http.Request, key string) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.sent == nil {
+		d.sent = make(map[*http.Request]string)
+	}
+	d.sent[req] = key
 }
 
 // redirectedKey is the key the transport sent with the request that req

@@ -67,7 +67,7 @@ func requireDerived(t *testing.T, keys []string, secrets ...string) {
 	seen := map[string]bool{}
 	for _, k := range keys {
 		require.NoError(t, idempotency.ValidateKey(k), k)
-		require.True(t, strings.HasPrefix(k, "dk1-"), "a derived key: %q", k)
+		require.True(t, strings.HasPrefix(k, "dk2-"), "a derived key: %q", k)
 		require.False(t, seen[k], "keys of different downstream calls differ: %q twice", k)
 		seen[k] = true
 		for _, s := range secrets {
@@ -156,7 +156,7 @@ func TestDownstreamExplicitKeysWin(t *testing.T) {
 	require.Equal(t, "chosen-by-handler", keys[0])
 	require.Equal(t, "in-metadata", keys[1])
 	requireDerived(t, keys[2:3], "outer-1")
-	require.False(t, strings.HasPrefix(keys[3], "dk1-"), "outside a running call the key is generated: %q", keys[3])
+	require.False(t, strings.HasPrefix(keys[3], "dk2-"), "outside a running call the key is generated: %q", keys[3])
 	require.NoError(t, idempotency.ValidateKey(keys[3]))
 }
 

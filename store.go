@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -55,6 +56,25 @@ type Store struct {
 	// pooled: the store's connections reach PostgreSQL through a
 	// connection pooler (see renderStatements and finish).
 	pooled atomic.Bool
+	// config is what callTx.Config returns, made at its first use.
+	config atomic.Pointer[pgxpool.Config]
+}
+
+// poolConfig is the configuration of the store's pool: the pool's own when
+// db has one (a *pgxpool.Pool), else one around conn's settings.
+func (s *Store) poolConfig(conn *pgx.Conn) *pgxpool.Config {
+	if c := s.config.Load(); c != nil {
+		return c
+	}
+	var c *pgxpool.Config
+	if p, ok := s.db.(interface{ Config() *pgxpool.Config }); ok {
+		c = p.Config()
+	}
+	if c == nil {
+		c = &pgxpool.Config{ConnConfig: conn.Config()}
+	}
+	s.config.CompareAndSwap(nil, c)
+	return s.config.Load()
 }
 
 // NewStore returns a Store on db. The table must exist: run [Store.Migrate]
@@ -177,6 +197,10 @@ type storeOptions struct {
 	finishTimeout  time.Duration
 	isolation      pgx.TxIsoLevel
 	tracer         Tracer
+	// derivedKeyNamespace and derivedKeyVersion: see WithDerivedKeyNamespace
+	// and WithDerivedKeyVersion.
+	derivedKeyNamespace string
+	derivedKeyVersion   int
 	// noSQLCheck turns off the refusal of transaction control in a
 	// handler's SQL, for the tests that prove the key does not depend on
 	// it (export_test.go).
@@ -190,6 +214,9 @@ func defaultStoreOptions() storeOptions {
 		inProgressWait: 2 * time.Second,
 		retryDelay:     500 * time.Millisecond,
 		finishTimeout:  10 * time.Second,
+		// The newest; 1 only while a deploy upgrades from a release that
+		// derived keys the first way.
+		derivedKeyVersion: 2,
 	}
 }
 
@@ -226,6 +253,10 @@ func (o storeOptions) validate() error {
 		return fmt.Errorf("idempotency: WithSuggestedRetryDelay: must not be negative, got %v", o.retryDelay)
 	case o.finishTimeout <= 0:
 		return fmt.Errorf("idempotency: WithFinishTimeout: must be positive, got %v", o.finishTimeout)
+	case o.derivedKeyVersion != 1 && o.derivedKeyVersion != 2:
+		return fmt.Errorf("idempotency: WithDerivedKeyVersion: %d is not a version of the derivation (1 or 2)", o.derivedKeyVersion)
+	case !utf8.ValidString(o.derivedKeyNamespace):
+		return errors.New("idempotency: WithDerivedKeyNamespace: the namespace is not valid UTF-8")
 	}
 	if _, ok := beginStatements[o.isolation]; !ok {
 		return fmt.Errorf("idempotency: WithIsolation: %q is not an isolation level of pgx.TxIsoLevel", o.isolation)
@@ -244,6 +275,34 @@ func (o storeOptions) validate() error {
 // Defaults to "", the database's default_transaction_isolation.
 func WithIsolation(level pgx.TxIsoLevel) StoreOption {
 	return func(o *storeOptions) { o.isolation = level }
+}
+
+// WithDerivedKeyNamespace names the store for the keys its calls derive for
+// downstream calls ([DownstreamKey], [EffectKey]), beside its table. Set
+// it when two services (or two deployments of one) that may receive the
+// same client key and serve the same method share a key table name, so
+// that a downstream system they both call (one payment provider, one
+// merchant account) never sees their keys as one operation's. Changing it
+// changes every derived key: a call that crashed before the change and
+// runs again after it sends new keys. Defaults to "".
+func WithDerivedKeyNamespace(namespace string) StoreOption {
+	return func(o *storeOptions) { o.derivedKeyNamespace = namespace }
+}
+
+// WithDerivedKeyVersion chooses how derived keys are made. Version 2, the
+// default, derives from the whole operation (see [DownstreamKey]) and has
+// named effects ([EffectKey]); version 1, that of releases before it, from
+// the scope, the key, the target and the ordinal only, which gives two
+// operations under one client key the same downstream keys. A call whose
+// first run sent version 1 keys and that runs again under version 2 (its
+// process died before the commit, or its key was released, across the
+// deploy) sends other keys than the first run did, and a downstream
+// system charges it again: upgrade with WithDerivedKeyVersion(1), and drop
+// it in a later deploy, once no call of the old release can be run again
+// (its clients have stopped retrying it). Under version 1 an effect's name
+// is a target with one ordinal.
+func WithDerivedKeyVersion(version int) StoreOption {
+	return func(o *storeOptions) { o.derivedKeyVersion = version }
 }
 
 // WithTable sets the key table. An empty schema means the table is looked

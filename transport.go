@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
@@ -32,6 +33,9 @@ type transport struct {
 	// at COMMIT (a deferred constraint of Func's writes) is final. Nil: it
 	// releases the key.
 	finalCode func(codes.Code) bool
+	// request is the call's proto request, which derived keys digest
+	// (see requestDigest); nil: they digest the fingerprint.
+	request proto.Message
 	// trace is the transport's trace of the call, nil when the store has no
 	// tracer.
 	trace *callTrace

@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // callTx is the transaction of one idempotent call, as handlers see it. The
@@ -51,10 +52,10 @@ type callTx struct {
 	// The rows and batch results handed out, closed when the call ends.
 	rows    []pgx.Rows
 	batches []pgx.BatchResults
-	// downstream counts the run's downstream calls per target, for
-	// DownstreamKey: here rather than in a value of its own, so that a call
-	// that makes none allocates nothing for them.
-	downstream downstreamCalls
+	// downstream is what the run's downstream keys derive from (see
+	// DownstreamKey): here rather than in a value of its own, so that a
+	// call that derives none allocates nothing for them.
+	downstream downstream
 }
 
 var _ pgx.Tx = (*callTx)(nil)
@@ -80,6 +81,14 @@ func (t *callTx) close() {
 			"pgx needs them closed before the connection can run anything else. Close them (defer rows.Close()), or read them to the end. " +
 			"The key is kept with this error so that the call does not run again"
 	}
+}
+
+// ended reports whether the handler has returned: the call's context may
+// outlive it, its transaction and its keys may not.
+func (t *callTx) ended() bool {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.closed
 }
 
 // refusal is why the call must fail, "" when it need not.
@@ -303,8 +312,9 @@ func (t *callTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 // can reach a later call: a call that uses Conn costs a new connection
 // afterwards. The Conn of the call's rows (pgx.Rows.Conn) is this one. A
 // library that calls Conn only to read the connection's settings pays the
-// same: River's pgx driver does when the value it is given has no Config()
-// *pgxpool.Config method (the payments example's outbox gives it one).
+// same; a library that needs only the settings can read them from Config,
+// which River's pgx driver does, so River's InsertTx works on the call's
+// transaction as it is.
 //
 // Conn called once the call is over (by a goroutine the handler left
 // behind) cannot be refused, and the connection may be serving another call
@@ -320,6 +330,14 @@ func (t *callTx) Conn() *pgx.Conn {
 	t.handOut()
 	return t.conn
 }
+
+// Config returns the configuration of the pool the call's connection came
+// from, for code that needs the connection's settings (its query mode, its
+// type map) without the connection itself: River's pgx driver reads its
+// query mode from a Config method before it falls back on Conn. It is
+// shared by all of the store's calls: do not modify it. Reading it neither
+// hands out the connection nor costs it.
+func (t *callTx) Config() *pgxpool.Config { return t.attempt.s.poolConfig(t.conn) }
 
 // handOut notes that the handler has the connection itself, which the
 // attempt then closes when it ends. Its caller holds t.use.
@@ -645,3 +663,6 @@ func (s *savepointTx) QueryRow(ctx context.Context, sql string, args ...any) pgx
 
 // Conn is the call's connection; see callTx.Conn.
 func (s *savepointTx) Conn() *pgx.Conn { return s.call.Conn() }
+
+// Config is the call's (see callTx.Config).
+func (s *savepointTx) Config() *pgxpool.Config { return s.call.Config() }
