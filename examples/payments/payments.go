@@ -40,10 +40,10 @@ type Option func(*Server)
 
 // WithProvider makes Charge charge the payment provider through p, inside
 // the call and before it writes the ledger row: the row names the
-// provider's charge. The request to the provider carries a key derived
-// from the call's own, so a re-run of the call (after a crash before its
-// commit, or a released key) gets the provider's first charge back
-// instead of making a second.
+// provider's charge. The request to the provider carries the key of the
+// call's named effect ([ProviderChargeEffect]), derived from the call's,
+// so a re-run of the call (after a crash before its commit, or a released
+// key) gets the provider's first charge back instead of making a second.
 func WithProvider(p *provider.Client) Option { return func(s *Server) { s.provider = p } }
 
 // WithOutbox makes Charge leave the provider's charge to a worker: it
@@ -59,10 +59,10 @@ func WithAfterProvider(hook func(context.Context)) Option {
 	return func(s *Server) { s.afterProvider = hook }
 }
 
-// ProviderChargeTarget is the target of the provider's charge of a call,
-// for [idempotency.DownstreamKey]: the key [idempotency.HTTPTransport]
-// would derive for the provider's charge endpoint.
-const ProviderChargeTarget = "POST /v1/charges"
+// ProviderChargeEffect names the provider's charge of a call, for
+// [idempotency.EffectKey]: one name, so one key, for the one charge a call
+// makes, whichever way it is made and whatever else the handler calls.
+const ProviderChargeEffect = "provider charge"
 
 // Outbox takes charges for the provider in a call's transaction.
 type Outbox interface {
@@ -130,7 +130,7 @@ func (s *Server) Charge(ctx context.Context, req *paymentsv1.ChargeRequest) (*pa
 	var providerKey string
 	if s.provider != nil || s.outbox != nil {
 		var ok bool
-		if providerKey, ok = idempotency.DownstreamKey(ctx, ProviderChargeTarget); !ok {
+		if providerKey, ok = idempotency.EffectKey(ctx, ProviderChargeEffect); !ok {
 			return nil, status.Error(codes.Internal, "payments: Charge runs outside an idempotent call; serve it behind idempotency.UnaryServerInterceptor (NewGRPCServer does)")
 		}
 	}

@@ -128,7 +128,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 		"outcome=replayed",
 		"level=WARN msg=call transport=grpc method=/payments.v1.PaymentService/Charge outcome=key_reused key=server-test-1 code=FailedPrecondition",
 		"shutting down",
-		"level=INFO msg=call service=provider transport=http method=\"POST /v1/charges\" outcome=executed key=dk1-",
+		"level=INFO msg=call service=provider transport=http method=\"POST /v1/charges\" outcome=executed key=dk2-",
 	} {
 		require.Contains(t, out, want)
 	}
