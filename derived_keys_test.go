@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/testdb"
@@ -211,4 +213,61 @@ func TestDerivedKeysSurviveASchemaDeploy(t *testing.T) {
 	require.Len(t, sent, 3)
 	require.Equal(t, sent[0], sent[1], "the build that knows the field derives what the build that did not sent")
 	require.NotEqual(t, sent[0], sent[2], "a corrected request is another operation downstream")
+}
+
+// A handler that retries its own downstream gRPC call (after an error that
+// says nothing was done, or a lost answer), and makes one downstream call
+// only on some runs: the calls named with WithEffect keep their keys, so
+// the re-run's calls are replays and the downstream service executes each
+// effect once. The call made with the handler's context after the handler
+// returned is refused with ErrCallEnded; nothing reaches the service.
+func TestNamedDownstreamGRPCCallsKeepTheirKeys(t *testing.T) {
+	t.Parallel()
+	var innerKeys keyLog
+	inner := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{innerKeys.intercept}})
+	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptors(idempotency.WithRetryMax(0))...)
+	invoke := func(ctx context.Context, body string) error {
+		return innerConn.Invoke(ctx, methodCharge, wrapperspb.String(body), &wrapperspb.StringValue{})
+	}
+	var runs atomic.Int64
+	kept := make(chan context.Context, 1)
+	outer := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		run := runs.Add(1)
+		if run == 1 {
+			// Only on the first run: an unnamed, counted call.
+			if err := invoke(ctx, "audit"); err != nil {
+				return nil, err
+			}
+		}
+		charge := idempotency.WithEffect(ctx, "charge "+req.GetValue())
+		for range 2 { // the handler's own retry of the same effect
+			if err := invoke(charge, "charge"); err != nil {
+				return nil, err
+			}
+		}
+		if run == 1 {
+			select {
+			case kept <- ctx:
+			default:
+			}
+			return nil, status.Error(codes.Unavailable, "the first run fails after its downstream calls")
+		}
+		return req, nil
+	}})
+	require.Equal(t, codes.Unavailable, status.Code(outer.call(context.Background(), methodCharge, "outer-9", "order-9").err))
+	require.NoError(t, outer.call(context.Background(), methodCharge, "outer-9", "order-9").err)
+
+	keys := innerKeys.all()
+	require.Len(t, keys, 5, "audit, charge twice; then charge twice")
+	require.Equal(t, []string{keys[1], keys[1], keys[1], keys[1]}, keys[1:], "one named effect, one key, on both runs")
+	require.EqualValues(t, 2, inner.execs.Load(), "the audit and one charge")
+
+	ended := <-kept
+	err := invoke(ended, "after the call")
+	require.ErrorIs(t, err, idempotency.ErrCallEnded)
+	require.Len(t, innerKeys.all(), 5, "nothing was sent")
+	_, ok := idempotency.DownstreamKey(ended, "x")
+	require.False(t, ok, "no key from a call that has ended")
+	_, ok = idempotency.EffectKey(ended, "x")
+	require.False(t, ok)
 }
