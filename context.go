@@ -32,7 +32,11 @@ func callFrom(ctx context.Context) (*callTx, bool) {
 // TxFromContext returns the transaction of the idempotent call running in
 // ctx. Handlers write through it so their business changes commit together
 // with the stored response. The transaction's Commit and Rollback return
-// [ErrTxOwned]; nested transactions (savepoints) work as usual.
+// [ErrTxOwned]; nested transactions (savepoints) work as usual. It also has
+// a method Config() *pgxpool.Config, the pool's configuration, so that a
+// library that reads the connection's settings gets them without taking
+// the connection (Conn, which costs it): River's InsertTx works on it as
+// it is.
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 	t, ok := callFrom(ctx)
 	if !ok {
@@ -57,9 +61,9 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 // (the key the client sent, or the message's ID), on the server side. A
 // handler that calls another system (a payment provider, another service)
 // cannot take that system's effect into its transaction; the key it sends
-// there is best derived from this one ([DownstreamKey], which the client
-// interceptor and [HTTPTransport] use), so that a re-run sends the same key and
-// the other system deduplicates too.
+// there is best derived from this one ([EffectKey], [DownstreamKey], which
+// the client interceptor, [HTTPTransport] and [HTTPClient] use), so that a
+// re-run sends the same key and the other system deduplicates too.
 //
 // It does not read keys set for outgoing calls with [WithOutgoingKey].
 func CallKeyFromContext(ctx context.Context) (string, bool) {

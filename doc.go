@@ -101,31 +101,39 @@
 // transaction, so when the call runs again (its process died before the
 // commit, or a transient error released its key) they would happen again,
 // unless the second run sends them the keys the first run sent. A derived
-// key is that key: a function of the running call's scope and key, the
-// downstream target, and the ordinal of the call among the running call's
-// calls to that target (0 for the first). [UnaryClientInterceptor] and
-// [HTTPTransport] derive one for an outgoing call that has no key of its
-// own; [DownstreamKey] gives one to any other client. An explicit key
-// ([WithOutgoingKey], or the key already in the metadata or header) wins.
+// key is that key: a function of the operation the running call is (its
+// store, scope, key with its transport, method and request) and of the
+// downstream effect. Two operations never derive the same keys (two
+// services receiving one client key, a corrected request sent again under
+// a released key); a re-run of one operation derives the same ones.
 //
-// The rule a handler must follow for this to hold: on a re-run, make the
-// same downstream calls, with the same requests, in the same order per
-// target. What breaks it: a call made only on some runs (after reading a
-// clock or a random number, say) shifts the ordinals of the later calls to
-// the same target, and those go out under keys the first run used for
-// other requests; a downstream service that checks the request, as this
-// package does, refuses them as reused keys, and one that does not may
-// answer with another call's result. Concurrent calls to one target take
-// their ordinals in whatever order they happen to start: give each a target
-// of its own (the item it is about) with [DownstreamKey], or an explicit key.
-// A downstream call the handler retries itself must keep its key: capture
-// it ([CaptureKey], or the header the request was sent with) and send it
-// again with [WithOutgoingKey], or the retry counts as the next call.
+// An outgoing call's key is, in order:
+//
+//   - explicit: [WithOutgoingKey], or the key already in the metadata or
+//     the header;
+//   - named: inside a running call, the key [EffectKey] gives for the
+//     name of [WithEffect]. One name, one key: the same on every run,
+//     whatever else the handler calls, in whatever order, concurrently or
+//     not, and across the handler's own retries of that effect;
+//   - counted: inside a running call, the key [DownstreamKey] gives for
+//     the target (the gRPC method, "METHOD path" over HTTP) and the call's
+//     ordinal among the run's calls to that target. The fallback for calls
+//     nobody named: it holds only when a re-run makes the same calls to a
+//     target in the same order, and a call made only on some runs, calls
+//     made concurrently, or a retry made as a new call shift it;
+//   - outside a running call, [UnaryClientInterceptor] and [HTTPClient]
+//     generate one per logical call and keep it across that call's
+//     retries; [HTTPTransport] sends none.
+//
+// Name every effect that matters ("charge " + orderID). A call made with
+// the context of a call that has ended (a goroutine the handler left
+// running) is refused with [ErrCallEnded].
 //
 // The other way is an outbox: the handler writes the effect as a job in the
 // call's transaction (the job exists if and only if the call committed),
 // and a worker performs it under a key stored in the job, for example one
-// from [DownstreamKey]; the worker's retries send that key again.
+// from [EffectKey]; the worker's retries send that key again. River's
+// InsertTx works on the call's transaction as it is (see [TxFromContext]).
 //
 // # Client
 //
