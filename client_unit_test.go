@@ -90,7 +90,7 @@ func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 	require.False(t, ok)
 	require.Empty(t, k)
 
-	served := withCall(context.Background(), &callTx{attempt: &attempt{callRun: &callRun{call: Call{Scope: "scope", Key: "served-key"}, key: "served-key"}}})
+	served := withCall(context.Background(), &callTx{attempt: &attempt{callRun: &callRun{s: &Store{opts: defaultStoreOptions()}, tp: &transport{}, call: Call{Scope: "scope", Key: "served-key"}, key: "served-key"}}})
 	k, ok = CallKeyFromContext(served)
 	require.True(t, ok)
 	require.Equal(t, "served-key", k)
