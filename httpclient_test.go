@@ -736,3 +736,215 @@ func TestHTTPClientGivesUpWithTheKey(t *testing.T) {
 		require.EqualValues(t, 3, arrivals.Load(), "one attempt each")
 	})
 }
+
+// resending is a retrying transport of a common kind: it sends the same
+// *http.Request again after an error, its body reset from GetBody.
+type resending struct {
+	base http.RoundTripper
+	max  int
+}
+
+func (rt *resending) RoundTrip(r *http.Request) (*http.Response, error) {
+	for i := 1; ; i++ {
+		resp, err := rt.base.RoundTrip(r)
+		if err == nil || i == rt.max || r.GetBody == nil {
+			return resp, err
+		}
+		if r.Body, err = r.GetBody(); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// A retrying transport above HTTPTransport resends the request whose
+// response the network dropped: HTTPTransport gives it the key it sent it
+// with, not the next ordinal's, so the provider replays it, and the
+// call's next request still gets ordinal 1's key.
+func TestHTTPTransportBelowAResendingTransportKeepsTheKey(t *testing.T) {
+	t.Parallel()
+	p, _, addr := startH2CProvider(t, 0)
+	proxy, url := droppingProxy(t, addr, 0, 23)
+	client := &http.Client{Transport: &resending{base: &idempotency.HTTPTransport{Base: h2cTransport(t)}, max: 5}}
+	store := migratedStore(t, testdb.New(t, 2))
+	call := idempotency.Call{Key: "order-15", Method: "Checkout"}
+
+	_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		proxy.DropNextResponse()
+		for _, body := range []string{"charge a", "charge b"} {
+			if code, err := post(ctx, client, http.MethodPost, url+"/v1/charges", body); err != nil || code != http.StatusOK {
+				return nil, status.Errorf(codes.Unavailable, "%s: %d %v", body, code, err)
+			}
+		}
+		return nil, status.Error(codes.Unavailable, "release the key, so that a re-run can read the keys")
+	})
+	require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+	want := countedKeys(t, store, call, "POST /v1/charges", 2)
+	require.Equal(t, []string{want[0], want[0], want[1]}, keysOf(p), "the resent request kept its key; the next request got ordinal 1's")
+	require.EqualValues(t, 1, proxy.Stats().ResponsesDropped)
+	require.EqualValues(t, 2, p.execs.Load(), "the provider executed each charge once")
+}
+
+// bodyCloseLog is a request body that notes its closing.
+type bodyCloseLog struct {
+	io.Reader
+	closed atomic.Bool
+}
+
+func (b *bodyCloseLog) Close() error { b.closed.Store(true); return nil }
+
+// A request made with the context of a call that has ended is refused
+// with ErrCallEnded by HTTPTransport and HTTPClient, its body closed and
+// nothing sent; that context derives no keys either.
+func TestRequestsWithTheContextOfAnEndedCallAreRefused(t *testing.T) {
+	t.Parallel()
+	p := startProvider(t)
+	store := migratedStore(t, testdb.New(t, 2))
+	var ended context.Context
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "order-16", Method: "Checkout"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		ended = ctx
+		return nil, nil
+	})
+	require.NoError(t, err)
+	_, ok := idempotency.DownstreamKey(ended, "POST /v1/charges")
+	require.False(t, ok, "an ended call counts no keys")
+	_, ok = idempotency.EffectKey(ended, "charge")
+	require.False(t, ok, "an ended call names no keys")
+
+	for _, tc := range []struct {
+		name string
+		send func(*http.Request) (*http.Response, error)
+	}{
+		{"HTTPTransport", (&http.Client{Transport: &idempotency.HTTPTransport{}}).Do},
+		{"HTTPClient", fastRetries(nil).Do},
+		{"HTTPClient over HTTPTransport", fastRetries(&http.Client{Transport: &idempotency.HTTPTransport{}}).Do},
+	} {
+		for _, ctx := range []context.Context{ended, idempotency.WithEffect(ended, "charge")} {
+			body := &bodyCloseLog{Reader: strings.NewReader("late")}
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, p.url+"/v1/charges", body)
+			require.NoError(t, err)
+			resp, err := tc.send(req)
+			require.ErrorIs(t, err, idempotency.ErrCallEnded, tc.name)
+			require.Nil(t, resp)
+			require.True(t, body.closed.Load(), "%s: the body of a request that is not sent is closed", tc.name)
+		}
+	}
+	require.Empty(t, p.headers.all(), "nothing reached the provider")
+}
+
+// An invalid key, or an invalid field of the client, is refused before
+// anything is sent; an explicit key wins inside a running call.
+func TestHTTPClientRefusesBeforeSending(t *testing.T) {
+	t.Parallel()
+	p := startProvider(t)
+	hc := fastRetries(nil)
+	ctx := context.Background()
+
+	withHeader := func(vals ...string) *http.Request {
+		req := newPost(t, ctx, p.url+"/v1/charges", "x")
+		for _, v := range vals {
+			req.Header.Add(idempotency.HeaderKey, v)
+		}
+		return req
+	}
+	for name, req := range map[string]*http.Request{
+		"WithOutgoingKey": newPost(t, idempotency.WithOutgoingKey(ctx, "bad key"), p.url+"/v1/charges", "x"),
+		"header":          withHeader("bad key"),
+		"empty header":    withHeader(""),
+		"two headers":     withHeader("k-1", "k-2"),
+	} {
+		_, err := hc.Do(req)
+		require.ErrorIs(t, err, idempotency.ErrInvalidKey, name)
+		var re *idempotency.HTTPRetryError
+		require.False(t, errors.As(err, &re), "%s: nothing was attempted", name)
+	}
+	for _, bad := range []*idempotency.HTTPClient{{MaxAttempts: -1}, {Budget: -time.Second}, {BackoffBase: -1}, {BackoffBase: time.Second, BackoffMax: time.Millisecond}} {
+		_, err := bad.Do(newPost(t, ctx, p.url+"/v1/charges", "x"))
+		require.ErrorContains(t, err, "idempotency: HTTPClient: ")
+	}
+	require.Empty(t, p.headers.all(), "nothing reached the provider")
+
+	store := migratedStore(t, testdb.New(t, 2))
+	var sent []string
+	_, err := store.Execute(ctx, idempotency.Call{Key: "order-18", Method: "Checkout"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		for i, req := range []*http.Request{
+			newPost(t, idempotency.WithOutgoingKey(ctx, "chosen-18"), p.url+"/v1/charges", "chosen"),
+			func() *http.Request {
+				r := newPost(t, idempotency.WithEffect(ctx, "named"), p.url+"/v1/charges", "own")
+				r.Header.Set(idempotency.HeaderKey, `"own-18"`) // a structured-field string
+				return r
+			}(),
+		} {
+			resp, err := hc.Do(req)
+			if err != nil {
+				return nil, err
+			}
+			if body := readAll(resp); resp.StatusCode != http.StatusOK {
+				return nil, fmt.Errorf("request %d: %s %s", i, resp.Status, body)
+			}
+			sent = append(sent, sentKey(resp))
+		}
+		return nil, nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, []string{"chosen-18", `"own-18"`}, sent, "the request's own header is sent as it is")
+	require.Equal(t, []string{"POST chosen-18", `POST "own-18"`}, p.headers.all())
+}
+
+// A redirect (307) through a transport that answers without
+// Response.Request keeps the key of the request it follows, inside a
+// running call: the old address and the provider see the call's first
+// key, and the call's next request gets ordinal 1's key, as if there had
+// been no redirect. For HTTPTransport, HTTPClient, and the two stacked.
+func TestRedirectThroughATransportWithoutResponseRequestKeepsTheKey(t *testing.T) {
+	t.Parallel()
+	inner := roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		resp, err := http.DefaultTransport.RoundTrip(r)
+		if resp != nil {
+			resp.Request = nil
+		}
+		return resp, err
+	})
+	for _, tc := range []struct {
+		name string
+		send func(*http.Request) (*http.Response, error)
+	}{
+		{"HTTPTransport", (&http.Client{Transport: &idempotency.HTTPTransport{Base: inner}}).Do},
+		{"HTTPClient", fastRetries(&http.Client{Transport: inner}).Do},
+		{"HTTPClient over HTTPTransport", fastRetries(&http.Client{Transport: &idempotency.HTTPTransport{Base: inner}}).Do},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			p := startProvider(t)
+			var moved keyLog
+			old := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				moved.add(r.Header.Get(idempotency.HeaderKey))
+				http.Redirect(w, r, p.url+r.URL.Path, http.StatusTemporaryRedirect)
+			}))
+			t.Cleanup(old.Close)
+			store := migratedStore(t, testdb.New(t, 2))
+			call := idempotency.Call{Key: "order-17", Method: "Checkout"}
+
+			var sent []string
+			_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+				for i, base := range []string{old.URL, p.url} {
+					resp, err := tc.send(newPost(t, ctx, base+"/v1/charges", fmt.Sprint("charge ", i)))
+					if err != nil {
+						return nil, err
+					}
+					if body := readAll(resp); resp.StatusCode != http.StatusOK {
+						return nil, fmt.Errorf("request %d: %s %s", i, resp.Status, body)
+					}
+					require.NotNil(t, resp.Request)
+					sent = append(sent, sentKey(resp))
+				}
+				return nil, status.Error(codes.Unavailable, "release the key, so that a re-run can read the keys")
+			})
+			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			want := countedKeys(t, store, call, "POST /v1/charges", 2)
+			require.Equal(t, want[:1], moved.all(), "the old address got the call's first key")
+			require.Equal(t, []string{"POST " + want[0], "POST " + want[1]}, p.headers.all(), "the redirect kept the key and took no ordinal")
+			require.Equal(t, want, sent, "each response's Request carries its key")
+			require.EqualValues(t, 2, p.execs.Load())
+		})
+	}
+}
