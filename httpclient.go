@@ -39,14 +39,15 @@ import (
 //     [DownstreamKey] counts for the target "METHOD path", taken once per
 //     Do however many attempts it makes. These are the keys [HTTPTransport]
 //     derives, so a handler may use both. A re-run of the handler sends the
-//     same keys, and a handler that retries a call itself keeps its key by
-//     naming the effect;
+//     same keys. A handler that retries a call itself keeps its key by
+//     naming the effect (or by giving Do the same *http.Request again,
+//     which keeps its counted key for the rest of the run);
 //   - outside a running call, a new UUIDv7.
 //
 // An invalid key (in the header or from WithOutgoingKey) is an error of
-// [ErrInvalidKey], and a request made with the context of a call that has
-// ended is refused with [ErrCallEnded]: in both cases nothing is sent and
-// the request's body is closed. Other methods are sent without a key of
+// [ErrInvalidKey], and a POST or PATCH that would derive its key from the
+// context of a call that has ended is refused with [ErrCallEnded]: in both
+// cases nothing is sent and the request's body is closed. Other methods are sent without a key of
 // Do's choosing (a header the request carries is sent as it is). A Client
 // whose Transport is an HTTPTransport works the same: the request already
 // carries its key, which HTTPTransport passes through. Redirects the
@@ -124,8 +125,9 @@ type HTTPClient struct {
 // HTTPRetryError is the error of an [HTTPClient.Do] that attempted its
 // request and has no response to return.
 type HTTPRetryError struct {
-	// Key is the idempotency key every attempt carried, "" for a request
-	// sent without one. Sending the request again under this key (the
+	// Key is the idempotency key every attempt carried, as a server reads
+	// it (a structured-field string unquoted), "" for a request sent
+	// without one. Sending the request again under this key (the
 	// Idempotency-Key header, or [WithOutgoingKey]) retries the same
 	// operation.
 	Key string

@@ -152,6 +152,8 @@ func countedKeys(t *testing.T, store *idempotency.Store, call idempotency.Call, 
 // executed each one once.
 func TestHTTPClientDroppedResponsesExecuteEachRequestOnce(t *testing.T) {
 	t.Parallel()
+	// One stream per connection: a drop cuts the connection of the
+	// response it drops, and so fails only that request's attempt.
 	p, db, addr := startH2CProvider(t, 1)
 	proxy, url := droppingProxy(t, addr, 0.2, 20)
 	hc := fastRetries(&http.Client{Transport: h2cTransport(t)})
@@ -619,6 +621,39 @@ func TestHTTPClientGivesUpWithTheKey(t *testing.T) {
 		want := "POST " + re.Key + " " + body
 		require.Equal(t, []string{want, want, want}, arrivals.all(), "three attempts, one key, the whole body each time")
 		require.Empty(t, req.Header.Get(idempotency.HeaderKey), "the caller's request is not modified")
+	})
+	t.Run("the request's own key", func(t *testing.T) {
+		t.Parallel()
+		srv, arrivals := resettingServer(t)
+		hc := fastRetries(srv.Client())
+		hc.MaxAttempts = 2
+		req := newPost(t, context.Background(), srv.URL+"/v1/charges", "x")
+		req.Header.Set(idempotency.HeaderKey, `"order-19"`)
+		_, err := hc.Do(req)
+		require.Equal(t, "order-19", requireRetryError(t, err, 2).Key, "the key as the server reads it")
+		require.Equal(t, []string{`POST "order-19" x`, `POST "order-19" x`}, arrivals.all(), "the header sent as it is")
+	})
+	t.Run("the context ends during a wait", func(t *testing.T) {
+		t.Parallel()
+		var arrivals atomic.Int64
+		srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			arrivals.Add(1)
+			w.Header().Set("Retry-After", "10")
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}))
+		t.Cleanup(srv.Close)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		hc := fastRetries(srv.Client())
+		idempotency.SetHTTPClientWait(hc, func(ctx context.Context, d time.Duration) error {
+			cancel() // the caller gives up while Do waits
+			return idempotency.SleepContext(ctx, d)
+		})
+		_, err := hc.Do(newPost(t, ctx, srv.URL+"/v1/charges", "x"))
+		requireRetryError(t, err, 1)
+		require.ErrorIs(t, err, context.Canceled)
+		require.Contains(t, err.Error(), "the request's context ended while waiting to retry after 503 Service Unavailable")
+		require.EqualValues(t, 1, arrivals.Load())
 	})
 	t.Run("a GET is retried without a key", func(t *testing.T) {
 		t.Parallel()
