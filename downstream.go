@@ -291,7 +291,7 @@ func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if base == nil {
 		base = http.DefaultTransport
 	}
-	if (req.Method != http.MethodPost && req.Method != http.MethodPatch) || req.Header.Get(HeaderKey) != "" {
+	if !keyedMethod(req.Method) || req.Header.Get(HeaderKey) != "" {
 		return base.RoundTrip(req)
 	}
 	key, ok, err := httpRequestKey(req)
@@ -317,8 +317,16 @@ func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return resp, err
 }
 
-// httpRequestKey is the key HTTPTransport gives req, which carries no
-// header of its own, and false for none.
+// keyedMethod reports whether requests of method get a key: POST and
+// PATCH, the methods the IETF draft names as not idempotent.
+func keyedMethod(method string) bool {
+	return method == http.MethodPost || method == http.MethodPatch
+}
+
+// httpRequestKey is the key HTTPTransport and HTTPClient give req, which
+// carries no header of its own, and false for none: WithOutgoingKey's, the
+// key of the request a redirect follows, the key this run sent the same
+// request with before, or a derived one inside a running call.
 func httpRequestKey(req *http.Request) (string, bool, error) {
 	ctx := req.Context()
 	if key, ok := ctx.Value(outgoingKey{}).(string); ok {

@@ -1,5 +1,10 @@
 package idempotency
 
+import (
+	"context"
+	"time"
+)
+
 // WithoutSQLCheck turns off the check of a handler's SQL for transaction
 // control (txControl), for tests that prove the key's guarantee does not
 // depend on it: whatever gets past the check must still leave the key
@@ -7,3 +12,12 @@ package idempotency
 func WithoutSQLCheck() StoreOption {
 	return func(o *storeOptions) { o.noSQLCheck = true }
 }
+
+// SetHTTPClientWait makes c call wait for each of its waits between
+// attempts, instead of sleeping, so that a test sees the waits Do chose.
+func SetHTTPClientWait(c *HTTPClient, wait func(ctx context.Context, d time.Duration) error) {
+	c.wait = wait
+}
+
+// SleepContext is the wait HTTPClient uses by default.
+var SleepContext = sleepContext
