@@ -65,6 +65,11 @@ type Config struct {
 	// the ledger row is settled: the point at which a dying worker loses
 	// the provider's answer. The crash tests die there.
 	AfterProvider func(ctx context.Context)
+	// AfterSettle, when set, runs after the ledger row is settled and
+	// before River records the job's completion: the point at which a
+	// dying worker leaves a settled row behind a job that will run again.
+	// The crash tests die there.
+	AfterSettle func(ctx context.Context)
 }
 
 // Outbox enqueues provider charges in a call's transaction and, with a
@@ -167,7 +172,13 @@ func (w *worker) Work(ctx context.Context, job *river.Job[ChargeArgs]) error {
 	if w.cfg.AfterProvider != nil {
 		w.cfg.AfterProvider(ctx)
 	}
-	return payments.Settle(ctx, w.pool, a.ChargeID, ch.ID)
+	if err := payments.Settle(ctx, w.pool, a.ChargeID, ch.ID); err != nil {
+		return err
+	}
+	if w.cfg.AfterSettle != nil {
+		w.cfg.AfterSettle(ctx)
+	}
+	return nil
 }
 
 // NextRetry is the worker's own retry schedule: a fixed delay, instead of
