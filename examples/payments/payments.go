@@ -195,6 +195,41 @@ func Settle(ctx context.Context, db interface {
 	return nil
 }
 
+// LedgerEntry is a ledger row as the outbox's worker reads it before it
+// calls the provider.
+type LedgerEntry struct {
+	ChargeID    string
+	AccountID   string
+	AmountCents int64
+	// ProviderChargeID is the provider's charge the row is settled with;
+	// empty while the provider has not been charged (or its answer not
+	// recorded).
+	ProviderChargeID string
+}
+
+// Settled reports whether the row names its provider charge.
+func (e LedgerEntry) Settled() bool { return e.ProviderChargeID != "" }
+
+// ReadLedger reads the ledger row chargeID.
+func ReadLedger(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, chargeID string) (LedgerEntry, error) {
+	e := LedgerEntry{ChargeID: chargeID}
+	var providerCharge *string
+	err := db.QueryRow(ctx, `SELECT account_id, amount_cents, provider_charge_id FROM ledger WHERE charge_id = $1`, chargeID).
+		Scan(&e.AccountID, &e.AmountCents, &providerCharge)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return e, fmt.Errorf("ledger row %s: no such row (its job is committed with it, so it was deleted since)", chargeID)
+	case err != nil:
+		return e, fmt.Errorf("ledger row %s: %w", chargeID, err)
+	}
+	if providerCharge != nil {
+		e.ProviderChargeID = *providerCharge
+	}
+	return e, nil
+}
+
 // GetBalance reads the account's balance and number of charges.
 func (s *Server) GetBalance(ctx context.Context, req *paymentsv1.GetBalanceRequest) (*paymentsv1.GetBalanceResponse, error) {
 	if req.GetAccountId() == "" {

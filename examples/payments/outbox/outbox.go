@@ -156,12 +156,30 @@ type worker struct {
 	cfg  Config
 }
 
-// Work charges the provider under the job's key, then settles the ledger
-// row. A try that fails where trying again can help is retried; one the
-// provider refused for good is cancelled, so that it is never retried
-// forever.
+// Work reads the job's ledger row, and unless it is already settled,
+// charges the provider under the job's key, then settles the row. A try
+// that fails where trying again can help is retried; one the provider
+// refused for good is cancelled, so that it is never retried forever.
+//
+// The row comes first because a job runs again after its row was settled:
+// a worker that dies after settling and before River records the
+// completion leaves the job running, and River rescues it. The provider's
+// key may have expired by then (River rescues after RescueAfter, and a
+// job can wait for a worker much longer), and the provider would take
+// the key as new and charge a second time.
 func (w *worker) Work(ctx context.Context, job *river.Job[ChargeArgs]) error {
 	a := job.Args
+	row, err := payments.ReadLedger(ctx, w.pool, a.ChargeID)
+	if err != nil {
+		return err
+	}
+	if row.Settled() {
+		return nil
+	}
+	if row.AccountID != a.AccountID || row.AmountCents != a.AmountCents {
+		return fmt.Errorf("outbox: job %d charges %d cents to %s, but its ledger row %s is %d cents to %s; not charging the provider until they agree",
+			job.ID, a.AmountCents, a.AccountID, a.ChargeID, row.AmountCents, row.AccountID)
+	}
 	ch, err := w.cfg.Provider.Charge(idempotency.WithOutgoingKey(ctx, a.ProviderKey), a.AccountID, a.AmountCents)
 	if err != nil {
 		if c := status.Code(err); c == codes.InvalidArgument || c == codes.FailedPrecondition {
