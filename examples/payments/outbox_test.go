@@ -2,7 +2,11 @@ package payments_test
 
 import (
 	"context"
+	"encoding/json"
+	"log/slog"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -11,6 +15,7 @@ import (
 	"github.com/exactlyonce/idempotency/examples/payments/outbox"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
 	"github.com/exactlyonce/idempotency/examples/payments/provider"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // The outbox's worker, what it does when a job comes back to a ledger row
@@ -65,4 +70,104 @@ func TestWorkerKilledAfterSettleDoesNotChargeAgain(t *testing.T) {
 	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t), "the rescued job charged nothing")
 	require.Equal(t, map[string]int{"completed": 1}, w.jobStates(t))
 	require.EqualValues(t, 1, w.provider.executed.Load())
+}
+
+// startOutboxWith starts an outbox with a worker in this process, on cfg
+// with the world's provider, stopped when t ends.
+func (w *world) startOutboxWith(t *testing.T, cfg outbox.Config) *outbox.Outbox {
+	t.Helper()
+	cfg.Provider = w.providerClient(t)
+	ob, err := outbox.New(w.db.Pool, cfg)
+	require.NoError(t, err)
+	require.NoError(t, ob.Start(context.Background()))
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		require.NoError(t, ob.Stop(ctx))
+	})
+	return ob
+}
+
+// logLines are the JSON lines of a slog logger.
+type logLines struct{ testdb.SyncBuffer }
+
+func (l *logLines) logger() *slog.Logger {
+	return slog.New(slog.NewJSONHandler(&l.SyncBuffer, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// find returns the lines at level whose attribute key has value.
+func (l *logLines) find(t *testing.T, level slog.Level, key, value string) []map[string]any {
+	t.Helper()
+	var found []map[string]any
+	for line := range strings.Lines(l.String()) {
+		var m map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &m), line)
+		if m["level"] == level.String() && m[key] == value {
+			found = append(found, m)
+		}
+	}
+	return found
+}
+
+// The provider cannot be reached (every connection to it is reset) for
+// more tries than River's default 25, after which River used to discard
+// the job: the ledger row stayed charged, the client had been told the
+// charge was taken, and the provider was never charged. The job stays
+// waiting through the outage, the operator's list shows it with its last
+// error and its count, a Warn line names it, and when the provider comes
+// back it is charged once and the job completes.
+func TestOutboxOutageLongerThanRiversAttemptsChargesOnce(t *testing.T) {
+	// Not parallel: with its provider and child processes it needs about 30
+	// of the server's connections, and the suite stays under its budget.
+	const failuresWanted = 40 // past River's MaxAttemptsDefault, 25
+	w := newWorld(t, 0)
+	w.providerURL = "http://" + w.proxy(t, strings.TrimPrefix(w.providerURL, "http://"), 0, 1)
+	proxy := w.proxies[0]
+	proxy.SetRefusing(true)
+	var logs logLines
+	ob := w.startOutboxWith(t, outbox.Config{RetryBase: time.Millisecond, RetryCap: 10 * time.Millisecond, WarnAfter: 5, Logger: logs.logger()})
+	client := w.serve(t, payments.NewServer(w.db.Pool, payments.WithOutbox(ob)), 0)
+	resp, err := chargeUntilDone(context.Background(), client, "order-outage-1", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 900})
+	require.NoError(t, err, "the call commits its row and its job; the provider is the worker's business")
+
+	ctx := context.Background()
+	var failing []outbox.FailingCharge
+	w.waitFor(t, "the job failed more often than River's default attempts, or finished", func() bool {
+		failing, err = ob.FailingCharges(ctx, failuresWanted)
+		require.NoError(t, err)
+		states := w.jobStates(t)
+		return len(failing) > 0 || states["completed"]+states["cancelled"]+states["discarded"] > 0
+	})
+	require.Len(t, failing, 1, "jobs %v", w.jobStates(t))
+	f := failing[0]
+	require.Equal(t, resp.GetChargeId(), f.ChargeID)
+	require.Equal(t, "acct-1", f.AccountID)
+	require.EqualValues(t, 900, f.AmountCents)
+	require.GreaterOrEqual(t, f.Failures, failuresWanted)
+	require.Contains(t, f.LastError, "provider charge", "the last error is the provider's")
+	require.False(t, f.LastFailedAt.IsZero())
+	require.GreaterOrEqual(t, proxy.Stats().ConnectionsRefused, int64(failuresWanted), "every failure was a try that reached the (refusing) network")
+	require.Equal(t, counts{ledgerRows: 1}, w.counts(t))
+	all, err := ob.FailingCharges(ctx, 1)
+	require.NoError(t, err)
+	require.Len(t, all, 1)
+	warned := logs.find(t, slog.LevelWarn, "charge_id", resp.GetChargeId())
+	require.NotEmpty(t, warned, "a Warn line names the failing charge")
+	require.EqualValues(t, 5, warned[0]["failures"], "the first Warn line is at WarnAfter")
+
+	proxy.SetRefusing(false)
+	w.waitFor(t, "the job completed", func() bool {
+		states := w.jobStates(t)
+		return states["completed"]+states["cancelled"]+states["discarded"] > 0
+	})
+	require.Equal(t, map[string]int{"completed": 1}, w.jobStates(t), "never discarded")
+	w.waitSettled(t, 1)
+	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
+	require.EqualValues(t, 1, w.provider.executed.Load())
+	failing, err = ob.FailingCharges(ctx, 1)
+	require.NoError(t, err)
+	require.Empty(t, failing, "a charge leaves the list when its job succeeds")
+	var attempt, maxAttempts int
+	require.NoError(t, w.db.Pool.QueryRow(ctx, `SELECT attempt, max_attempts FROM river_job`).Scan(&attempt, &maxAttempts))
+	t.Logf("%d failed tries, %d connections refused, %d Warn lines; River's attempt %d of %d", f.Failures, proxy.Stats().ConnectionsRefused, len(warned), attempt, maxAttempts)
 }
