@@ -10,7 +10,10 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
+	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
 	"github.com/exactlyonce/idempotency/examples/payments/outbox"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
@@ -170,4 +173,42 @@ func TestOutboxOutageLongerThanRiversAttemptsChargesOnce(t *testing.T) {
 	var attempt, maxAttempts int
 	require.NoError(t, w.db.Pool.QueryRow(ctx, `SELECT attempt, max_attempts FROM river_job`).Scan(&attempt, &maxAttempts))
 	t.Logf("%d failed tries, %d connections refused, %d Warn lines; River's attempt %d of %d", f.Failures, proxy.Stats().ConnectionsRefused, len(warned), attempt, maxAttempts)
+}
+
+// The provider declines a charge above its limit with a stored 402
+// (card_declined): the client's error is ErrDeclined with gRPC code
+// InvalidArgument, the same key declines again, and no money moves. A
+// call that charges inside itself and is declined releases its key: the
+// retry runs again and reaches the provider, which repeats its decline.
+func TestProviderDeclinesAboveItsLimit(t *testing.T) {
+	w := newWorld(t, 0)
+	ctx := context.Background()
+	pc := w.providerClient(t)
+	for range 2 {
+		_, err := pc.Charge(idempotency.WithOutgoingKey(ctx, "direct-1"), "acct-1", provider.DefaultDeclineAbove+1)
+		require.ErrorIs(t, err, provider.ErrDeclined)
+		require.Equal(t, codes.InvalidArgument, status.Code(err))
+		require.Contains(t, err.Error(), provider.DeclineCode)
+	}
+	require.EqualValues(t, 1, w.provider.executed.Load())
+	require.EqualValues(t, 1, w.provider.replayed.Load(), "the decline is stored under its key")
+	ch, err := pc.Charge(idempotency.WithOutgoingKey(ctx, "direct-2"), "acct-1", provider.DefaultDeclineAbove)
+	require.NoError(t, err, "the limit itself is charged")
+	require.EqualValues(t, provider.DefaultDeclineAbove, ch.AmountCents)
+
+	client := w.serve(t, payments.NewServer(w.db.Pool, payments.WithProvider(pc)), 0)
+	req := &paymentsv1.ChargeRequest{AccountId: "acct-2", AmountCents: provider.DefaultDeclineAbove + 1}
+	for range 2 {
+		reached := w.provider.executed.Load() + w.provider.replayed.Load()
+		_, err := chargeUntilDone(ctx, client, "order-declined-in-call", req)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+		require.Contains(t, err.Error(), provider.ErrDeclined.Error())
+		require.Equal(t, reached+1, w.provider.executed.Load()+w.provider.replayed.Load(), "the call ran and reached the provider")
+	}
+	require.EqualValues(t, 2, w.provider.replayed.Load(), "the second run got the provider's stored decline")
+	require.Equal(t, counts{providerCharges: 1}, w.counts(t), "only the charge at the limit")
+	bal, n, err := payments.Balance(ctx, w.db.Pool, "acct-2")
+	require.NoError(t, err)
+	require.Zero(t, bal)
+	require.Zero(t, n)
 }
