@@ -212,3 +212,41 @@ func TestProviderDeclinesAboveItsLimit(t *testing.T) {
 	require.Zero(t, bal)
 	require.Zero(t, n)
 }
+
+// Settling a declined row, or declining a settled one, is an error that
+// changes nothing; declining a declined row again is a no-op that takes
+// nothing more out of the balance.
+func TestLedgerDeclineAndSettleRefuseEachOther(t *testing.T) {
+	w := newWorld(t, 0)
+	ctx := context.Background()
+	require.NoError(t, payments.Migrate(ctx, w.db.Pool, w.store), "Migrate runs again on its own tables")
+	settled := w.enqueueOnly(t, "order-ledger-1", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 300}).GetChargeId()
+	declined := w.enqueueOnly(t, "order-ledger-2", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 200}).GetChargeId()
+	totals := func() payments.Totals {
+		t.Helper()
+		tot, err := payments.ReadTotals(ctx, w.db.Pool, "acct-1")
+		require.NoError(t, err)
+		return tot
+	}
+	require.Equal(t, payments.Totals{BalanceCents: 500, Charges: 2}, totals())
+
+	require.NoError(t, payments.Settle(ctx, w.db.Pool, settled, "pch_1"))
+	err := payments.Decline(ctx, w.db.Pool, settled)
+	require.ErrorIs(t, err, payments.ErrLedgerConflict)
+	require.ErrorContains(t, err, "pch_1")
+
+	require.NoError(t, payments.Decline(ctx, w.db.Pool, declined))
+	require.NoError(t, payments.Decline(ctx, w.db.Pool, declined), "declining again is a no-op")
+	err = payments.Settle(ctx, w.db.Pool, declined, "pch_2")
+	require.ErrorIs(t, err, payments.ErrLedgerConflict)
+	require.ErrorContains(t, err, "pch_2")
+	row, err := payments.ReadLedger(ctx, w.db.Pool, declined)
+	require.NoError(t, err)
+	require.Equal(t, payments.LedgerEntry{ChargeID: declined, AccountID: "acct-1", AmountCents: 200, Status: payments.StatusDeclined}, row)
+	require.Equal(t, payments.Totals{BalanceCents: 300, Charges: 1, DeclinedCharges: 1}, totals())
+
+	require.ErrorIs(t, payments.Decline(ctx, w.db.Pool, "ch_none"), payments.ErrNoLedgerRow)
+	require.ErrorIs(t, payments.Settle(ctx, w.db.Pool, "ch_none", "pch_3"), payments.ErrNoLedgerRow)
+	_, err = payments.ReadLedger(ctx, w.db.Pool, "ch_none")
+	require.ErrorIs(t, err, payments.ErrNoLedgerRow)
+}
