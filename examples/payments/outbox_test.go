@@ -213,6 +213,48 @@ func TestProviderDeclinesAboveItsLimit(t *testing.T) {
 	require.Zero(t, n)
 }
 
+// A charge through the outbox above the provider's limit: the call
+// succeeds (the ledger row and the balance are committed with the job),
+// then the provider declines the worker's charge, and the worker records
+// the decline in one transaction: the row marked declined, its amount
+// taken out of the balance. GetBalance shows balance 0, no charges and one
+// declined; the provider has no charge; the job is completed after one
+// try, not retried.
+func TestOutboxDeclinedChargeIsTakenOutOfTheBalance(t *testing.T) {
+	w := newWorld(t, 0)
+	var logs logLines
+	ob := w.startOutboxWith(t, outbox.Config{RetryDelay: 20 * time.Millisecond, Logger: logs.logger()})
+	client := w.serve(t, payments.NewServer(w.db.Pool, payments.WithOutbox(ob)), 0)
+	ctx := context.Background()
+	const amount = provider.DefaultDeclineAbove + 1
+	resp, err := chargeUntilDone(ctx, client, "order-declined-outbox-1", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: amount})
+	require.NoError(t, err, "the call commits; the provider is the worker's business")
+	require.EqualValues(t, amount, resp.GetBalanceCents())
+
+	w.waitFor(t, "the job finished, or failed three times", func() bool {
+		states := w.jobStates(t)
+		failing, err := ob.FailingCharges(ctx, 3)
+		require.NoError(t, err)
+		return states["completed"]+states["cancelled"]+states["discarded"] > 0 || len(failing) > 0
+	})
+	require.Equal(t, map[string]int{"completed": 1}, w.jobStates(t))
+	bal, err := client.GetBalance(ctx, &paymentsv1.GetBalanceRequest{AccountId: "acct-1"})
+	require.NoError(t, err)
+	require.Zero(t, bal.GetBalanceCents(), "the declined amount is out of the balance")
+	require.Zero(t, bal.GetCharges(), "a declined charge is not counted as a charge")
+	require.EqualValues(t, 1, bal.GetDeclinedCharges())
+	require.Equal(t, counts{ledgerRows: 1}, w.counts(t), "no provider charge")
+	row, err := payments.ReadLedger(ctx, w.db.Pool, resp.GetChargeId())
+	require.NoError(t, err)
+	require.Equal(t, payments.StatusDeclined, row.Status)
+	require.False(t, row.Settled())
+	require.EqualValues(t, 1, w.provider.executed.Load()+w.provider.replayed.Load(), "one try reached the provider")
+	failing, err := ob.FailingCharges(ctx, 1)
+	require.NoError(t, err)
+	require.Empty(t, failing)
+	require.NotEmpty(t, logs.find(t, slog.LevelWarn, "charge_id", resp.GetChargeId()), "a Warn line names the declined charge")
+}
+
 // Settling a declined row, or declining a settled one, is an error that
 // changes nothing; declining a declined row again is a no-op that takes
 // nothing more out of the balance.

@@ -202,8 +202,10 @@ type worker struct {
 	cfg  Config
 }
 
-// Work reads the job's ledger row, and unless it is already settled,
-// charges the provider under the job's key, then settles the row.
+// Work reads the job's ledger row, and unless it is already decided
+// (settled or declined), charges the provider under the job's key, then
+// settles the row, or, when the provider declined the charge, marks the
+// row declined and takes its amount out of the balance ([payments.Decline]).
 //
 // The row comes first because a job runs again after its row was settled:
 // a worker that dies after settling and before River records the
@@ -234,20 +236,50 @@ func (w *worker) Work(ctx context.Context, job *river.Job[ChargeArgs]) (err erro
 	return w.failed(ctx, job, err)
 }
 
+// needsOperator marks an error that trying again does not mend until a
+// person changes something: the provider refused the request, or the
+// ledger disagrees with the job or with the provider. The job is still
+// tried again (the person may fix the cause), and logged at Error.
+type needsOperator struct{ error }
+
+func (e needsOperator) Unwrap() error { return e.error }
+
 func (w *worker) charge(ctx context.Context, job *river.Job[ChargeArgs]) error {
 	a := job.Args
 	row, err := payments.ReadLedger(ctx, w.pool, a.ChargeID)
+	if errors.Is(err, payments.ErrNoLedgerRow) {
+		return needsOperator{err}
+	}
 	if err != nil {
 		return err
 	}
-	if row.Settled() {
+	if row.Decided() {
 		return nil
 	}
 	if row.AccountID != a.AccountID || row.AmountCents != a.AmountCents {
-		return fmt.Errorf("outbox: job %d charges %d cents to %s, but its ledger row %s is %d cents to %s; not charging the provider until they agree",
-			job.ID, a.AmountCents, a.AccountID, a.ChargeID, row.AmountCents, row.AccountID)
+		return needsOperator{fmt.Errorf("outbox: job %d charges %d cents to %s, but its ledger row %s is %d cents to %s; not charging the provider until they agree",
+			job.ID, a.AmountCents, a.AccountID, a.ChargeID, row.AmountCents, row.AccountID)}
 	}
 	ch, err := w.cfg.Provider.Charge(idempotency.WithOutgoingKey(ctx, a.ProviderKey), a.AccountID, a.AmountCents)
+	if errors.Is(err, provider.ErrDeclined) {
+		// The call that enqueued the job raised the balance; the decline
+		// takes the amount out again, with the row marked, in one
+		// transaction. The job is then done: trying again under its key
+		// gets the same decline.
+		if derr := payments.Decline(ctx, w.pool, a.ChargeID); derr != nil {
+			return ledgerError(derr)
+		}
+		w.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "outbox: the provider declined the charge; the ledger row is marked declined and its amount taken out of the account's balance (the client was told the charge was taken)",
+			slog.Int64("job_id", job.ID),
+			slog.String("charge_id", a.ChargeID),
+			slog.String("account_id", a.AccountID),
+			slog.Int64("amount_cents", a.AmountCents),
+			slog.String("error", err.Error()))
+		return nil
+	}
+	if c := status.Code(err); c == codes.InvalidArgument || c == codes.FailedPrecondition || c == codes.Internal {
+		return needsOperator{err}
+	}
 	if err != nil {
 		return err
 	}
@@ -255,12 +287,21 @@ func (w *worker) charge(ctx context.Context, job *river.Job[ChargeArgs]) error {
 		w.cfg.AfterProvider(ctx)
 	}
 	if err := payments.Settle(ctx, w.pool, a.ChargeID, ch.ID); err != nil {
-		return err
+		return ledgerError(err)
 	}
 	if w.cfg.AfterSettle != nil {
 		w.cfg.AfterSettle(ctx)
 	}
 	return nil
+}
+
+// ledgerError marks the ledger's refusals as needing a person; a database
+// that failed is tried again like the provider.
+func ledgerError(err error) error {
+	if errors.Is(err, payments.ErrLedgerConflict) || errors.Is(err, payments.ErrNoLedgerRow) {
+		return needsOperator{err}
+	}
+	return err
 }
 
 // failuresKey names the job's metadata that [worker.failed] keeps.
@@ -312,11 +353,9 @@ func (w *worker) failed(ctx context.Context, job *river.Job[ChargeArgs], cause e
 	delay := backoff(w.cfg.RetryBase, w.cfg.RetryCap, f.Count)
 
 	level, msg := slog.LevelDebug, "outbox: the provider has not charged the job yet; trying again"
-	switch c := status.Code(cause); {
-	case c == codes.InvalidArgument || c == codes.FailedPrecondition:
-		// Trying again gives the same answer until someone changes what
-		// made it (the provider's configuration, or the charge by hand).
-		level, msg = slog.LevelError, "outbox: the provider refused the job's charge; it stays in the ledger, not charged, and is tried again until the cause (the error) is fixed"
+	switch {
+	case errors.As(cause, new(needsOperator)):
+		level, msg = slog.LevelError, "outbox: the job's charge cannot go through until the cause (the error) is fixed: the provider refused it, or the ledger disagrees; the job is tried again"
 	case f.Count >= w.cfg.WarnAfter && f.Count%w.cfg.WarnAfter == 0 && isPowerOfTwo(f.Count/w.cfg.WarnAfter):
 		level, msg = slog.LevelWarn, "outbox: the provider has not charged the job after many tries; it stays in the ledger, not charged, and is tried again (Outbox.FailingCharges lists such jobs)"
 	}
