@@ -72,7 +72,7 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 	require.Empty(t, h.Get(idempotency.ReplayedHeader))
 	var bal map[string]any
 	require.NoError(t, json.Unmarshal([]byte(body), &bal))
-	require.Equal(t, map[string]any{"account_id": "acct-1", "balance_cents": "105", "charges": "2"}, bal)
+	require.Equal(t, map[string]any{"account_id": "acct-1", "balance_cents": "105", "charges": "2", "declined_charges": "0"}, bal)
 
 	// gRPC sees the same accounts.
 	c, _ := newServiceOn(t, db, store)

@@ -107,6 +107,8 @@ CREATE TABLE IF NOT EXISTS ledger (
     created_at   timestamptz NOT NULL DEFAULT now()
 );
 ALTER TABLE ledger ADD COLUMN IF NOT EXISTS provider_charge_id text UNIQUE;
+ALTER TABLE ledger ADD COLUMN IF NOT EXISTS status text NOT NULL DEFAULT 'charged'
+    CONSTRAINT ledger_status_check CHECK (status IN ('charged', 'declined'));
 CREATE INDEX IF NOT EXISTS ledger_account_id_idx ON ledger (account_id);`)
 	return err
 }
@@ -173,40 +175,146 @@ SELECT balance_cents FROM account`, req.GetAccountId(), req.GetAmountCents(), re
 	return resp, nil
 }
 
+// The status of a ledger row: charged when the call committed it (its
+// amount is in the account's balance), declined when the provider declined
+// the outbox's charge of it afterwards ([Decline]: its amount was taken
+// out of the balance again).
+const (
+	StatusCharged  = "charged"
+	StatusDeclined = "declined"
+)
+
+// Errors of [Settle], [Decline] and [ReadLedger] that trying again does not
+// mend, for [errors.Is]: the ledger row does not exist, or it is decided
+// otherwise than the caller says (settled with another provider charge,
+// settled when declined, declined when settled). A person must look.
+var (
+	ErrNoLedgerRow    = errors.New("no such ledger row")
+	ErrLedgerConflict = errors.New("ledger conflict")
+)
+
 // Settle records, once, the provider's charge of a ledger row that the
 // outbox's worker charged. Settling it again with the same charge is a
-// no-op; with another, an error.
+// no-op; with another, an error; settling a declined row is an error too.
 func Settle(ctx context.Context, db interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, chargeID, providerChargeID string) error {
 	var current *string
-	// The row lock orders two settlements of one row: the second sees the
-	// first's charge.
-	err := db.QueryRow(ctx, `UPDATE ledger SET provider_charge_id = coalesce(provider_charge_id, $2) WHERE charge_id = $1 RETURNING provider_charge_id`,
-		chargeID, providerChargeID).Scan(&current)
+	var rowStatus string
+	// The row lock orders two settlements of one row, and a settlement and
+	// a decline: the second sees the first's outcome.
+	err := db.QueryRow(ctx, `
+UPDATE ledger SET provider_charge_id = CASE WHEN status = 'charged' THEN coalesce(provider_charge_id, $2) ELSE provider_charge_id END
+WHERE charge_id = $1 RETURNING provider_charge_id, status`,
+		chargeID, providerChargeID).Scan(&current, &rowStatus)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return fmt.Errorf("settle %s: no such ledger row", chargeID)
+		return fmt.Errorf("settle %s: %w", chargeID, ErrNoLedgerRow)
 	case err != nil:
 		return fmt.Errorf("settle %s: %w", chargeID, err)
+	case rowStatus != StatusCharged:
+		return fmt.Errorf("settle %s: %w: the ledger row is %s and its amount was taken out of the balance, but the provider answered with charge %s: "+
+			"refund %s at the provider, or charge the account again by hand", chargeID, ErrLedgerConflict, rowStatus, providerChargeID, providerChargeID)
 	case *current != providerChargeID:
-		return fmt.Errorf("settle %s: the ledger names provider charge %s, the provider answered %s", chargeID, *current, providerChargeID)
+		return fmt.Errorf("settle %s: %w: the ledger names provider charge %s, the provider answered %s", chargeID, ErrLedgerConflict, *current, providerChargeID)
 	}
 	return nil
 }
 
-// GetBalance reads the account's balance and number of charges.
+// Decline records that the provider declined the outbox's charge of the
+// ledger row chargeID, in one transaction: the row is marked declined and
+// its amount taken out of its account's balance. Declining a declined row
+// again is a no-op; declining a settled row (one that names the provider's
+// charge) is an error.
+func Decline(ctx context.Context, db interface {
+	Begin(context.Context) (pgx.Tx, error)
+}, chargeID string) error {
+	err := pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		var account, rowStatus string
+		var amount int64
+		var providerCharge *string
+		// The row lock orders the decline after a settlement of the row,
+		// and a second decline after the first.
+		err := tx.QueryRow(ctx, `SELECT account_id, amount_cents, status, provider_charge_id FROM ledger WHERE charge_id = $1 FOR UPDATE`, chargeID).
+			Scan(&account, &amount, &rowStatus, &providerCharge)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows):
+			return ErrNoLedgerRow
+		case err != nil:
+			return err
+		case providerCharge != nil:
+			return fmt.Errorf("%w: the ledger row is settled with provider charge %s: a charge the provider made cannot be declined; refund it at the provider instead", ErrLedgerConflict, *providerCharge)
+		case rowStatus == StatusDeclined:
+			return nil
+		}
+		if _, err := tx.Exec(ctx, `UPDATE ledger SET status = 'declined' WHERE charge_id = $1`, chargeID); err != nil {
+			return err
+		}
+		tag, err := tx.Exec(ctx, `UPDATE accounts SET balance_cents = balance_cents - $2 WHERE account_id = $1`, account, amount)
+		if err == nil && tag.RowsAffected() != 1 {
+			err = fmt.Errorf("its account %s has no row", account)
+		}
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("decline %s: %w", chargeID, err)
+	}
+	return nil
+}
+
+// LedgerEntry is a ledger row as the outbox's worker reads it before it
+// calls the provider.
+type LedgerEntry struct {
+	ChargeID    string
+	AccountID   string
+	AmountCents int64
+	// Status is StatusCharged or StatusDeclined.
+	Status string
+	// ProviderChargeID is the provider's charge the row is settled with;
+	// empty while the provider has not been charged (or its answer not
+	// recorded).
+	ProviderChargeID string
+}
+
+// Settled reports whether the row names its provider charge.
+func (e LedgerEntry) Settled() bool { return e.ProviderChargeID != "" }
+
+// Decided reports whether the provider's answer to the row is recorded:
+// settled or declined. The outbox's worker does not call the provider for
+// a decided row.
+func (e LedgerEntry) Decided() bool { return e.Settled() || e.Status == StatusDeclined }
+
+// ReadLedger reads the ledger row chargeID.
+func ReadLedger(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, chargeID string) (LedgerEntry, error) {
+	e := LedgerEntry{ChargeID: chargeID}
+	var providerCharge *string
+	err := db.QueryRow(ctx, `SELECT account_id, amount_cents, status, provider_charge_id FROM ledger WHERE charge_id = $1`, chargeID).
+		Scan(&e.AccountID, &e.AmountCents, &e.Status, &providerCharge)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return e, fmt.Errorf("ledger row %s: %w (a job is committed with its row, so the row was deleted since)", chargeID, ErrNoLedgerRow)
+	case err != nil:
+		return e, fmt.Errorf("ledger row %s: %w", chargeID, err)
+	}
+	if providerCharge != nil {
+		e.ProviderChargeID = *providerCharge
+	}
+	return e, nil
+}
+
+// GetBalance reads the account's balance, number of charges and number of
+// declined charges.
 func (s *Server) GetBalance(ctx context.Context, req *paymentsv1.GetBalanceRequest) (*paymentsv1.GetBalanceResponse, error) {
 	if req.GetAccountId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "account_id is required")
 	}
-	resp := &paymentsv1.GetBalanceResponse{AccountId: req.GetAccountId()}
-	var err error
-	resp.BalanceCents, resp.Charges, err = Balance(ctx, s.pool, req.GetAccountId())
+	t, err := ReadTotals(ctx, s.pool, req.GetAccountId())
 	if err != nil {
 		return nil, fmt.Errorf("balance %s: %w", req.GetAccountId(), err)
 	}
-	return resp, nil
+	return &paymentsv1.GetBalanceResponse{AccountId: req.GetAccountId(), BalanceCents: t.BalanceCents, Charges: t.Charges, DeclinedCharges: t.DeclinedCharges}, nil
 }
 
 // NewGRPCServer returns a gRPC server with the idempotency interceptors and
@@ -264,12 +372,35 @@ func truncateKey(key string) string {
 	return fmt.Sprintf("%s...(%d bytes)", key[:keep], len(key))
 }
 
-// Balance reads an account directly from the database, for checks.
+// Balance reads an account directly from the database, for checks: its
+// balance and its charges, declined ones left out of both.
 func Balance(ctx context.Context, db interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, account string) (balance, charges int64, err error) {
-	err = db.QueryRow(ctx, `
+	t, err := ReadTotals(ctx, db, account)
+	return t.BalanceCents, t.Charges, err
+}
+
+// Totals is an account as [ReadTotals] reads it.
+type Totals struct {
+	// BalanceCents is the sum of the account's charges, declined ones
+	// taken out.
+	BalanceCents int64
+	// Charges counts the account's ledger rows not declined,
+	// DeclinedCharges the declined ones.
+	Charges, DeclinedCharges int64
+}
+
+// ReadTotals reads an account in one statement (one snapshot): an unknown
+// account has zero totals.
+func ReadTotals(ctx context.Context, db interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, account string) (Totals, error) {
+	var t Totals
+	err := db.QueryRow(ctx, `
 SELECT coalesce((SELECT balance_cents FROM accounts WHERE account_id = $1), 0),
-       (SELECT count(*) FROM ledger WHERE account_id = $1)`, account).Scan(&balance, &charges)
-	return balance, charges, err
+       count(*) FILTER (WHERE status <> 'declined'),
+       count(*) FILTER (WHERE status = 'declined')
+FROM ledger WHERE account_id = $1`, account).Scan(&t.BalanceCents, &t.Charges, &t.DeclinedCharges)
+	return t, err
 }

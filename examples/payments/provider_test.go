@@ -46,6 +46,10 @@ type childConfig struct {
 	// has answered this many times (0: never), before the answer is
 	// committed anywhere.
 	KillAfterProvider int64
+	// KillAfterSettle kills a worker with SIGKILL when it has settled this
+	// many ledger rows (0: never), before River records the job's
+	// completion.
+	KillAfterSettle int64
 }
 
 func startChild(t *testing.T, c childConfig, files ...*os.File) *crashproc.Child {
@@ -70,6 +74,12 @@ func runChild() int {
 				crashproc.KillSelf()
 			}
 		}
+		var settled atomic.Int64
+		afterSettle := func(context.Context) {
+			if settled.Add(1) == c.KillAfterSettle {
+				crashproc.KillSelf()
+			}
+		}
 		ctx := context.Background()
 		pool, err := pgxpool.New(ctx, c.DatabaseURL)
 		if err != nil {
@@ -78,7 +88,7 @@ func runChild() int {
 		defer pool.Close()
 		client := &provider.Client{BaseURL: c.ProviderURL, Merchant: "test"} // the merchant of world.providerClient: one scope at the provider
 		if c.Role == "worker" {
-			ob, err := outbox.New(pool, outbox.Config{Provider: client, RescueAfter: 2 * time.Second, RetryDelay: 100 * time.Millisecond, AfterProvider: afterProvider})
+			ob, err := outbox.New(pool, outbox.Config{Provider: client, RescueAfter: 2 * time.Second, RetryDelay: 100 * time.Millisecond, AfterProvider: afterProvider, AfterSettle: afterSettle})
 			if err == nil {
 				err = ob.Start(ctx)
 			}

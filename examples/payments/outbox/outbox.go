@@ -2,16 +2,22 @@
 // its provider: a transactional outbox on River (riverqueue.com). Charge
 // enqueues a job in the idempotent call's own transaction, so the job
 // exists if and only if the call committed, and a River worker charges the
-// provider with the key stored in the job. River retries a job whose try
-// failed or whose worker died; every try sends the same key, so the
-// provider charges once.
+// provider with the key stored in the job. A job whose try failed or
+// whose worker died is tried again, with backoff, until it succeeds; every
+// try sends the same key, and the worker reads the ledger row before it
+// calls the provider, so the provider charges once.
 package outbox
 
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"runtime/debug"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -35,6 +41,10 @@ type ChargeArgs struct {
 // Kind names the job for River.
 func (ChargeArgs) Kind() string { return "payments_provider_charge" }
 
+// InsertOpts gives the job the most attempts River's column holds; the
+// worker's failed (outbox.go) explains why the job is never discarded.
+func (ChargeArgs) InsertOpts() river.InsertOpts { return river.InsertOpts{MaxAttempts: math.MaxInt16} }
+
 // Migrate creates River's tables in the connection's search_path.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	m, err := rivermigrate.New(riverpgxv5.New(pool), nil)
@@ -52,9 +62,29 @@ type Config struct {
 	Provider *provider.Client
 	// Workers is how many jobs run at once. Defaults to 4.
 	Workers int
-	// RetryDelay is the wait before a failed try is tried again. Defaults
-	// to 1 second.
+	// RetryBase is the wait before a job whose try failed is tried again,
+	// the first time; each further failure doubles it, up to RetryCap.
+	// Every wait is jittered, to between half of it and all of it, so that
+	// the jobs of one outage do not come back together. Defaults to 1
+	// second (or RetryDelay).
+	RetryBase time.Duration
+	// RetryCap is the longest wait between two tries of a job. A job is
+	// tried until it succeeds: through an outage of any length, the
+	// provider sees each waiting job about once per RetryCap. Defaults to
+	// 5 minutes (or RetryDelay).
+	RetryCap time.Duration
+	// RetryDelay, when set, is a fixed wait between tries (jittered like
+	// the others): it stands for RetryBase and RetryCap where they are not
+	// set.
 	RetryDelay time.Duration
+	// WarnAfter is how many failed tries of one job make the worker log it
+	// at Warn, and again each time the number doubles; the tries before
+	// are logged at Debug. Defaults to 10. [Outbox.FailingCharges] lists
+	// such jobs.
+	WarnAfter int
+	// Logger receives the worker's lines, and River's. Defaults to
+	// slog.Default() for the worker's and River's own default for River's.
+	Logger *slog.Logger
 	// RescueAfter is how long a job may stay running before River takes it
 	// for dead (its worker's process died) and runs it again. River looks
 	// for such jobs once at its start and then every 30 seconds, on the
@@ -65,6 +95,11 @@ type Config struct {
 	// the ledger row is settled: the point at which a dying worker loses
 	// the provider's answer. The crash tests die there.
 	AfterProvider func(ctx context.Context)
+	// AfterSettle, when set, runs after the ledger row is settled and
+	// before River records the job's completion: the point at which a
+	// dying worker leaves a settled row behind a job that will run again.
+	// The crash tests die there.
+	AfterSettle func(ctx context.Context)
 }
 
 // Outbox enqueues provider charges in a call's transaction and, with a
@@ -78,13 +113,29 @@ type Outbox struct {
 // New returns an outbox on pool. Run [Migrate] first, and Start it to work
 // jobs.
 func New(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
-	rc := &river.Config{}
+	rc := &river.Config{Logger: cfg.Logger}
 	o := &Outbox{works: cfg.Provider != nil, config: pool.Config()}
 	if o.works {
 		workers := river.NewWorkers()
 		w := &worker{pool: pool, cfg: cfg}
-		if w.cfg.RetryDelay <= 0 {
-			w.cfg.RetryDelay = time.Second
+		if w.cfg.RetryDelay > 0 {
+			w.cfg.RetryBase = cmp.Or(max(w.cfg.RetryBase, 0), w.cfg.RetryDelay)
+			w.cfg.RetryCap = cmp.Or(max(w.cfg.RetryCap, 0), w.cfg.RetryDelay)
+		}
+		if w.cfg.RetryBase <= 0 {
+			w.cfg.RetryBase = time.Second
+		}
+		if w.cfg.RetryCap <= 0 {
+			w.cfg.RetryCap = 5 * time.Minute
+		}
+		if w.cfg.RetryBase > w.cfg.RetryCap {
+			return nil, fmt.Errorf("outbox: RetryBase (%v) is longer than RetryCap (%v), the longest wait between two tries; lower RetryBase or raise RetryCap", w.cfg.RetryBase, w.cfg.RetryCap)
+		}
+		if w.cfg.WarnAfter <= 0 {
+			w.cfg.WarnAfter = 10
+		}
+		if w.cfg.Logger == nil {
+			w.cfg.Logger = slog.Default()
 		}
 		if err := river.AddWorkerSafely(workers, w); err != nil {
 			return nil, err
@@ -151,27 +202,248 @@ type worker struct {
 	cfg  Config
 }
 
-// Work charges the provider under the job's key, then settles the ledger
-// row. A try that fails where trying again can help is retried; one the
-// provider refused for good is cancelled, so that it is never retried
-// forever.
-func (w *worker) Work(ctx context.Context, job *river.Job[ChargeArgs]) error {
-	a := job.Args
-	ch, err := w.cfg.Provider.Charge(idempotency.WithOutgoingKey(ctx, a.ProviderKey), a.AccountID, a.AmountCents)
-	if err != nil {
-		if c := status.Code(err); c == codes.InvalidArgument || c == codes.FailedPrecondition {
-			return river.JobCancel(err)
+// Work reads the job's ledger row, and unless it is already decided
+// (settled or declined), charges the provider under the job's key, then
+// settles the row, or, when the provider declined the charge, marks the
+// row declined and takes its amount out of the balance ([payments.Decline]).
+//
+// The row comes first because a job runs again after its row was settled:
+// a worker that dies after settling and before River records the
+// completion leaves the job running, and River rescues it. The provider's
+// key may have expired by then (River rescues after RescueAfter, and a
+// job can wait for a worker much longer), and the provider would take
+// the key as new and charge a second time.
+//
+// A try that fails, whatever the failure, is tried again later (see
+// [worker.failed]): the call that enqueued the job told its client the
+// charge was taken, and a job given up on would leave the ledger charged
+// and the provider not.
+func (w *worker) Work(ctx context.Context, job *river.Job[ChargeArgs]) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = w.failed(ctx, job, fmt.Errorf("outbox: the worker panicked: %v\n%s", p, debug.Stack()))
 		}
+	}()
+	err = w.charge(ctx, job)
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(ctx.Err(), context.Canceled):
+		// The client is stopping (or the job was cancelled by hand): River
+		// puts the job back without counting the try.
+		return fmt.Errorf("%w: %w", ctx.Err(), err)
+	}
+	return w.failed(ctx, job, err)
+}
+
+// needsOperator marks an error that trying again does not mend until a
+// person changes something: the provider refused the request, or the
+// ledger disagrees with the job or with the provider. The job is still
+// tried again (the person may fix the cause), and logged at Error.
+type needsOperator struct{ error }
+
+func (e needsOperator) Unwrap() error { return e.error }
+
+func (w *worker) charge(ctx context.Context, job *river.Job[ChargeArgs]) error {
+	a := job.Args
+	row, err := payments.ReadLedger(ctx, w.pool, a.ChargeID)
+	if errors.Is(err, payments.ErrNoLedgerRow) {
+		return needsOperator{err}
+	}
+	if err != nil {
+		return err
+	}
+	if row.Decided() {
+		return nil
+	}
+	if row.AccountID != a.AccountID || row.AmountCents != a.AmountCents {
+		return needsOperator{fmt.Errorf("outbox: job %d charges %d cents to %s, but its ledger row %s is %d cents to %s; not charging the provider until they agree",
+			job.ID, a.AmountCents, a.AccountID, a.ChargeID, row.AmountCents, row.AccountID)}
+	}
+	ch, err := w.cfg.Provider.Charge(idempotency.WithOutgoingKey(ctx, a.ProviderKey), a.AccountID, a.AmountCents)
+	if errors.Is(err, provider.ErrDeclined) {
+		// The call that enqueued the job raised the balance; the decline
+		// takes the amount out again, with the row marked, in one
+		// transaction. The job is then done: trying again under its key
+		// gets the same decline.
+		if derr := payments.Decline(ctx, w.pool, a.ChargeID); derr != nil {
+			return ledgerError(derr)
+		}
+		w.cfg.Logger.LogAttrs(ctx, slog.LevelWarn, "outbox: the provider declined the charge; the ledger row is marked declined and its amount taken out of the account's balance (the client was told the charge was taken)",
+			slog.Int64("job_id", job.ID),
+			slog.String("charge_id", a.ChargeID),
+			slog.String("account_id", a.AccountID),
+			slog.Int64("amount_cents", a.AmountCents),
+			slog.String("error", err.Error()))
+		return nil
+	}
+	if c := status.Code(err); c == codes.InvalidArgument || c == codes.FailedPrecondition || c == codes.Internal {
+		return needsOperator{err}
+	}
+	if err != nil {
 		return err
 	}
 	if w.cfg.AfterProvider != nil {
 		w.cfg.AfterProvider(ctx)
 	}
-	return payments.Settle(ctx, w.pool, a.ChargeID, ch.ID)
+	if err := payments.Settle(ctx, w.pool, a.ChargeID, ch.ID); err != nil {
+		return ledgerError(err)
+	}
+	if w.cfg.AfterSettle != nil {
+		w.cfg.AfterSettle(ctx)
+	}
+	return nil
 }
 
-// NextRetry is the worker's own retry schedule: a fixed delay, instead of
-// River's default that grows to hours.
-func (w *worker) NextRetry(*river.Job[ChargeArgs]) time.Time {
-	return time.Now().Add(w.cfg.RetryDelay)
+// ledgerError marks the ledger's refusals as needing a person; a database
+// that failed is tried again like the provider.
+func ledgerError(err error) error {
+	if errors.Is(err, payments.ErrLedgerConflict) || errors.Is(err, payments.ErrNoLedgerRow) {
+		return needsOperator{err}
+	}
+	return err
+}
+
+// failuresKey names the job's metadata that [worker.failed] keeps.
+const failuresKey = "outbox_failures"
+
+// failures is the job's record of its failed tries.
+type failures struct {
+	Count        int       `json:"count"`
+	LastError    string    `json:"last_error"`
+	LastFailedAt time.Time `json:"last_failed_at"`
+}
+
+func readFailures(metadata []byte) failures {
+	var m struct {
+		F failures `json:"outbox_failures"`
+	}
+	_ = json.Unmarshal(metadata, &m) // River's own JSON; a job without the key has none
+	return m.F
+}
+
+// failed records the failed try in the job's metadata, logs it, and
+// snoozes the job for the backoff, so that the job is never discarded.
+//
+// River discards a job whose try returns an
+// error when the try's attempt number has reached the job's MaxAttempts
+// (25 by default: with a 1 second delay, a 30 second outage), and its
+// rescuer discards a stuck job at that attempt too. The attempt number
+// grows by one each time a worker takes the job, and goes back down by one
+// when the try ends in [river.JobSnooze]. So a failed try does not return
+// its error to River: failed records the failure in the job's metadata
+// (failuresKey: the count, the last error and when) and snoozes the job
+// for the backoff. Failures then never bring the job nearer its
+// MaxAttempts; only a worker that dies in the middle of a try does (its
+// attempt is not given back), and jobs are inserted with the largest
+// MaxAttempts River's smallint column holds, 32767 dead workers away.
+// Jobs inserted before, with River's 25, are as safe from failures.
+func (w *worker) failed(ctx context.Context, job *river.Job[ChargeArgs], cause error) error {
+	f := readFailures(job.Metadata)
+	f.Count++
+	f.LastError = cause.Error()
+	if len(f.LastError) > maxErrorBytes {
+		f.LastError = f.LastError[:maxErrorBytes] + "...(truncated)"
+	}
+	f.LastFailedAt = time.Now().UTC()
+	if err := river.MetadataSet(ctx, failuresKey, f); err != nil {
+		// Only outside a worker; the count is then lost, the job is not.
+		w.cfg.Logger.ErrorContext(ctx, "outbox: recording the failed try", slog.Int64("job_id", job.ID), slog.String("error", err.Error()))
+	}
+	delay := backoff(w.cfg.RetryBase, w.cfg.RetryCap, f.Count)
+
+	level, msg := slog.LevelDebug, "outbox: the provider has not charged the job yet; trying again"
+	switch {
+	case errors.As(cause, new(needsOperator)):
+		level, msg = slog.LevelError, "outbox: the job's charge cannot go through until the cause (the error) is fixed: the provider refused it, or the ledger disagrees; the job is tried again"
+	case f.Count >= w.cfg.WarnAfter && f.Count%w.cfg.WarnAfter == 0 && isPowerOfTwo(f.Count/w.cfg.WarnAfter):
+		level, msg = slog.LevelWarn, "outbox: the provider has not charged the job after many tries; it stays in the ledger, not charged, and is tried again (Outbox.FailingCharges lists such jobs)"
+	}
+	w.cfg.Logger.LogAttrs(ctx, level, msg,
+		slog.Int64("job_id", job.ID),
+		slog.String("charge_id", job.Args.ChargeID),
+		slog.String("account_id", job.Args.AccountID),
+		slog.Int64("amount_cents", job.Args.AmountCents),
+		slog.Int("failures", f.Count),
+		slog.Duration("next_try_in", delay),
+		slog.String("error", f.LastError))
+	return river.JobSnooze(delay)
+}
+
+// maxErrorBytes bounds the error kept in a job's metadata.
+const maxErrorBytes = 2000
+
+func isPowerOfTwo(n int) bool { return n > 0 && n&(n-1) == 0 }
+
+// backoff is the wait after the job's failures-th failed try: base doubled
+// for each failure after the first, at most limit, and jittered to between
+// half of that and all of it.
+func backoff(base, limit time.Duration, failures int) time.Duration {
+	d := limit
+	if n := failures - 1; n >= 0 && n < 62 && base <= limit>>n {
+		d = base << n
+	}
+	return d/2 + rand.N(d-d/2+1)
+}
+
+// NextRetry is the wait River uses when a try ends other than by
+// [worker.failed]'s snooze: a job whose worker died, rescued by River (each
+// rescue is in the job's errors), or a job whose arguments did not decode.
+func (w *worker) NextRetry(job *river.Job[ChargeArgs]) time.Time {
+	return time.Now().Add(backoff(w.cfg.RetryBase, w.cfg.RetryCap, readFailures(job.Metadata).Count+len(job.Errors)))
+}
+
+// FailingCharge is a charge whose job keeps failing, as
+// [Outbox.FailingCharges] lists it.
+type FailingCharge struct {
+	JobID       int64
+	ChargeID    string // the ledger row's
+	AccountID   string
+	AmountCents int64
+	// State is the job's River state: running while a worker tries it,
+	// else waiting (available, scheduled or retryable) for its next try
+	// at NextTryAt.
+	State     string
+	NextTryAt time.Time
+	// Failures is how many of the job's tries failed, LastError the error
+	// of the last one, at LastFailedAt.
+	Failures     int
+	LastError    string
+	LastFailedAt time.Time
+}
+
+// FailingCharges lists the charges whose jobs are not done and have failed
+// minFailures times or more (at least once), oldest job first: what the
+// provider has not charged although the ledger has, and why. A charge
+// leaves the list when its job succeeds.
+func (o *Outbox) FailingCharges(ctx context.Context, minFailures int) ([]FailingCharge, error) {
+	params := river.NewJobListParams().
+		Kinds(ChargeArgs{}.Kind()).
+		States("available", "pending", "retryable", "running", "scheduled").
+		Where("coalesce((metadata->'"+failuresKey+"'->>'count')::int, 0) >= @min_failures", river.NamedArgs{"min_failures": max(minFailures, 1)}).
+		OrderBy(river.JobListOrderByID, river.SortOrderAsc).
+		First(1000)
+	var list []FailingCharge
+	for {
+		res, err := o.client.JobList(ctx, params)
+		if err != nil {
+			return nil, fmt.Errorf("outbox: listing failing jobs: %w", err)
+		}
+		for _, j := range res.Jobs {
+			var a ChargeArgs
+			if err := json.Unmarshal(j.EncodedArgs, &a); err != nil {
+				return nil, fmt.Errorf("outbox: job %d: its arguments do not decode as a charge: %w", j.ID, err)
+			}
+			f := readFailures(j.Metadata)
+			list = append(list, FailingCharge{
+				JobID: j.ID, ChargeID: a.ChargeID, AccountID: a.AccountID, AmountCents: a.AmountCents,
+				State: string(j.State), NextTryAt: j.ScheduledAt,
+				Failures: f.Count, LastError: f.LastError, LastFailedAt: f.LastFailedAt,
+			})
+		}
+		if len(res.Jobs) < 1000 {
+			return list, nil
+		}
+		params = params.After(res.LastCursor)
+	}
 }

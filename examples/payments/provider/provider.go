@@ -7,6 +7,11 @@
 //	POST /v1/charges   {"account_id": "acct-1", "amount_cents": 250}
 //	                -> {"id": "pch_...", "account_id": "acct-1", "amount_cents": 250}
 //
+// A charge above the provider's limit ([WithDeclineAbove]) is declined,
+// as a card issuer declines one: 402 Payment Required with
+// {"error": "card_declined", ...}, which the middleware stores like a
+// charge, so sending the request again with its key declines it again.
+//
 // Requests name their merchant in the Provider-Merchant header, which
 // scopes their keys (a real provider would take it from the API key). The
 // [Client] sends the charges; inside an idempotent call its keys are
@@ -14,9 +19,11 @@
 package provider
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -64,8 +71,32 @@ CREATE TABLE IF NOT EXISTS provider_charges (
 	return err
 }
 
+// DefaultDeclineAbove is the largest charge, in cents, the provider makes
+// unless [WithDeclineAbove] says otherwise.
+const DefaultDeclineAbove = 1_000_000
+
+// HandlerOption configures [NewHandler].
+type HandlerOption func(*handler)
+
+// WithDeclineAbove makes the provider decline every charge of more than
+// cents. Defaults to [DefaultDeclineAbove].
+func WithDeclineAbove(cents int64) HandlerOption {
+	return func(h *handler) { h.declineAbove = cents }
+}
+
+// DeclineCode is the error of a declined charge's answer.
+const DeclineCode = "card_declined"
+
+type handler struct {
+	declineAbove int64
+}
+
 // NewHandler serves the provider's API, its charges deduplicated by store.
-func NewHandler(store *idempotency.Store) http.Handler {
+func NewHandler(store *idempotency.Store, opts ...HandlerOption) http.Handler {
+	h := &handler{declineAbove: DefaultDeclineAbove}
+	for _, o := range opts {
+		o(h)
+	}
 	mux := http.NewServeMux()
 	scope := idempotency.WithHTTPScope(func(r *http.Request) (string, error) {
 		if m := r.Header.Get(MerchantHeader); m != "" {
@@ -73,11 +104,11 @@ func NewHandler(store *idempotency.Store) http.Handler {
 		}
 		return "", status.Errorf(codes.Unauthenticated, "the %s header is required", MerchantHeader)
 	})
-	mux.Handle("POST /v1/charges", idempotency.HTTPMiddleware(store, scope)(http.HandlerFunc(charge)))
+	mux.Handle("POST /v1/charges", idempotency.HTTPMiddleware(store, scope)(http.HandlerFunc(h.charge)))
 	return mux
 }
 
-func charge(w http.ResponseWriter, r *http.Request) {
+func (h *handler) charge(w http.ResponseWriter, r *http.Request) {
 	var req Charge
 	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<16)).Decode(&req); err != nil {
 		http.Error(w, "request body: "+err.Error(), http.StatusBadRequest)
@@ -85,6 +116,17 @@ func charge(w http.ResponseWriter, r *http.Request) {
 	}
 	if req.AccountID == "" || req.AmountCents <= 0 {
 		http.Error(w, "account_id and a positive amount_cents are required", http.StatusBadRequest)
+		return
+	}
+	if req.AmountCents > h.declineAbove {
+		// 402 is stored by the middleware (DefaultStoredStatus), as a
+		// provider stores its declines: the key's answer is decided.
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusPaymentRequired)
+		_ = json.NewEncoder(w).Encode(map[string]string{
+			"error":   DeclineCode,
+			"message": fmt.Sprintf("the charge of %d cents is above the limit of %d cents", req.AmountCents, h.declineAbove),
+		})
 		return
 	}
 	c := Charge{ID: "pch_" + uuid.Must(uuid.NewV7()).String(), AccountID: req.AccountID, AmountCents: req.AmountCents}
@@ -113,6 +155,26 @@ type Client struct {
 
 var defaultHTTP = &http.Client{Transport: &idempotency.HTTPTransport{}, Timeout: 10 * time.Second}
 
+// ErrDeclined is the error, for [errors.Is], of a charge the provider
+// declined (402, card_declined): no money moved, and sending the charge
+// again with its key gets the same answer. Its gRPC status is
+// InvalidArgument, which the idempotency library does not store by
+// default: a call that charged inside itself and was declined releases
+// its key.
+var ErrDeclined = errors.New("provider declined the charge")
+
+type declinedError struct{ answer []byte }
+
+func (e *declinedError) Error() string {
+	return fmt.Sprintf("%v (402: %s); no money moved, and sending it again with its key gets the same answer", ErrDeclined, bytes.TrimSpace(e.answer))
+}
+
+func (e *declinedError) Is(target error) bool { return target == ErrDeclined }
+
+func (e *declinedError) GRPCStatus() *status.Status {
+	return status.New(codes.InvalidArgument, e.Error())
+}
+
 // Charge charges account. Inside an idempotent call (or with a key from
 // idempotency.WithOutgoingKey in ctx) the request carries an
 // Idempotency-Key, so sending it again, from a re-run of the call or from
@@ -120,8 +182,8 @@ var defaultHTTP = &http.Client{Transport: &idempotency.HTTPTransport{}, Timeout:
 //
 // Errors are gRPC status errors: Unavailable when trying again with the
 // same key can help (the provider could not be reached, failed, or is
-// still busy with the key), InvalidArgument when it refused the request,
-// FailedPrecondition when it refused the key (reused for another request:
+// still busy with the key), InvalidArgument when it refused the request
+// ([ErrDeclined] when it declined the charge), FailedPrecondition when it refused the key (reused for another request:
 // the caller broke the rule of derived keys).
 func (c *Client) Charge(ctx context.Context, account string, amountCents int64) (Charge, error) {
 	body, err := json.Marshal(Charge{AccountID: account, AmountCents: amountCents})
@@ -152,6 +214,8 @@ func (c *Client) Charge(ctx context.Context, account string, amountCents int64) 
 	}
 	switch {
 	case resp.StatusCode == http.StatusOK:
+	case resp.StatusCode == http.StatusPaymentRequired:
+		return Charge{}, &declinedError{answer: b}
 	case resp.StatusCode == http.StatusUnprocessableEntity:
 		return Charge{}, status.Errorf(codes.FailedPrecondition, "provider refused the idempotency key, used before for another request: %s", b)
 	case resp.StatusCode == http.StatusConflict, resp.StatusCode == http.StatusTooManyRequests, resp.StatusCode >= 500:

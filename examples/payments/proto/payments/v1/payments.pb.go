@@ -191,12 +191,18 @@ func (x *GetBalanceRequest) GetAccountId() string {
 type GetBalanceResponse struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	AccountId string                 `protobuf:"bytes,1,opt,name=account_id,json=accountId,proto3" json:"account_id,omitempty"`
-	// The running total charged to the account; 0 for an unknown account.
+	// The running total charged to the account, less the charges the
+	// provider declined; 0 for an unknown account.
 	BalanceCents int64 `protobuf:"varint,2,opt,name=balance_cents,json=balanceCents,proto3" json:"balance_cents,omitempty"`
-	// The number of executed charges (ledger rows) of the account.
-	Charges       int64 `protobuf:"varint,3,opt,name=charges,proto3" json:"charges,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// The number of executed charges (ledger rows) of the account that the
+	// provider did not decline.
+	Charges int64 `protobuf:"varint,3,opt,name=charges,proto3" json:"charges,omitempty"`
+	// The number of the account's charges (ledger rows) that the provider
+	// declined after the call committed (charged through the outbox); their
+	// amounts are not in balance_cents.
+	DeclinedCharges int64 `protobuf:"varint,4,opt,name=declined_charges,json=declinedCharges,proto3" json:"declined_charges,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *GetBalanceResponse) Reset() {
@@ -250,6 +256,13 @@ func (x *GetBalanceResponse) GetCharges() int64 {
 	return 0
 }
 
+func (x *GetBalanceResponse) GetDeclinedCharges() int64 {
+	if x != nil {
+		return x.DeclinedCharges
+	}
+	return 0
+}
+
 var File_payments_v1_payments_proto protoreflect.FileDescriptor
 
 const file_payments_v1_payments_proto_rawDesc = "" +
@@ -267,12 +280,13 @@ const file_payments_v1_payments_proto_rawDesc = "" +
 	"\rbalance_cents\x18\x04 \x01(\x03R\fbalanceCents\"2\n" +
 	"\x11GetBalanceRequest\x12\x1d\n" +
 	"\n" +
-	"account_id\x18\x01 \x01(\tR\taccountId\"r\n" +
+	"account_id\x18\x01 \x01(\tR\taccountId\"\x9d\x01\n" +
 	"\x12GetBalanceResponse\x12\x1d\n" +
 	"\n" +
 	"account_id\x18\x01 \x01(\tR\taccountId\x12#\n" +
 	"\rbalance_cents\x18\x02 \x01(\x03R\fbalanceCents\x12\x18\n" +
-	"\acharges\x18\x03 \x01(\x03R\acharges2\xaf\x01\n" +
+	"\acharges\x18\x03 \x01(\x03R\acharges\x12)\n" +
+	"\x10declined_charges\x18\x04 \x01(\x03R\x0fdeclinedCharges2\xaf\x01\n" +
 	"\x0ePaymentService\x12I\n" +
 	"\x06Charge\x12\x1a.payments.v1.ChargeRequest\x1a\x1b.payments.v1.ChargeResponse\"\x06\xaa\xb0\x19\x02\b\x01\x12R\n" +
 	"\n" +
