@@ -106,7 +106,6 @@ type Config struct {
 // provider, works them.
 type Outbox struct {
 	client *river.Client[pgx.Tx]
-	config *pgxpool.Config
 	works  bool
 }
 
@@ -114,7 +113,7 @@ type Outbox struct {
 // jobs.
 func New(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 	rc := &river.Config{Logger: cfg.Logger}
-	o := &Outbox{works: cfg.Provider != nil, config: pool.Config()}
+	o := &Outbox{works: cfg.Provider != nil}
 	if o.works {
 		workers := river.NewWorkers()
 		w := &worker{pool: pool, cfg: cfg}
@@ -162,23 +161,12 @@ func (o *Outbox) EnqueueCharge(ctx context.Context, tx pgx.Tx, job payments.Char
 	if job.ProviderKey == "" {
 		return errors.New("outbox: the job has no provider key (is Charge running under an idempotency key?)")
 	}
-	_, err := o.client.InsertTx(ctx, configuredTx{Tx: tx, config: o.config}, ChargeArgs{ChargeJob: job}, nil)
+	// tx is the call's transaction as the handler has it: River's driver
+	// reads its settings from its Config method, never taking the
+	// connection (see idempotency.TxFromContext).
+	_, err := o.client.InsertTx(ctx, tx, ChargeArgs{ChargeJob: job}, nil)
 	return err
 }
-
-// configuredTx answers River's pgx driver, which reads the query mode from
-// a Config method when the value it is given has one, and otherwise from
-// tx.Conn(). The idempotency engine must take a call of tx.Conn() for the
-// handler taking the connection itself (which could end the transaction
-// behind its back): it holds the key's lock for the session, closes the
-// connection after the call, and keeps an error for the key if that
-// connection is lost. Config keeps River off that path.
-type configuredTx struct {
-	pgx.Tx
-	config *pgxpool.Config
-}
-
-func (t configuredTx) Config() *pgxpool.Config { return t.config }
 
 // Start works jobs until Stop; it needs a provider.
 func (o *Outbox) Start(ctx context.Context) error {
