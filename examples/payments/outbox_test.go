@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
@@ -291,4 +292,33 @@ func TestLedgerDeclineAndSettleRefuseEachOther(t *testing.T) {
 	require.ErrorIs(t, payments.Settle(ctx, w.db.Pool, "ch_none", "pch_3"), payments.ErrNoLedgerRow)
 	_, err = payments.ReadLedger(ctx, w.db.Pool, "ch_none")
 	require.ErrorIs(t, err, payments.ErrNoLedgerRow)
+}
+
+// Issue case 3: the provider declines a charge made inside the call (402,
+// stored under its key); the call fails with InvalidArgument, which
+// releases the client's key; the client corrects the amount and sends it
+// again under the same key, as the releasing codes invite. The corrected
+// request is another operation, so it derives another key for the
+// provider: charged, not refused as a reused key for good. The first
+// request again still gets the provider's stored decline.
+func TestCorrectedChargeAfterAnInCallDeclineIsCharged(t *testing.T) {
+	w := newWorld(t, 0)
+	ctx := context.Background()
+	client := w.serve(t, payments.NewServer(w.db.Pool, payments.WithProvider(w.providerClient(t))), 0)
+
+	const key = "order-corrected-1"
+	_, err := chargeUntilDone(ctx, client, key, &paymentsv1.ChargeRequest{AccountId: "acct-3", AmountCents: provider.DefaultDeclineAbove + 1})
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	require.Contains(t, err.Error(), provider.ErrDeclined.Error())
+
+	resp, err := chargeUntilDone(ctx, client, key, &paymentsv1.ChargeRequest{AccountId: "acct-3", AmountCents: 900})
+	require.NoError(t, err, "the corrected charge goes through under the released key")
+	require.EqualValues(t, 900, resp.GetBalanceCents())
+	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
+	require.EqualValues(t, 2, w.provider.executed.Load(), "the decline, then the corrected charge")
+
+	again, err := chargeUntilDone(ctx, client, key, &paymentsv1.ChargeRequest{AccountId: "acct-3", AmountCents: 900})
+	require.NoError(t, err)
+	require.True(t, proto.Equal(resp, again), "a retry of the corrected charge replays it")
+	require.EqualValues(t, 2, w.provider.executed.Load())
 }
