@@ -146,14 +146,13 @@ type Client struct {
 	BaseURL string
 	// Merchant is sent in the Provider-Merchant header.
 	Merchant string
-	// HTTP sends the requests; nil means a client whose transport is
-	// idempotency.HTTPTransport, with a 10 second timeout. A client of
-	// your own needs that transport (or keys of its own) for charges to
-	// be deduplicated.
+	// HTTP sends each attempt; nil means http.DefaultTransport with a 10
+	// second timeout. The key is set before the first attempt, whatever
+	// its transport.
 	HTTP *http.Client
 }
 
-var defaultHTTP = &http.Client{Transport: &idempotency.HTTPTransport{}, Timeout: 10 * time.Second}
+var defaultHTTP = &http.Client{Timeout: 10 * time.Second}
 
 // ErrDeclined is the error, for [errors.Is], of a charge the provider
 // declined (402, card_declined): no money moved, and sending the charge
@@ -175,10 +174,12 @@ func (e *declinedError) GRPCStatus() *status.Status {
 	return status.New(codes.InvalidArgument, e.Error())
 }
 
-// Charge charges account. Inside an idempotent call (or with a key from
-// idempotency.WithOutgoingKey in ctx) the request carries an
-// Idempotency-Key, so sending it again, from a re-run of the call or from
-// a worker's retry, returns the first charge instead of making another.
+// Charge charges account, through an idempotency.HTTPClient: the request
+// carries one Idempotency-Key (from idempotency.WithOutgoingKey in ctx,
+// derived inside an idempotent call, or generated), kept across its three
+// attempts at most, so sending it again, from a retry here, a re-run of
+// the call or a worker's retry, returns the first charge instead of making
+// another.
 //
 // Errors are gRPC status errors: Unavailable when trying again with the
 // same key can help (the provider could not be reached, failed, or is
@@ -200,10 +201,16 @@ func (c *Client) Charge(ctx context.Context, account string, amountCents int64) 
 	if hc == nil {
 		hc = defaultHTTP
 	}
-	resp, err := hc.Do(req)
+	// One key for the charge, kept across the retries of a lost
+	// connection, a 5xx, or the provider's 409 while it still runs the
+	// key's first request: a retry is the same charge, never a second.
+	resp, err := (&idempotency.HTTPClient{Client: hc, MaxAttempts: 3, Budget: 10 * time.Second}).Do(req)
 	if err != nil {
-		if errors.Is(err, idempotency.ErrInvalidKey) {
+		switch {
+		case errors.Is(err, idempotency.ErrInvalidKey):
 			return Charge{}, status.Errorf(codes.InvalidArgument, "provider charge: %v", err)
+		case errors.Is(err, idempotency.ErrCallEnded):
+			return Charge{}, status.Errorf(codes.Internal, "provider charge: %v", err)
 		}
 		return Charge{}, status.Errorf(codes.Unavailable, "provider charge: %v", err)
 	}
