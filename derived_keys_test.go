@@ -16,7 +16,6 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/descriptorpb"
-	"google.golang.org/protobuf/types/dynamicpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
@@ -176,27 +175,14 @@ func TestDerivedKeysSurviveASchemaDeploy(t *testing.T) {
 	var mu sync.Mutex
 	var sent []string
 	release := func(md protoreflect.MessageDescriptor) *grpc.ClientConn {
-		desc := &grpc.ServiceDesc{
-			ServiceName: "idempotency.test.Pay",
-			HandlerType: (*any)(nil),
-			Methods: []grpc.MethodDesc{{MethodName: "Charge", Handler: func(_ any, ctx context.Context, dec func(any) error, icpt grpc.UnaryServerInterceptor) (any, error) {
-				req := dynamicpb.NewMessage(md)
-				if err := dec(req); err != nil {
-					return nil, err
-				}
-				return icpt(ctx, req, &grpc.UnaryServerInfo{FullMethod: methodPay}, func(ctx context.Context, _ any) (any, error) {
-					k, ok := idempotency.EffectKey(ctx, "charge")
-					require.True(t, ok)
-					mu.Lock()
-					sent = append(sent, k)
-					mu.Unlock()
-					return nil, status.Error(codes.Unavailable, "the process dies before its commit")
-				})
-			}}},
-		}
-		srv := grpc.NewServer(grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
-		srv.RegisterService(desc, struct{}{})
-		return dial(t, serve(t, srv))
+		return servePay(t, store, md, func(ctx context.Context, _ proto.Message) (any, error) {
+			k, ok := idempotency.EffectKey(ctx, "charge")
+			require.True(t, ok)
+			mu.Lock()
+			sent = append(sent, k)
+			mu.Unlock()
+			return nil, status.Error(codes.Unavailable, "the process dies before its commit")
+		})
 	}
 	// Fields out of number order, as another language's client may send
 	// them.

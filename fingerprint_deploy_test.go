@@ -95,6 +95,13 @@ func payServer(t *testing.T, schema string, md protoreflect.MessageDescriptor, o
 		}
 		return wrapperspb.String(fmt.Sprintf("%s#%d", note, id)), nil
 	}
+	return servePay(t, store, md, func(ctx context.Context, req proto.Message) (any, error) { return handler(ctx, req) }, opts...)
+}
+
+// servePay serves methodPay, its requests decoded as md, behind the
+// server interceptor on store, and returns a connection to it.
+func servePay(t *testing.T, store *idempotency.Store, md protoreflect.MessageDescriptor, handler func(context.Context, proto.Message) (any, error), opts ...grpc.ServerOption) *grpc.ClientConn {
+	t.Helper()
 	desc := &grpc.ServiceDesc{
 		ServiceName: "idempotency.test.Pay",
 		HandlerType: (*any)(nil),

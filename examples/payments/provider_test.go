@@ -361,15 +361,7 @@ func (w *world) serveOutboxOn(t *testing.T, lisFile *os.File) {
 // when t ends.
 func (w *world) startOutbox(t *testing.T) *outbox.Outbox {
 	t.Helper()
-	ob, err := outbox.New(w.db.Pool, outbox.Config{Provider: w.providerClient(t), RetryDelay: 20 * time.Millisecond})
-	require.NoError(t, err)
-	require.NoError(t, ob.Start(context.Background()))
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		require.NoError(t, ob.Stop(ctx))
-	})
-	return ob
+	return w.startOutboxWith(t, outbox.Config{RetryDelay: 20 * time.Millisecond})
 }
 
 // The outbox's worker is killed (SIGKILL) after the provider charged and
