@@ -10,7 +10,6 @@ import (
 	"sync"
 
 	"google.golang.org/grpc/codes"
-	"google.golang.org/protobuf/proto"
 )
 
 // downstream is what a running call's downstream keys derive from, and
@@ -194,7 +193,10 @@ func (d *downstream) baseLocked(a *attempt) [sha256.Size]byte {
 	h := sha256.New()
 	var b [binary.MaxVarintLen64]byte
 	o := &a.s.opts
-	req := requestDigest(a.tp.request, a.call.Fingerprint)
+	req := a.tp.digest
+	if !a.tp.hasDigest {
+		req = sha256.Sum256(a.call.Fingerprint)
+	}
 	for _, s := range []string{"idempotency downstream key v2", o.derivedKeyNamespace, o.schema, o.table, a.call.Scope, a.key, a.call.Method, string(req[:])} {
 		h.Write(b[:binary.PutUvarint(b[:], uint64(len(s)))])
 		h.Write([]byte(s))
@@ -202,25 +204,6 @@ func (d *downstream) baseLocked(a *attempt) [sha256.Size]byte {
 	h.Sum(d.base[:0])
 	d.hasBase = true
 	return d.base
-}
-
-// requestDigest is what derived keys know of the request: for a proto
-// request, a hash of its encoding that ignores the order of fields at
-// every level and the schema linked in (a field this build knows and one
-// the last build held as unknown encode alike), so that a deploy between
-// a crash and its re-run derives the same keys; otherwise a hash of the
-// call's fingerprint, whose versions without a schema part are stable.
-func requestDigest(req proto.Message, fingerprint []byte) [sha256.Size]byte {
-	if req != nil {
-		if b, err := (proto.MarshalOptions{Deterministic: true}).Marshal(req); err == nil {
-			c := canonical{h: sha256.New()}
-			if sum, ok := c.sum(b, 0); ok {
-				return sum
-			}
-			return sha256.Sum256(b)
-		}
-	}
-	return sha256.Sum256(fingerprint)
 }
 
 // deriveKey hashes base, the kind of the key ('n' named, 'c' counted), its

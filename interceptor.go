@@ -265,7 +265,8 @@ func (o *serverOptions) serve(ctx context.Context, tp *transport, store *Store, 
 		ttl = pol.ttl
 	}
 	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx), Isolation: pol.isolation}
-	tp.responseType, tp.request = pol.responseType, msg
+	tp.responseType = pol.responseType
+	tp.digest, tp.hasDigest = requestDigest(msg), true
 	ctx, rec := recordMetadata(ctx)
 	if rec != nil {
 		tp.metadata = rec.encode

@@ -1,8 +1,9 @@
 package idempotency
 
 import (
+	"crypto/sha256"
+
 	"google.golang.org/grpc/codes"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
@@ -33,9 +34,12 @@ type transport struct {
 	// at COMMIT (a deferred constraint of Func's writes) is final. Nil: it
 	// releases the key.
 	finalCode func(codes.Code) bool
-	// request is the call's proto request, which derived keys digest
-	// (see requestDigest); nil: they digest the fingerprint.
-	request proto.Message
+	// digest is what derived keys know of the call's proto request (see
+	// requestDigest), taken before the handler runs, so that nothing the
+	// handler does to its request changes its keys. Unset (hasDigest
+	// false): they hash the call's fingerprint.
+	digest    [sha256.Size]byte
+	hasDigest bool
 	// trace is the transport's trace of the call, nil when the store has no
 	// tracer.
 	trace *callTrace
