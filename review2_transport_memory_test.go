@@ -1,0 +1,54 @@
+package idempotency_test
+
+import (
+	"bytes"
+	"context"
+	"net/http"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// The memory of sent requests keeps every counted request alive, body
+// included, until the call ends: a handler that posts many large requests
+// (a batch) holds all of their bodies at once, though it dropped each one
+// after its response.
+func TestReview2HTTPTransportDoesNotKeepSentRequestsAlive(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, testdb.New(t, 2))
+	var keys keyLog
+	client := &http.Client{Transport: &idempotency.HTTPTransport{Base: review2Answering(&keys, http.StatusOK)}}
+	const n, size = 64, 1 << 20
+	var collected atomic.Int64
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "batch-1", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		for range n {
+			body := bytes.Repeat([]byte{'x'}, size)
+			runtime.AddCleanup(&body[0], func(struct{}) { collected.Add(1) }, struct{}{})
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://provider.invalid/v1/items", bytes.NewReader(body))
+			require.NoError(t, err)
+			resp, err := client.Do(req)
+			if err != nil {
+				return nil, err
+			}
+			_ = resp.Body.Close()
+		}
+		// Still in the handler: the requests sent are garbage.
+		deadline := time.Now().Add(3 * time.Second)
+		for collected.Load() < n/2 && time.Now().Before(deadline) {
+			runtime.GC()
+			time.Sleep(10 * time.Millisecond)
+		}
+		require.GreaterOrEqual(t, collected.Load(), int64(n/2), "the bodies of requests already answered and dropped (%d MiB) are collectable while the call runs", n*size>>20)
+		return nil, nil
+	})
+	require.NoError(t, err)
+	require.Len(t, keys.all(), n)
+}

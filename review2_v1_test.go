@@ -1,0 +1,34 @@
+package idempotency_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// Under WithDerivedKeyVersion(1) a named effect is "a target with one
+// ordinal": the target "effect " + name. A counted call to the target
+// "effect charge" (any string is a target of DownstreamKey) then gets the
+// key of the effect named "charge": two effects, one key. Version 2 keeps
+// names and targets apart.
+func TestReview2Version1EffectKeysDoNotCollideWithCountedKeys(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	for _, version := range []int{2, 1} {
+		store := migratedStore(t, db, idempotency.WithDerivedKeyVersion(version))
+		var named, counted string
+		_, err := store.Execute(context.Background(), idempotency.Call{Scope: "s", Key: "k", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+			named, _ = idempotency.EffectKey(ctx, "charge")
+			counted, _ = idempotency.DownstreamKey(ctx, "effect charge")
+			return nil, errRelease
+		})
+		require.ErrorIs(t, err, errRelease)
+		require.NotEqual(t, named, counted, "version %d: the effect \"charge\" and the first call to the target \"effect charge\" are two effects", version)
+	}
+}
