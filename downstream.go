@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"weak"
 
 	"google.golang.org/grpc/codes"
 )
@@ -26,7 +27,7 @@ type downstream struct {
 	// that a request sent again (a retrying client or transport above it
 	// calls RoundTrip once per attempt with the same *http.Request) keeps
 	// its key rather than take the next ordinal.
-	sent map[*http.Request]string
+	sent map[weak.Pointer[http.Request]]sentRequest
 }
 
 // Prefixes of derived keys, so that an operator reading a key table can
@@ -157,10 +158,8 @@ func derivedOutgoingKey(ctx context.Context, target string) (string, outgoing, e
 }
 
 func (t *callTx) effectKey(name string) string {
-	if t.attempt.s.opts.derivedKeyVersion == 1 {
-		// Version 1 had no names: a name is a target with one ordinal.
-		return deriveKeyV1(t.attempt.call.Scope, t.attempt.key, "effect "+name, 0)
-	}
+	// Whatever the version: version 1 had no names, so no key of a name
+	// was ever sent another way.
 	d := &t.downstream
 	d.mu.Lock()
 	base := d.baseLocked(t.attempt)
@@ -253,11 +252,14 @@ func deriveKeyV1(scope, key, target string, n uint64) string {
 //
 // A redirect that keeps the method (307, 308) carries the key of the
 // request it follows, so a re-run that is not redirected sends the same
-// keys. The same *http.Request sent again in one run of the call (a
-// retrying client or transport above this one that resends it) keeps its
-// counted key; a retry that builds a new request needs a name
-// ([WithEffect]) or a key set before the first attempt, or it counts as
-// the next call. A request made with the context of a call that has ended
+// keys. The same *http.Request sent again to the same target in one run
+// of the call (a retrying transport above this one that resends it) keeps
+// its counted key. Any other retry needs a name ([WithEffect]), a key set
+// before the first attempt, or [HTTPClient], or it counts as the next
+// call: one that builds a new request, and one that calls http.Client.Do
+// again with the same request when the client copies it for the
+// transport (it does when it has a Timeout, when the URL has a user, or
+// when the request's Header is nil). A request made with the context of a call that has ended
 // is refused with [ErrCallEnded], nothing sent.
 type HTTPTransport struct {
 	// Base sends the requests; nil means [http.DefaultTransport].
@@ -318,39 +320,53 @@ func httpRequestKey(req *http.Request) (string, bool, error) {
 		}
 		return key, true, nil
 	}
+	t, inCall := callFrom(ctx)
+	if inCall && t.ended() {
+		// Whatever the key would be (a redirect's, a resent request's),
+		// it was derived for a call that is over.
+		return "", false, ErrCallEnded.with(req.Method+" "+req.URL.EscapedPath(), nil)
+	}
 	if key, ok := redirectedKey(req); ok {
 		// The key of the request the call made: a redirect is no call of
 		// its own, and must not take the next ordinal.
 		return key, true, nil
 	}
-	if t, ok := callFrom(ctx); ok && !t.ended() {
-		if key, ok := t.downstream.resent(req); ok {
+	target := req.Method + " " + req.URL.EscapedPath()
+	if inCall {
+		if key, ok := t.downstream.resent(req, target); ok {
 			return key, true, nil
 		}
 	}
-	key, how, err := derivedOutgoingKey(ctx, req.Method+" "+req.URL.EscapedPath())
+	key, how, err := derivedOutgoingKey(ctx, target)
 	if how == outgoingCounted {
-		t, _ := callFrom(ctx)
-		t.downstream.remember(req, key)
+		t.downstream.remember(req, target, key)
 	}
 	return key, how != outgoingNone, err
 }
 
-// resent is the counted key req was sent with before in this run.
-func (d *downstream) resent(req *http.Request) (string, bool) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	key, ok := d.sent[req]
-	return key, ok
+// sentRequest is a request HTTPTransport gave a counted key, as the call
+// remembers it: weakly, so that a request the handler dropped (and its
+// body) can be collected before the call ends.
+type sentRequest struct {
+	target, key string
 }
 
-func (d *downstream) remember(req *http.Request, key string) {
+// resent is the counted key req was sent with before in this run, to the
+// same target: a request used again for another target is another call.
+func (d *downstream) resent(req *http.Request, target string) (string, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	s, ok := d.sent[weak.Make(req)]
+	return s.key, ok && s.target == target
+}
+
+func (d *downstream) remember(req *http.Request, target, key string) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.sent == nil {
-		d.sent = make(map[*http.Request]string)
+		d.sent = make(map[weak.Pointer[http.Request]]sentRequest)
 	}
-	d.sent[req] = key
+	d.sent[weak.Make(req)] = sentRequest{target: target, key: key}
 }
 
 // redirectedKey is the key the transport sent with the request that req

@@ -292,7 +292,12 @@ func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
 			if time.Now().Add(wait).After(end) {
 				return cancelOnClose(resp, cancel), nil
 			}
+			// A body that never ends is cut after the wait's length, so it
+			// cannot hold Do past its budget by more than that: an attempt
+			// due after the budget's end is cut at once.
+			stopDrain := time.AfterFunc(wait, func() { cancel(errDrainTooSlow) })
 			_, _ = io.CopyN(io.Discard, resp.Body, drainLimit)
+			stopDrain.Stop()
 			_ = resp.Body.Close()
 			cancel(nil)
 			if err := s.wait(ctx, wait); err != nil {
@@ -310,6 +315,10 @@ func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
 		}
 	}
 }
+
+// errDrainTooSlow is the cause of a retried response whose body was still
+// being read when the wait before the next attempt ended.
+var errDrainTooSlow = errors.New("the body of a retried response took longer to read than the wait before the next attempt")
 
 // errBudget is the cause of an attempt cut by the end of the budget.
 var errBudget = errors.New("the HTTPClient's budget ran out")

@@ -299,8 +299,8 @@ func WithDerivedKeyNamespace(namespace string) StoreOption {
 // deploy) sends other keys than the first run did, and a downstream
 // system charges it again: upgrade with WithDerivedKeyVersion(1), and drop
 // it in a later deploy, once no call of the old release can be run again
-// (its clients have stopped retrying it). Under version 1 an effect's name
-// is a target with one ordinal.
+// (its clients have stopped retrying it). Named effects ([EffectKey]), which
+// version 1 did not have, derive version 2 keys under either.
 func WithDerivedKeyVersion(version int) StoreOption {
 	return func(o *storeOptions) { o.derivedKeyVersion = version }
 }

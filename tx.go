@@ -52,6 +52,7 @@ type callTx struct {
 	// The rows and batch results handed out, closed when the call ends.
 	rows    []pgx.Rows
 	batches []pgx.BatchResults
+	config  *pgxpool.Config // Config's copy, made at its first use
 	// downstream is what the run's downstream keys derive from (see
 	// DownstreamKey): here rather than in a value of its own, so that a
 	// call that derives none allocates nothing for them.
@@ -335,9 +336,16 @@ func (t *callTx) Conn() *pgx.Conn {
 // from, for code that needs the connection's settings (its query mode, its
 // type map) without the connection itself: River's pgx driver reads its
 // query mode from a Config method before it falls back on Conn. It is
-// shared by all of the store's calls: do not modify it. Reading it neither
-// hands out the connection nor costs it.
-func (t *callTx) Config() *pgxpool.Config { return t.attempt.s.poolConfig(t.conn) }
+// the call's own copy: what the handler changes in it changes nothing
+// else. Reading it neither hands out the connection nor costs it.
+func (t *callTx) Config() *pgxpool.Config {
+	t.state.Lock()
+	defer t.state.Unlock()
+	if t.config == nil {
+		t.config = t.attempt.s.poolConfig(t.conn).Copy()
+	}
+	return t.config
+}
 
 // handOut notes that the handler has the connection itself, which the
 // attempt then closes when it ends. Its caller holds t.use.

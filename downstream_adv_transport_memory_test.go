@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"bytes"
 	"context"
+	"io"
 	"net/http"
 	"runtime"
 	"sync/atomic"
@@ -21,7 +22,7 @@ import (
 // included, until the call ends: a handler that posts many large requests
 // (a batch) holds all of their bodies at once, though it dropped each one
 // after its response.
-func TestReview2HTTPTransportDoesNotKeepSentRequestsAlive(t *testing.T) {
+func TestHTTPTransportDoesNotKeepSentRequestsAlive(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, testdb.New(t, 2))
 	var keys keyLog
@@ -51,4 +52,17 @@ func TestReview2HTTPTransportDoesNotKeepSentRequestsAlive(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.Len(t, keys.all(), n)
+}
+
+// review2Answering is a Base that reads each request whole, logs its key,
+// and answers status.
+func review2Answering(keys *keyLog, status int) http.RoundTripper {
+	return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		if r.Body != nil {
+			_, _ = io.Copy(io.Discard, r.Body)
+			_ = r.Body.Close()
+		}
+		keys.add(r.Header.Get(idempotency.HeaderKey))
+		return &http.Response{StatusCode: status, Body: http.NoBody, Header: http.Header{}, Request: r}, nil
+	})
 }

@@ -22,7 +22,7 @@ type review2Configured interface{ Config() *pgxpool.Config }
 // changes what it got (as one may with pgxpool.Pool.Config, which returns
 // a copy: say, to open a side pool in simple-protocol mode) changes what
 // every later call's Config reports, River's query mode included.
-func TestReview2TxConfigOfOneCallCannotChangeAnothers(t *testing.T) {
+func TestTxConfigOfOneCallCannotChangeAnothers(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	store := migratedStore(t, db)

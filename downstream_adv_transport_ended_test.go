@@ -19,7 +19,7 @@ import (
 // request with the ended call's context, and HTTPTransport sends it with
 // the redirect's key instead of refusing it with ErrCallEnded ("nothing
 // is sent with the context of a call that has ended").
-func TestReview2HTTPTransportRefusesARedirectHopAfterTheCallEnded(t *testing.T) {
+func TestHTTPTransportRefusesARedirectHopAfterTheCallEnded(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t)
 	arrived, release := make(chan struct{}), newGate()

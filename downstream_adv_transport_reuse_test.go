@@ -20,7 +20,7 @@ import (
 // charge) gets the charge's key for the refund: the transport remembers the
 // pointer, not the target. The provider refuses the refund as a reuse of
 // the key (422), and the refund never happens.
-func TestReview2HTTPTransportReusedRequestForAnotherTargetGetsItsOwnKey(t *testing.T) {
+func TestHTTPTransportReusedRequestForAnotherTargetGetsItsOwnKey(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t)
 	store := migratedStore(t, testdb.New(t, 2))

@@ -19,7 +19,7 @@ import (
 // the budget (its timer stops once the headers arrived) nor the attempt's
 // context (cancelled only after the drain). Do returns when the server
 // lets it, whatever the budget.
-func TestReview2HTTPClientBudgetBoundsTheDrainOfARetriedResponse(t *testing.T) {
+func TestHTTPClientBudgetBoundsTheDrainOfARetriedResponse(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})
 	var requests atomic.Int64

@@ -17,7 +17,7 @@ import (
 // "effect charge" (any string is a target of DownstreamKey) then gets the
 // key of the effect named "charge": two effects, one key. Version 2 keeps
 // names and targets apart.
-func TestReview2Version1EffectKeysDoNotCollideWithCountedKeys(t *testing.T) {
+func TestVersion1EffectKeysDoNotCollideWithCountedKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	for _, version := range []int{2, 1} {

@@ -22,7 +22,7 @@ func (review2Args) Kind() string { return "payments_review2" }
 // the query mode from Config, never takes the connection (the next call
 // gets the same backend from a pool of one), and a job inserted in a
 // savepoint rolled back is gone with it.
-func TestReview2RiverInsertTxOnASavepointKeepsTheConnection(t *testing.T) {
+func TestRiverInsertTxOnASavepointKeepsTheConnection(t *testing.T) {
 	w := newWorld(t, 0)
 	pool := w.db.OpenPool(t, 1)
 	store, err := idempotency.NewStore(pool)
