@@ -84,6 +84,21 @@ func BenchmarkFingerprint(b *testing.B) {
 	}
 }
 
+// BenchmarkRequestDigest is what derived keys cost every gRPC call: the
+// request's digest, taken before the handler runs; compare with
+// BenchmarkFingerprint of the same sizes, run beside it.
+func BenchmarkRequestDigest(b *testing.B) {
+	for _, sz := range sizes {
+		b.Run(sz.name, func(b *testing.B) {
+			req := benchRequest(sz.bytes)
+			b.ReportAllocs()
+			for b.Loop() {
+				requestDigest(req)
+			}
+		})
+	}
+}
+
 // BenchmarkPolicyFor is the per-call lookup of a method's resolved policy,
 // after the first call resolved and cached it.
 func BenchmarkPolicyFor(b *testing.B) {

@@ -59,6 +59,7 @@ type digester struct {
 	spans  []digestField // the fields of the levels being read
 	hashes []hash.Hash   // one per depth
 	tag    [binary10]byte
+	out    [sha256.Size]byte // what a level's hash writes its sum to
 }
 
 const binary10 = 10 // a uvarint's longest encoding
@@ -169,7 +170,8 @@ func (d *digester) level(b []byte, md protoreflect.MessageDescriptor, depth int)
 	}
 	h := d.hashes[depth]
 	h.Reset()
-	for _, f := range fields {
+	for i := range fields {
+		f := &fields[i]
 		if f.message {
 			h.Write(protowire.AppendTag(d.tag[:0], f.num, protowire.BytesType))
 			h.Write(markMessage)
@@ -180,5 +182,6 @@ func (d *digester) level(b []byte, md protoreflect.MessageDescriptor, depth int)
 		h.Write(protowire.AppendVarint(d.tag[:0], uint64(f.to-f.from)))
 		h.Write(b[f.from:f.to])
 	}
-	return [sha256.Size]byte(h.Sum(sum[:0])), true
+	copy(sum[:], h.Sum(d.out[:0]))
+	return sum, true
 }
