@@ -94,7 +94,7 @@ func crashes(proto.Message) error {
 // the elements of a repeated field like the fields of a message, so both
 // orders derive the same keys, and the provider deduplicates the corrected
 // operation into the first one.
-func TestReorderedRepeatedFieldDerivesTheSameKeys(t *testing.T) {
+func TestReorderedRepeatedFieldDerivesOtherKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	store := migratedStore(t, db)

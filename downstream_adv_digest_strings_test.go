@@ -18,7 +18,7 @@ import (
 // different strings derive the same keys. "MangoEagle" reads as two
 // fixed32 fields (tags 'M' and 'E'), as does "EagleMango". The engine
 // tells the two requests apart; the derived keys do not.
-func TestStringsThatParseAsMessagesDeriveTheSameKeys(t *testing.T) {
+func TestStringsThatParseAsMessagesDeriveOtherKeys(t *testing.T) {
 	t.Parallel()
 	var runs sync.Map
 	var keys keyLog

@@ -38,7 +38,7 @@ import (
 // while it returns: no race, no panic; once Execute has returned, every
 // derivation says false and every request is refused with ErrCallEnded,
 // nothing sent.
-func TestHeldDerivingWhileTheHandlerReturns(t *testing.T) {
+func TestDerivingWhileTheHandlerReturns(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, testdb.New(t, 2))
 	var sentAfter atomic.Int64
@@ -101,7 +101,7 @@ func TestHeldDerivingWhileTheHandlerReturns(t *testing.T) {
 // A request's map entries in any order, an Any whose packed message has
 // its fields in another order, and a map the old build holds as unknown:
 // one request, one set of keys.
-func TestHeldMapAndAnyOrderKeepTheKeys(t *testing.T) {
+func TestMapAndAnyOrderKeepTheKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 8)
 	store := migratedStore(t, db)
@@ -176,7 +176,7 @@ func review2SchemaWith(t *testing.T, deps []string, fields ...*descriptorpb.Fiel
 // sees the request, resets after it committed, 500 before, 409 and 429
 // with Retry-After garbage, negative or huge-but-past-the-deadline. Every
 // request executes once, every attempt of one request carries its key.
-func TestHeldHTTPClientThroughAFlakyFrontEnd(t *testing.T) {
+func TestHTTPClientThroughAFlakyFrontEnd(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t) // HTTPMiddleware on a ledger
 	target, err := url.Parse(p.url)
@@ -282,7 +282,7 @@ func TestHeldHTTPClientThroughAFlakyFrontEnd(t *testing.T) {
 // retried; a 303 turns the POST into a GET carrying the key; a context
 // cancelled mid-wait returns at once with the key; the caller's request
 // is never modified.
-func TestHeldHTTPClientEdges(t *testing.T) {
+func TestHTTPClientEdges(t *testing.T) {
 	t.Parallel()
 	var hits atomic.Int64
 	var arrivals keyLog
@@ -408,7 +408,7 @@ func TestHeldHTTPClientEdges(t *testing.T) {
 
 // Reading Config hands out no connection (the next call gets the same
 // backend), and works on a savepoint.
-func TestHeldConfigHandsOutNoConnection(t *testing.T) {
+func TestConfigHandsOutNoConnection(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 1)
 	store := migratedStore(t, db)
@@ -433,7 +433,7 @@ func TestHeldConfigHandsOutNoConnection(t *testing.T) {
 // Derived keys of HTTP requests and messages: the same request derives
 // the same keys, another query or body others; all 44 printable
 // characters, valid keys.
-func TestHeldHTTPAndMessageKeys(t *testing.T) {
+func TestHTTPAndMessageDerivedKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	store := migratedStore(t, db)

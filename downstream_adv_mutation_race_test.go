@@ -16,7 +16,7 @@ import (
 // goroutine derives the run's first key: a handler that charges from 16
 // goroutines while it fills in a field of its request races with the
 // library, which the handler cannot know (run with -race).
-func TestEffectKeyReadsTheRequestTheHandlerIsWriting(t *testing.T) {
+func TestEffectKeyIgnoresWritesToTheRequest(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		var wg sync.WaitGroup

@@ -22,7 +22,7 @@ import (
 // A handler that scrubs its request before charging (it swaps the card
 // number for a vault token, a new one on each run) derives another key
 // for the same named effect on its re-run: the provider charges twice.
-func TestHandlerRewritingItsRequestChangesItsEffectKeys(t *testing.T) {
+func TestHandlerRewritingItsRequestKeepsItsEffectKeys(t *testing.T) {
 	t.Parallel()
 	var runs atomic.Int64
 	var keys keyLog
