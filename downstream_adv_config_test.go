@@ -17,11 +17,10 @@ import (
 type review2Configured interface{ Config() *pgxpool.Config }
 
 // The call's transaction has Config() for River's driver, which reads
-// ConnConfig.DefaultQueryExecMode from it on every statement. It returns
-// one *pgxpool.Config shared by every call of the store: a handler that
-// changes what it got (as one may with pgxpool.Pool.Config, which returns
-// a copy: say, to open a side pool in simple-protocol mode) changes what
-// every later call's Config reports, River's query mode included.
+// ConnConfig.DefaultQueryExecMode from it on every statement. Each call
+// gets its own copy: a handler that changes what it got (to open a side
+// pool in simple-protocol mode, say) changes nothing another call sees,
+// River's query mode included. (It failed when one config was shared.)
 func TestTxConfigOfOneCallCannotChangeAnothers(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)

@@ -88,12 +88,10 @@ func crashes(proto.Message) error {
 
 // A corrected request that only reorders a repeated field (the order in
 // which recipients are paid, line items, steps) is another request to the
-// engine (a stored result under the key makes it KEY_REUSED), and sent
-// again under a released key it runs as another operation. Its derived
-// keys must then differ from the first request's: the request digest sorts
-// the elements of a repeated field like the fields of a message, so both
-// orders derive the same keys, and the provider deduplicates the corrected
-// operation into the first one.
+// engine, and sent again under a released key it runs as another
+// operation: its derived keys differ from the first request's. (It failed
+// when the digest sorted a list's elements like a message's fields, and
+// the provider deduplicated the corrected operation into the first.)
 func TestReorderedRepeatedFieldDerivesOtherKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)

@@ -14,10 +14,10 @@ import (
 )
 
 // A string (or bytes) field whose content happens to parse as protobuf
-// fields is canonicalised like a message: its "fields" are sorted, so two
-// different strings derive the same keys. "MangoEagle" reads as two
-// fixed32 fields (tags 'M' and 'E'), as does "EagleMango". The engine
-// tells the two requests apart; the derived keys do not.
+// fields is hashed as bytes: "MangoEagle" and "EagleMango" (each two
+// fixed32 fields, tags 'M' and 'E') derive different keys, as the engine
+// tells the two requests apart. (It failed when such content was sorted
+// like a message.)
 func TestStringsThatParseAsMessagesDeriveOtherKeys(t *testing.T) {
 	t.Parallel()
 	var runs sync.Map

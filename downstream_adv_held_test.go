@@ -98,9 +98,9 @@ func TestDerivingWhileTheHandlerReturns(t *testing.T) {
 	t.Logf("requests that reached Base after Execute returned, made before: %d", sentAfter.Load())
 }
 
-// A request's map entries in any order, an Any whose packed message has
-// its fields in another order, and a map the old build holds as unknown:
-// one request, one set of keys.
+// A request's map entries in any order and an Any whose packed message
+// (its type linked in) has its fields in another order: one request, one
+// set of keys.
 func TestMapAndAnyOrderKeepTheKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 8)

@@ -13,12 +13,10 @@ import (
 	"github.com/exactlyonce/idempotency"
 )
 
-// HTTPClient's Budget "bounds the whole Do". A server that answers 503
-// (or 409, 429) and then never finishes the response's body holds Do in
-// the drain of that body before the retry, which nothing bounds: neither
-// the budget (its timer stops once the headers arrived) nor the attempt's
-// context (cancelled only after the drain). Do returns when the server
-// lets it, whatever the budget.
+// HTTPClient's Budget bounds the whole Do: a server that answers 503 (or
+// 409, 429) and then never finishes the response's body cannot hold Do in
+// the drain of that body before the retry. (It failed when nothing bounded
+// the drain.)
 func TestHTTPClientBudgetBoundsTheDrainOfARetriedResponse(t *testing.T) {
 	t.Parallel()
 	release := make(chan struct{})

@@ -12,10 +12,10 @@ import (
 	"github.com/exactlyonce/idempotency"
 )
 
-// EffectKey reads the handler's request (to digest it) from whichever
-// goroutine derives the run's first key: a handler that charges from 16
-// goroutines while it fills in a field of its request races with the
-// library, which the handler cannot know (run with -race).
+// The request's digest is taken before the handler runs: a handler that
+// charges from 16 goroutines while it fills in a field of its request
+// does not race with the library (run with -race). (It failed when the
+// first key derived read the live request.)
 func TestEffectKeyIgnoresWritesToTheRequest(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {

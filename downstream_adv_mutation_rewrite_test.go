@@ -20,8 +20,9 @@ import (
 // handler does to its request before then changes the keys.
 
 // A handler that scrubs its request before charging (it swaps the card
-// number for a vault token, a new one on each run) derives another key
-// for the same named effect on its re-run: the provider charges twice.
+// number for a vault token, a new one on each run) derives the same key
+// for its named effect on its re-run: the provider charges once. (It
+// failed when the digest read the request the handler had changed.)
 func TestHandlerRewritingItsRequestKeepsItsEffectKeys(t *testing.T) {
 	t.Parallel()
 	var runs atomic.Int64

@@ -16,9 +16,9 @@ import (
 
 // A request sent from a goroutine the handler left behind, redirected
 // (307) after the handler returned: http.Client makes the next hop a new
-// request with the ended call's context, and HTTPTransport sends it with
-// the redirect's key instead of refusing it with ErrCallEnded ("nothing
-// is sent with the context of a call that has ended").
+// request with the ended call's context, and HTTPTransport refuses it with
+// ErrCallEnded, nothing sent. (It failed when the redirect's key was
+// looked up first.)
 func TestHTTPTransportRefusesARedirectHopAfterTheCallEnded(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t)

@@ -18,10 +18,10 @@ import (
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
-// The memory of sent requests keeps every counted request alive, body
-// included, until the call ends: a handler that posts many large requests
-// (a batch) holds all of their bodies at once, though it dropped each one
-// after its response.
+// The transport's memory of sent requests is weak: a handler that posts
+// many large requests (a batch) and drops each after its response does
+// not hold their bodies until the call ends. (It failed when the memory
+// held every counted request.)
 func TestHTTPTransportDoesNotKeepSentRequestsAlive(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, testdb.New(t, 2))

@@ -17,9 +17,10 @@ import (
 
 // net/http lets a caller reuse a request once the response's body is
 // closed. A handler that reuses one for another endpoint (a refund after a
-// charge) gets the charge's key for the refund: the transport remembers the
-// pointer, not the target. The provider refuses the refund as a reuse of
-// the key (422), and the refund never happens.
+// charge) gets a key of the refund's own: the transport remembers the
+// target with the pointer. (It failed when the refund carried the charge's
+// key, which the provider refused as reused, and the refund never
+// happened.)
 func TestHTTPTransportReusedRequestForAnotherTargetGetsItsOwnKey(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t)

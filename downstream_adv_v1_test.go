@@ -12,11 +12,11 @@ import (
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
-// Under WithDerivedKeyVersion(1) a named effect is "a target with one
-// ordinal": the target "effect " + name. A counted call to the target
-// "effect charge" (any string is a target of DownstreamKey) then gets the
-// key of the effect named "charge": two effects, one key. Version 2 keeps
-// names and targets apart.
+// Under WithDerivedKeyVersion(1), counted keys are the first release's;
+// named effects, which it did not have, derive version 2 keys, so a
+// counted call to the target "effect charge" and the effect named
+// "charge" never share a key. (It failed when a name was a version 1
+// target "effect " + name.)
 func TestVersion1EffectKeysDoNotCollideWithCountedKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
