@@ -14,12 +14,11 @@ import (
 // A charge job that kills its worker on every try (SIGKILL after the
 // provider answered, three workers in a row: a poison job, an OOM, a
 // provider answer that crashes the process) keeps failing: River rescues
-// it each time and records each rescue in the job's errors. But the
-// outbox counts only the failures its own worker.failed records, so
-// Outbox.FailingCharges lists nothing and no Warn line is ever written:
-// the operator cannot see the job that keeps failing, and River discards
-// it silently after MaxAttempts deaths.
-func TestAdvChargeJobWhoseWorkersKeepDyingIsListedAsFailing(t *testing.T) {
+// it each time and records each rescue in the job's errors, and
+// Outbox.FailingCharges counts those with the failures the worker
+// records, so the operator sees the job. (It failed when only the
+// worker's own records counted.)
+func TestChargeJobWhoseWorkersKeepDyingIsListedAsFailing(t *testing.T) {
 	w := newWorld(t, 0)
 	w.enqueueOnly(t, "order-adv-poison-1", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 700})
 	cfg := childConfig{Role: "worker", DatabaseURL: w.db.URL(), ProviderURL: w.providerURL, KillAfterProvider: 1}

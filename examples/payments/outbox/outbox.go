@@ -408,7 +408,10 @@ func (o *Outbox) FailingCharges(ctx context.Context, minFailures int) ([]Failing
 	params := river.NewJobListParams().
 		Kinds(ChargeArgs{}.Kind()).
 		States("available", "pending", "retryable", "running", "scheduled").
-		Where("coalesce((metadata->'"+failuresKey+"'->>'count')::int, 0) >= @min_failures", river.NamedArgs{"min_failures": max(minFailures, 1)}).
+		// A try that failed records itself in the job's metadata; a worker
+		// that died mid-try cannot, and River records its rescue in the
+		// job's errors: both count.
+		Where("coalesce((metadata->'"+failuresKey+"'->>'count')::int, 0) + coalesce(array_length(errors, 1), 0) >= @min_failures", river.NamedArgs{"min_failures": max(minFailures, 1)}).
 		OrderBy(river.JobListOrderByID, river.SortOrderAsc).
 		First(1000)
 	var list []FailingCharge
@@ -423,6 +426,12 @@ func (o *Outbox) FailingCharges(ctx context.Context, minFailures int) ([]Failing
 				return nil, fmt.Errorf("outbox: job %d: its arguments do not decode as a charge: %w", j.ID, err)
 			}
 			f := readFailures(j.Metadata)
+			if n := len(j.Errors); n > 0 {
+				if last := j.Errors[n-1]; last.At.After(f.LastFailedAt) {
+					f.LastError, f.LastFailedAt = last.Error, last.At
+				}
+				f.Count += n
+			}
 			list = append(list, FailingCharge{
 				JobID: j.ID, ChargeID: a.ChargeID, AccountID: a.AccountID, AmountCents: a.AmountCents,
 				State: string(j.State), NextTryAt: j.ScheduledAt,
