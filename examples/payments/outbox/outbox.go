@@ -6,6 +6,18 @@
 // whose worker died is tried again, with backoff, until it succeeds; every
 // try sends the same key, and the worker reads the ledger row before it
 // calls the provider, so the provider charges once.
+//
+// Two things it cannot do for you. The provider deduplicates by key only
+// while it keeps the key: a job whose answer was lost (its worker died
+// after the provider answered, a response dropped) and that is tried again
+// after the provider forgot the key is charged again, so the provider's
+// key lifetime (24 hours for Stripe, the library's default) must exceed
+// how long a job can wait; FailingCharges shows the jobs that approach it.
+// And River's stuck-job rescuer runs on the client that leads in the
+// database: a River client of another service on the same River tables,
+// without this worker, discards a rescued charge job as a kind it does not
+// know. Give the outbox River tables of its own (a schema in the pool's
+// search_path), or register this worker on every River client there.
 package outbox
 
 import (
