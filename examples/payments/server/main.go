@@ -307,7 +307,7 @@ func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listene
 	if err := outbox.Migrate(ctx, pool); err != nil {
 		return nil, nil, stop, fmt.Errorf("outbox: %w", err)
 	}
-	ob, err := outbox.New(pool, outbox.Config{Provider: client})
+	ob, err := outbox.New(pool, outbox.Config{Provider: client, Logger: logger.With("service", "outbox")})
 	if err == nil {
 		err = ob.Start(context.WithoutCancel(ctx))
 	}
