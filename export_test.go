@@ -3,6 +3,8 @@ package idempotency
 import (
 	"context"
 	"time"
+
+	"google.golang.org/protobuf/proto"
 )
 
 // WithoutSQLCheck turns off the check of a handler's SQL for transaction
@@ -21,3 +23,8 @@ func SetHTTPClientWait(c *HTTPClient, wait func(ctx context.Context, d time.Dura
 
 // SleepContext is the wait HTTPClient uses by default.
 var SleepContext = sleepContext
+
+// RequestDigest is what the keys a call derives know of its proto request.
+func RequestDigest(req proto.Message) [32]byte {
+	return requestDigest(req)
+}
