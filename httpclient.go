@@ -224,6 +224,9 @@ func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
 		return nil, err
 	}
 	keyed := key != ""
+	call, inCall := callFrom(req.Context())
+	_, explicit := req.Context().Value(outgoingKey{}).(string)
+	derived := keyed && !own && !explicit && inCall
 	limit, once := s.attempts, ""
 	switch {
 	case !keyed && !idempotentMethod(req.Method):
@@ -241,6 +244,11 @@ func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
 		return &HTTPRetryError{Key: key, Attempts: attempts, Err: err, stop: stop}
 	}
 	for attempt := 1; ; attempt++ {
+		if attempt > 1 && derived && call.ended() {
+			// The key was derived for a call that is over (a goroutine the
+			// handler left behind retries): nothing more is sent under it.
+			return nil, fail(attempt-1, "the call the key was derived for has ended", ErrCallEnded.with(req.Method+" "+req.URL.EscapedPath(), nil))
+		}
 		actx, cancel := context.WithCancelCause(ctx)
 		r := req.Clone(actx)
 		if attempt > 1 && req.GetBody != nil {
@@ -292,16 +300,19 @@ func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
 			if time.Now().Add(wait).After(end) {
 				return cancelOnClose(resp, cancel), nil
 			}
-			// A body that never ends is cut after the wait's length, so it
-			// cannot hold Do past its budget by more than that: an attempt
-			// due after the budget's end is cut at once.
-			stopDrain := time.AfterFunc(wait, func() { cancel(errDrainTooSlow) })
-			_, _ = io.CopyN(io.Discard, resp.Body, drainLimit)
-			stopDrain.Stop()
-			_ = resp.Body.Close()
-			cancel(nil)
-			if err := s.wait(ctx, wait); err != nil {
-				return nil, fail(attempt, "the request's context ended while waiting to retry after "+resp.Status, err)
+			// The body is drained during the wait, and cut when the wait
+			// ends: a body that never ends cannot make Do wait longer.
+			drained := make(chan struct{})
+			go func() {
+				defer close(drained)
+				_, _ = io.CopyN(io.Discard, resp.Body, drainLimit)
+				_ = resp.Body.Close()
+			}()
+			werr := s.wait(ctx, wait)
+			cancel(errDrainTooSlow)
+			<-drained
+			if werr != nil {
+				return nil, fail(attempt, "the request's context ended while waiting to retry after "+resp.Status, werr)
 			}
 			continue
 		}
@@ -316,8 +327,8 @@ func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
 	}
 }
 
-// errDrainTooSlow is the cause of a retried response whose body was still
-// being read when the wait before the next attempt ended.
+// errDrainTooSlow is the cause that cuts a retried response's body still
+// being read when the wait before the next attempt ends.
 var errDrainTooSlow = errors.New("the body of a retried response took longer to read than the wait before the next attempt")
 
 // errBudget is the cause of an attempt cut by the end of the budget.
