@@ -17,14 +17,11 @@ import (
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
-// HTTPClient.Do from a goroutine the handler left behind: its first
-// attempt went out while the call ran and got a 503 after the handler
-// returned. Do retries under the derived key it took before, after the
-// call has ended, as HTTPTransport now refuses to for a redirect hop
-// (ErrCallEnded: nothing is sent with the context of a call that has
-// ended; the key may already have a stored result, or run again
-// elsewhere, where the re-run sends the same key).
-func TestAdv3HTTPClientRetriesWithADerivedKeyAfterTheCallEnded(t *testing.T) {
+// A goroutine the handler left running calls Do; its first attempt gets a
+// 503 after the handler returned. Do sends no retry under the key it
+// derived for the ended call: ErrCallEnded, as HTTPTransport refuses a
+// redirect hop then. (It failed when the retry was sent.)
+func TestHTTPClientSendsNoRetryAfterTheCallEnded(t *testing.T) {
 	t.Parallel()
 	arrived, release := make(chan struct{}), newGate()
 	var mu sync.Mutex

@@ -14,17 +14,13 @@ import (
 )
 
 // The most common deploy: a newer client already sends a message field
-// (here google.protobuf.Int64Value tip = 2) that the build it reaches does
-// not declare yet; the call crashes after charging, and its re-run reaches
-// the new build, which declares the field. requestDigest's doc says a
-// field this build declares and the same field held as unknown are
-// written alike, and DownstreamKey's that the digest does not depend on
-// the schema the binary links in; but a declared message field is
-// digested as its sum ('m') and the same field held as unknown as its
-// bytes ('r'). The re-run derives another key and the provider charges
-// again. The bytes are Go's own encoding (fields in order, nothing
-// unusual), and the field is no map, no list, no Any.
-func TestAdv3DeployDeclaringAMessageFieldKeepsTheKeys(t *testing.T) {
+// (google.protobuf.Int64Value tip = 2) that the build it reaches does not
+// declare yet; the call crashes after charging, and its re-run reaches the
+// new build, which declares the field. The declared field's canonical
+// encoding is the bytes the old build held as unknown: the re-run derives
+// the key the first run sent. (It failed when a declared message was
+// hashed as its sum and an unknown one as its bytes.)
+func TestDeployDeclaringAMessageFieldKeepsTheKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 8)
 	store := migratedStore(t, db)
