@@ -13,7 +13,6 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
-	"google.golang.org/protobuf/types/dynamicpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
@@ -52,32 +51,19 @@ func review2Field(name string, number int32, kind descriptorpb.FieldDescriptorPr
 // fail(req) when it is not nil, else succeeds.
 func review2PayServer(t *testing.T, store *idempotency.Store, md protoreflect.MessageDescriptor, keys *keyLog, fail func(proto.Message) error) *grpc.ClientConn {
 	t.Helper()
-	desc := &grpc.ServiceDesc{
-		ServiceName: "idempotency.test.Pay",
-		HandlerType: (*any)(nil),
-		Methods: []grpc.MethodDesc{{MethodName: "Charge", Handler: func(_ any, ctx context.Context, dec func(any) error, icpt grpc.UnaryServerInterceptor) (any, error) {
-			req := dynamicpb.NewMessage(md)
-			if err := dec(req); err != nil {
+	return servePay(t, store, md, func(ctx context.Context, req proto.Message) (any, error) {
+		k, ok := idempotency.EffectKey(ctx, "charge")
+		if !ok {
+			return nil, status.Error(codes.Internal, "no running call")
+		}
+		keys.add(k)
+		if fail != nil {
+			if err := fail(req); err != nil {
 				return nil, err
 			}
-			return icpt(ctx, req, &grpc.UnaryServerInfo{FullMethod: methodPay}, func(ctx context.Context, req any) (any, error) {
-				k, ok := idempotency.EffectKey(ctx, "charge")
-				if !ok {
-					return nil, status.Error(codes.Internal, "no running call")
-				}
-				keys.add(k)
-				if fail != nil {
-					if err := fail(req.(proto.Message)); err != nil {
-						return nil, err
-					}
-				}
-				return wrapperspb.String("charged"), nil
-			})
-		}}},
-	}
-	srv := grpc.NewServer(grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
-	srv.RegisterService(desc, struct{}{})
-	return dial(t, serve(t, srv))
+		}
+		return wrapperspb.String("charged"), nil
+	})
 }
 
 // crashes is a handler outcome that releases the key after the charge went
