@@ -27,6 +27,7 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 //	key required but missing              InvalidArgument     ErrorInfo, BadRequest
 //	database unreachable or failing       Unavailable         ErrorInfo
 //	retry chained outside the key (client) Internal           ErrorInfo
+//	outgoing call of an ended call (client) Internal          ErrorInfo
 //	key or annotation on a streaming call Unimplemented       ErrorInfo
 //
 // A handler's own errors are passed through unchanged; a [Final] one is
