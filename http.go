@@ -4,13 +4,17 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net"
 	"net/http"
+	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -106,6 +110,7 @@ type httpOptions struct {
 	replayed    []string // canonical header names
 	maxRequest  int64
 	maxResponse int
+	readTimeout time.Duration
 	isolation   pgx.TxIsoLevel
 	err         error
 }
@@ -271,6 +276,23 @@ func WithHTTPMaxResponseBytes(n int) HTTPOption {
 	return func(o *httpOptions) { o.maxResponse = n }
 }
 
+// WithHTTPReadTimeout sets how long the middleware waits for a protected
+// request's body, counted from when it starts reading it: it sets the
+// connection's read deadline, replacing the server's ReadTimeout for that
+// read. The body is read whole before the handler runs (it is part of the
+// request's fingerprint), so a handler that extends the read deadline for a
+// slow upload (http.ResponseController's SetReadDeadline) does so too late:
+// give the time here instead. A read that times out gets 408 Request
+// Timeout. Defaults to 0: the server's own deadlines apply.
+func WithHTTPReadTimeout(d time.Duration) HTTPOption {
+	return func(o *httpOptions) {
+		if d < 0 {
+			o.err = fmt.Errorf("idempotency: WithHTTPReadTimeout: must not be negative, got %v", d)
+		}
+		o.readTimeout = d
+	}
+}
+
 // errHTTPReleased marks a handler response that is not stored: the writes
 // roll back and the key is released, but the response is still sent.
 var errHTTPReleased = errors.New("idempotency: response not stored")
@@ -308,18 +330,8 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		report(OutcomeRejected, writeProblem(w, err, store.opts.retryDelay), err)
 		return
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, o.maxRequest))
-	if err != nil {
-		var tooLarge *http.MaxBytesError
-		if errors.As(err, &tooLarge) {
-			err = status.Errorf(codes.InvalidArgument, "idempotency: the request body is over %d bytes, the most that can be fingerprinted", o.maxRequest)
-			report(OutcomeRejected, problem(w, http.StatusRequestEntityTooLarge, "Request body too large", err.Error(), 0), err)
-			return
-		}
-		err = status.Errorf(codes.InvalidArgument, "idempotency: reading the request body: %v", err)
-		report(OutcomeRejected, writeProblem(w, err, 0), err)
-		return
-	}
+	// The scope before the body: a caller who is refused costs no read,
+	// and an "Expect: 100-continue" is not answered for them.
 	scope, err := o.scope(r)
 	if err != nil {
 		if _, ok := status.FromError(err); !ok {
@@ -328,23 +340,31 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		report(OutcomeRejected, writeProblem(w, err, 0), err)
 		return
 	}
-	target := r.URL.EscapedPath()
-	if r.URL.RawQuery != "" {
-		target += "?" + r.URL.RawQuery
+	body, code, err := o.readBody(w, r)
+	if err != nil {
+		report(OutcomeRejected, problem(w, code, http.StatusText(code), err.Error(), 0), err)
+		return
 	}
+	form, err := parsedForm(r, body)
+	if err != nil {
+		report(OutcomeRejected, writeProblem(w, err, 0), err)
+		return
+	}
+	method, target := requestName(r)
 	call := Call{
 		Scope: scope, Key: key, TTL: o.ttl, Isolation: o.isolation,
-		Method:      r.Method + " " + r.URL.EscapedPath(),
-		Fingerprint: tagged(kindDigest("http request"), []byte(r.Method), []byte(target), body),
+		Method:      method,
+		Fingerprint: tagged(kindDigest("http request"), append([][]byte{[]byte(r.Method), []byte(target), body}, form...)...),
 	}
 	rec := &responseRecorder{}
 	tp.metadata = func() ([]byte, error) { return rec.encode(o.replayed) }
 	res, err := store.execute(r.Context(), call, tp, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		// A fresh recorder for each run: an earlier one rolled back.
-		*rec = responseRecorder{header: http.Header{}, max: o.maxResponse, deadlines: http.NewResponseController(w)}
+		*rec = responseRecorder{header: http.Header{}, max: o.maxResponse, w: w}
 		req := r.WithContext(ctx)
 		req.Body = io.NopCloser(bytes.NewReader(body))
 		next.ServeHTTP(rec, req)
+		rec.finish()
 		code := rec.statusCode()
 		switch {
 		case rec.tooLarge:
@@ -379,6 +399,104 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 	default:
 		report(res.Outcome, writeProblem(w, err, store.opts.retryDelay), err)
 	}
+}
+
+// readBody reads the request body whole, to fingerprint it, within the
+// read timeout when one is set. It returns the status of a failure: 413
+// over the limit, 408 when the server's read deadline passed (the
+// server's timeout, not the client's mistake), 400 otherwise.
+func (o *httpOptions) readBody(w http.ResponseWriter, r *http.Request) ([]byte, int, error) {
+	if o.readTimeout > 0 {
+		if err := http.NewResponseController(w).SetReadDeadline(time.Now().Add(o.readTimeout)); err != nil {
+			return nil, http.StatusInternalServerError, status.Errorf(codes.Internal, "idempotency: WithHTTPReadTimeout: the connection's read deadline cannot be set (%v): "+
+				"a middleware in front of this one wraps the ResponseWriter without an Unwrap method", err)
+		}
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, o.maxRequest))
+	var tooLarge *http.MaxBytesError
+	switch {
+	case err == nil:
+		return body, 0, nil
+	case errors.As(err, &tooLarge):
+		return nil, http.StatusRequestEntityTooLarge, status.Errorf(codes.InvalidArgument,
+			"idempotency: the request body is over %d bytes, the most that can be fingerprinted", o.maxRequest)
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return nil, http.StatusRequestTimeout, status.Errorf(codes.DeadlineExceeded,
+			"idempotency: the server's read deadline passed while reading the request body; nothing ran. The body is read before the handler runs, "+
+				"so a read deadline the handler sets comes too late: the server's operator can allow more with WithHTTPReadTimeout")
+	}
+	return nil, http.StatusBadRequest, status.Errorf(codes.InvalidArgument, "idempotency: reading the request body: %v", err)
+}
+
+// parsedForm returns what identifies a form that a middleware in front of
+// this one parsed (r.ParseForm, r.PostFormValue, r.ParseMultipartForm:
+// CSRF middleware does), consuming the body: its fields, and a multipart
+// form's files, name, type and content. Nil when the body was not
+// consumed (then its bytes identify the request, and nothing else is
+// added, so such requests keep the fingerprint they always had).
+func parsedForm(r *http.Request, body []byte) ([][]byte, error) {
+	if len(body) > 0 || (len(r.PostForm) == 0 && r.MultipartForm == nil) {
+		return nil, nil
+	}
+	parts := [][]byte{[]byte("parsed form"), []byte(r.PostForm.Encode())}
+	if r.MultipartForm == nil {
+		return parts, nil
+	}
+	parts = append(parts, []byte(url.Values(r.MultipartForm.Value).Encode()))
+	for _, field := range slices.Sorted(maps.Keys(r.MultipartForm.File)) {
+		for _, fh := range r.MultipartForm.File[field] {
+			f, err := fh.Open()
+			if err != nil {
+				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
+			}
+			h := sha256.New()
+			_, err = io.Copy(h, f)
+			_ = f.Close()
+			if err != nil {
+				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
+			}
+			parts = append(parts, []byte(field), []byte(fh.Filename), []byte(fh.Header.Get("Content-Type")), h.Sum(nil))
+		}
+	}
+	return parts, nil
+}
+
+// requestName returns the call's method and the request target it is
+// fingerprinted with, from what the client sent (r.RequestURI), not from
+// r.URL, which a router in front (http.StripPrefix) may have rewritten: two
+// routes that differ only in a stripped prefix are different calls. A
+// route of net/http's mux that names a host is named with it, since the
+// path alone does not tell such routes apart. A method over the limit
+// PostgreSQL stores is kept short with a hash of its path.
+func requestName(r *http.Request) (method, target string) {
+	path, query := r.URL.EscapedPath(), r.URL.RawQuery
+	if r.RequestURI != "" && r.RequestURI != "*" {
+		if u, err := url.ParseRequestURI(r.RequestURI); err == nil {
+			path, query = u.EscapedPath(), u.RawQuery
+		}
+	}
+	target = path
+	if query != "" {
+		target += "?" + query
+	}
+	method = r.Method + " " + patternHost(r.Pattern) + path
+	if len(method) > maxMethodLen {
+		sum := sha256.Sum256([]byte(method))
+		method = fmt.Sprintf("%s sha256:%x", r.Method, sum)
+	}
+	return method, target
+}
+
+// patternHost returns the host a net/http mux pattern ("[METHOD ][HOST]/[PATH]")
+// names, or "".
+func patternHost(pattern string) string {
+	if i := strings.IndexByte(pattern, ' '); i >= 0 {
+		pattern = strings.TrimLeft(pattern[i+1:], " \t")
+	}
+	if i := strings.IndexByte(pattern, '/'); i > 0 {
+		return pattern[:i]
+	}
+	return ""
 }
 
 // keyFromHeader reads the Idempotency-Key header: a structured-field
@@ -433,14 +551,21 @@ func parseSFString(s string) (string, error) {
 }
 
 // responseRecorder is the http.ResponseWriter a protected handler gets: it
-// keeps the whole response, to store it and then send it.
+// keeps the whole response, to store it and then send it. Like net/http's
+// own writer, it takes the headers as they are when the status is written
+// (later changes are ignored), and the trailers (the names the Trailer
+// header declared, and those set with http.TrailerPrefix) when the handler
+// returns.
 type responseRecorder struct {
-	header    http.Header
-	status    int
-	body      bytes.Buffer
-	max       int
-	tooLarge  bool
-	deadlines *http.ResponseController // the real writer's, for deadlines only
+	header   http.Header // the handler's
+	sent     http.Header // the headers of the response, canonical names
+	trailer  http.Header // its trailers, canonical names
+	declared []string    // the trailers the Trailer header declared
+	status   int
+	body     bytes.Buffer
+	max      int
+	tooLarge bool
+	w        http.ResponseWriter // the real writer: for 1xx responses and deadlines
 }
 
 var errNoStreaming = errors.New("idempotency: a response that is stored cannot be streamed (flushed, hijacked or written in full duplex); it is sent whole once the call commits")
@@ -448,21 +573,69 @@ var errNoStreaming = errors.New("idempotency: a response that is stored cannot b
 func (rr *responseRecorder) Header() http.Header { return rr.header }
 
 func (rr *responseRecorder) WriteHeader(code int) {
-	// As net/http: an invalid code is the handler's bug; 1xx responses are
-	// informational (they would go before the final one, which is all
-	// that is stored); after the first final status, later ones are
-	// ignored.
+	// As net/http: an invalid code is the handler's bug; a 1xx response
+	// other than 101 is informational and goes to the client now, with the
+	// headers set so far (103 Early Hints), unstored; after the first final
+	// status, later ones are ignored.
 	if code < 100 || code > 999 {
 		panic(fmt.Sprintf("idempotency: invalid WriteHeader code %v", code))
 	}
-	if code >= 200 && rr.status == 0 {
+	switch {
+	case rr.status != 0:
+	case code < 200 && code != http.StatusSwitchingProtocols:
+		h := rr.w.Header()
+		for name, values := range rr.header {
+			h[name] = slices.Clone(values)
+		}
+		rr.w.WriteHeader(code)
+	default:
 		rr.status = code
+		rr.snapshot()
+	}
+}
+
+// snapshot takes the headers of the response when its status is written.
+func (rr *responseRecorder) snapshot() {
+	rr.sent = http.Header{}
+	for name, values := range rr.header {
+		if strings.HasPrefix(name, http.TrailerPrefix) {
+			continue
+		}
+		c := http.CanonicalHeaderKey(name)
+		rr.sent[c] = append(rr.sent[c], values...)
+	}
+	for _, v := range rr.sent["Trailer"] {
+		for _, name := range strings.Split(v, ",") {
+			if name = strings.TrimSpace(name); name != "" {
+				rr.declared = append(rr.declared, http.CanonicalHeaderKey(name))
+			}
+		}
+	}
+	delete(rr.sent, "Trailer") // declared again for the trailers there are
+}
+
+// finish takes the trailers once the handler returned.
+func (rr *responseRecorder) finish() {
+	if rr.status == 0 {
+		rr.status = http.StatusOK // a handler that wrote nothing
+		rr.snapshot()
+	}
+	rr.trailer = http.Header{}
+	for name, values := range rr.header {
+		switch {
+		case strings.HasPrefix(name, http.TrailerPrefix):
+			c := http.CanonicalHeaderKey(strings.TrimPrefix(name, http.TrailerPrefix))
+			rr.trailer[c] = append(rr.trailer[c], values...)
+		case slices.Contains(rr.declared, http.CanonicalHeaderKey(name)) && len(values) > 0:
+			c := http.CanonicalHeaderKey(name)
+			rr.trailer[c] = append(rr.trailer[c], values...)
+		}
 	}
 }
 
 func (rr *responseRecorder) Write(p []byte) (int, error) {
 	if rr.status == 0 {
-		rr.status = http.StatusOK
+		rr.WriteHeader(http.StatusOK)
 	}
 	if rr.body.Len()+len(p) > rr.max {
 		rr.tooLarge = true
@@ -483,11 +656,11 @@ func (rr *responseRecorder) EnableFullDuplex() error { return errNoStreaming }
 
 // SetReadDeadline and SetWriteDeadline pass to the real connection.
 func (rr *responseRecorder) SetReadDeadline(t time.Time) error {
-	return rr.deadlines.SetReadDeadline(t)
+	return http.NewResponseController(rr.w).SetReadDeadline(t)
 }
 
 func (rr *responseRecorder) SetWriteDeadline(t time.Time) error {
-	return rr.deadlines.SetWriteDeadline(t)
+	return http.NewResponseController(rr.w).SetWriteDeadline(t)
 }
 
 func (rr *responseRecorder) statusCode() int {
@@ -497,33 +670,65 @@ func (rr *responseRecorder) statusCode() int {
 	return rr.status
 }
 
-// writeTo sends the recorded response: every header the first time, only
-// the allowed ones on a replay.
+// writeTo sends the recorded response: every header and trailer the first
+// time, only the allowed ones on a replay. Trailers go out as trailers, on
+// HTTP/1.1 (chunked) as on HTTP/2.
 func (rr *responseRecorder) writeTo(w http.ResponseWriter, allowed []string, replayed bool) {
+	kept := func(name string) bool { return !replayed || slices.Contains(allowed, name) }
 	h := w.Header()
-	for name, values := range rr.header {
-		if !replayed || slices.Contains(allowed, name) {
+	for name, values := range rr.sent {
+		if kept(name) {
 			h[name] = values
 		}
 	}
 	if replayed {
 		h.Set(ReplayedHeader, "true")
 	}
-	h.Set("Content-Length", strconv.Itoa(rr.body.Len()))
+	var trailers []string
+	for name := range rr.trailer {
+		if kept(name) && !neverReplayed[name] {
+			trailers = append(trailers, name)
+		}
+	}
+	slices.Sort(trailers)
+	if len(trailers) > 0 {
+		h["Trailer"] = []string{strings.Join(trailers, ", ")}
+		h.Del("Content-Length") // so that HTTP/1.1 sends it chunked, with the trailers
+	} else {
+		h.Set("Content-Length", strconv.Itoa(rr.body.Len()))
+	}
 	w.WriteHeader(rr.statusCode())
 	_, _ = w.Write(rr.body.Bytes())
+	for _, name := range trailers {
+		h[name] = rr.trailer[name]
+	}
 }
 
-// encode is the stored form of the response's status and the headers a
-// replay carries (kept: no others are stored, cookies least of all):
-// field 1 the status, field 2 each header (name, then values), as for gRPC
-// metadata.
+// encode is the stored form of the response's status and the headers and
+// trailers a replay carries (kept: no others are stored, cookies least of
+// all): field 1 the status, field 2 each header (name, then values), field
+// 3 each trailer, as for gRPC metadata. At most [MaxStoredMetadata] bytes
+// of them are stored, as for gRPC.
 func (rr *responseRecorder) encode(kept []string) ([]byte, error) {
 	b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), uint64(rr.statusCode()))
-	for name, values := range rr.header {
-		if slices.Contains(kept, name) {
-			b = appendEntry(b, 2, name, values)
+	size := 0
+	for _, part := range []struct {
+		num protowire.Number
+		h   http.Header
+	}{{2, rr.sent}, {3, rr.trailer}} {
+		for _, name := range slices.Sorted(maps.Keys(part.h)) {
+			if !slices.Contains(kept, name) || (part.num == 3 && neverReplayed[name]) {
+				continue
+			}
+			b = appendEntry(b, part.num, name, part.h[name])
+			size += len(name)
+			for _, v := range part.h[name] {
+				size += len(v)
+			}
 		}
+	}
+	if size > MaxStoredMetadata {
+		return nil, status.Errorf(codes.Internal, "idempotency: the handler set %d bytes of replayed headers and trailers; at most %d (MaxStoredMetadata) can be stored for replay; nothing was committed", size, MaxStoredMetadata)
 	}
 	return b, nil
 }
@@ -537,7 +742,7 @@ func decodeHTTPResponse(res result) (*responseRecorder, error) {
 	if !ok {
 		return nil, status.Errorf(codes.Internal, "idempotency: the key's stored result is not an HTTP response (the key was used by a gRPC call?)")
 	}
-	rr := &responseRecorder{header: http.Header{}}
+	rr := &responseRecorder{sent: http.Header{}, trailer: http.Header{}}
 	rr.body.Write(body.GetValue())
 	b := res.metadata
 	for len(b) > 0 {
@@ -553,7 +758,7 @@ func decodeHTTPResponse(res result) (*responseRecorder, error) {
 				return nil, status.Errorf(codes.Internal, "idempotency: stored HTTP status is malformed")
 			}
 			rr.status, b = int(v), b[n:]
-		case num == 2 && typ == protowire.BytesType:
+		case (num == 2 || num == 3) && typ == protowire.BytesType:
 			entry, n := protowire.ConsumeBytes(b)
 			if n < 0 {
 				return nil, status.Errorf(codes.Internal, "idempotency: stored HTTP header is malformed")
@@ -562,7 +767,11 @@ func decodeHTTPResponse(res result) (*responseRecorder, error) {
 			if err != nil {
 				return nil, status.Errorf(codes.Internal, "idempotency: %v", err)
 			}
-			rr.header[name] = values
+			if num == 2 {
+				rr.sent[name] = values
+			} else {
+				rr.trailer[name] = values
+			}
 			b = b[n:]
 		default:
 			return nil, status.Errorf(codes.Internal, "idempotency: stored HTTP response is malformed")
