@@ -61,12 +61,19 @@ const ReplayedHeader = "Idempotency-Replayed"
 //	the key used for another request  422 Unprocessable Content
 //	the database unavailable          503 Service Unavailable, Retry-After
 //	the store misconfigured           500
+//	the body not read in time         408 (see [WithHTTPReadTimeout])
 //
 // Error bodies are application/problem+json (RFC 9457). The key is read as
 // the draft's structured-field string ("abc") or a bare token (abc).
 //
 // The request is the same request when its method, path (with query) and
-// body bytes are the same. Which handler responses are stored: see
+// body bytes are the same; the path is the one the client sent
+// (r.RequestURI), whatever a router in front (http.StripPrefix) rewrote, and
+// a form a middleware in front parsed is identified by its fields and files.
+// The scope ([WithHTTPScope]) is asked before the body is read. Trailers go
+// out as trailers and are stored and replayed by the same list as headers;
+// a 1xx response other than 101 goes out at once, unstored. Which handler
+// responses are stored: see
 // [DefaultStoredStatus]. A handler that streams (Flush, Hijack, full duplex
 // through http.ResponseController) gets an error from those calls, and a
 // response over the size limit ([WithHTTPMaxResponseBytes]) fails the
@@ -213,7 +220,9 @@ func WithHTTPMethods(methods ...string) HTTPOption {
 // in r.Context(). An error rejects the request with 401 (wrap it in a
 // status error to choose: codes.PermissionDenied gives 403). Defaults to
 // one scope shared by every caller; see [WithScope] for why that is only
-// safe when all callers trust each other.
+// safe when all callers trust each other. No default can be derived from
+// the Authorization header: tokens rotate between a call and its retry, so
+// scope by the caller the token names, not by the token.
 func WithHTTPScope(f func(r *http.Request) (string, error)) HTTPOption {
 	return func(o *httpOptions) { o.scope = f }
 }

@@ -356,3 +356,62 @@ func TestHTTPInformationalResponses(t *testing.T) {
 		require.Equal(t, replayed, rec.Header().Get(idempotency.ReplayedHeader))
 	}
 }
+
+// It failed when the body was read before the scope was asked: a caller
+// the scope refused cost a read of up to 1 MiB, and a client that sent
+// "Expect: 100-continue" was told to send its body.
+func TestHTTPScopeIsAskedBeforeTheBodyIsRead(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, suiteDB(t))
+	var read atomic.Int64
+	counting := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			r.Body = &countingBody{r.Body, &read}
+			next.ServeHTTP(w, r)
+		})
+	}
+	refuse := idempotency.WithHTTPScope(func(r *http.Request) (string, error) {
+		return "", fmt.Errorf("no caller")
+	})
+	srv := httptest.NewServer(counting(idempotency.HTTPMiddleware(store, refuse)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		t.Error("the handler ran for a refused caller")
+	}))))
+	t.Cleanup(srv.Close)
+	req := mountedPost(t, srv.URL, "", strings.Repeat("x", 64<<10))
+	req.Header.Set("Expect", "100-continue")
+	r := do(t, srv.Client(), req, "k-refused")
+	require.Equal(t, http.StatusUnauthorized, r.status, r.body)
+	require.Zero(t, read.Load(), "no byte of the body was read")
+}
+
+type countingBody struct {
+	io.ReadCloser
+	n *atomic.Int64
+}
+
+func (b *countingBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	b.n.Add(int64(n))
+	return n, err
+}
+
+// It failed when the headers stored with an HTTP response had no bound
+// (MaxStoredMetadata bounded gRPC's alone): a handler's 64 KiB Location was
+// stored with every key. Over the bound the request fails with 500, its
+// writes rolled back and nothing stored, as on the gRPC side.
+func TestHTTPStoredHeadersAreBounded(t *testing.T) {
+	t.Parallel()
+	big := newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note, key) VALUES ('big', 'k-big')`)
+		require.NoError(t, err)
+		w.Header().Set("Location", "/v1/charges/"+strings.Repeat("l", idempotency.MaxStoredMetadata))
+		w.WriteHeader(http.StatusCreated)
+	})
+	r := big.post("k-big", "x")
+	require.Equal(t, http.StatusInternalServerError, r.status, r.body)
+	require.Contains(t, r.body, "MaxStoredMetadata")
+	require.Zero(t, big.db.Count(t, `SELECT count(*) FROM ledger WHERE key = 'k-big'`), "the writes rolled back")
+	r = big.post("k-big", "x")
+	require.Equal(t, http.StatusInternalServerError, r.status, "nothing was stored: the retry runs again")
+	require.EqualValues(t, 2, big.runs.Load())
+}

@@ -26,7 +26,7 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 	store, err := idempotency.NewStore(db.Pool)
 	require.NoError(t, err)
 	require.NoError(t, payments.Migrate(ctx, db.Pool, store))
-	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store))
+	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store, payments.DemoCallers()))
 	t.Cleanup(srv.Close)
 	do := func(method, path, key, body string) (int, http.Header, string) {
 		req, err := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
@@ -34,6 +34,7 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 		if key != "" {
 			req.Header.Set(idempotency.HeaderKey, key)
 		}
+		req.Header.Set("Authorization", "Bearer demo-token-alice")
 		resp, err := srv.Client().Do(req)
 		require.NoError(t, err)
 		defer resp.Body.Close()
@@ -79,4 +80,43 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 	grpcBal, err := c.GetBalance(ctx, &paymentsv1.GetBalanceRequest{AccountId: "acct-1"})
 	require.NoError(t, err)
 	require.EqualValues(t, 105, grpcBal.GetBalanceCents())
+}
+
+// It failed when the example mounted the middleware with the default
+// scope, shared by every caller: bob, sending alice's key and body, got
+// alice's stored charge. Each caller's keys are their own.
+func TestHTTPCallersKeysAreTheirOwn(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 8)
+	ctx := context.Background()
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, payments.Migrate(ctx, db.Pool, store))
+	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store, payments.DemoCallers()))
+	t.Cleanup(srv.Close)
+	charge := func(token string) (int, string) {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/charges", strings.NewReader(`{"account_id": "acct-shared", "amount_cents": 100}`))
+		require.NoError(t, err)
+		req.Header.Set(idempotency.HeaderKey, "order-1")
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		require.Empty(t, resp.Header.Get(idempotency.ReplayedHeader), "no caller gets another's stored response")
+		return resp.StatusCode, string(b)
+	}
+	code, alice := charge("demo-token-alice")
+	require.Equal(t, http.StatusOK, code, alice)
+	code, bob := charge("demo-token-bob")
+	require.Equal(t, http.StatusOK, code, bob)
+	require.NotEqual(t, alice, bob, "bob's charge is his own")
+	code, body := charge("")
+	require.Equal(t, http.StatusUnauthorized, code, body)
+	code, body = charge("stolen-token")
+	require.Equal(t, http.StatusUnauthorized, code, body)
+	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger WHERE account_id = 'acct-shared'`))
 }

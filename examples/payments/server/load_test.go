@@ -122,6 +122,7 @@ func TestServerAnswersConcurrentChargesWithDefaultFlags(t *testing.T) {
 				return "", err
 			}
 			req.Header.Set(idempotency.HeaderKey, key)
+			req.Header.Set("Authorization", "Bearer demo-token-alice")
 			resp, err := hc.Do(req)
 			if err != nil {
 				return "", err

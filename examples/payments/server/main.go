@@ -75,6 +75,16 @@ type config struct {
 	providerURL, providerAddr                string
 	outbox                                   bool
 	maxCharges                               int
+	callers                                  payments.Callers // nil: the demo callers
+}
+
+// httpCallers are the callers of the HTTP API: -http-callers, or the demo
+// ones.
+func (c config) httpCallers() payments.Callers {
+	if c.callers == nil {
+		return payments.DemoCallers()
+	}
+	return c.callers
 }
 
 // poolReserve is the connections of the server's pool beyond -max-charges:
@@ -92,6 +102,9 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	fs.StringVar(&c.databaseURL, "database-url", "", dburl.Usage())
 	fs.StringVar(&c.providerURL, "provider-url", "", "base URL of the payment provider to charge; empty serves the example provider in this process on -provider-addr")
 	fs.StringVar(&c.providerAddr, "provider-addr", "127.0.0.1:0", "address to serve the example provider on when -provider-url is empty (the default, a free port, is logged); both empty keep charges in the ledger only")
+	var callers string
+	fs.StringVar(&callers, "http-callers", "", "the HTTP API's callers, as token=caller pairs separated by commas (each request sends Authorization: Bearer <token>; "+
+		"the caller is its idempotency scope); empty accepts the demo callers alice (demo-token-alice) and bob (demo-token-bob)")
 	fs.BoolVar(&c.outbox, "outbox", false, "charge the provider from a River worker after each call commits, instead of inside the call")
 	fs.IntVar(&c.maxCharges, "max-charges", 32, fmt.Sprintf("charges to run at once, each on a database connection of its own (held while it waits for the provider); the pool has this many plus %d, and further charges wait for one, holding none", poolReserve))
 	if err := fs.Parse(args); err != nil {
@@ -104,6 +117,13 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	if c.maxCharges < 1 {
 		fmt.Fprintln(fs.Output(), "-max-charges must be at least 1")
 		return c, errors.New("-max-charges < 1")
+	}
+	if callers != "" {
+		var err error
+		if c.callers, err = payments.ParseCallers(callers); err != nil {
+			fmt.Fprintf(fs.Output(), "-http-callers: %v\n", err)
+			return c, err
+		}
 	}
 	if c.databaseURL == "" {
 		c.databaseURL = dburl.URL()
@@ -206,7 +226,7 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 		what    string
 		msg     string
 	}{
-		{lis.http, payments.NewHTTPHandler(svc, store), "http", "PaymentService listening"},
+		{lis.http, payments.NewHTTPHandler(svc, store, cfg.httpCallers()), "http", "PaymentService listening"},
 		{lis.metrics, metricsMux(metricsHandler), "metrics", "PaymentService listening"},
 		{lis.provider, providerHandler, "http", "example payment provider listening"},
 	} {

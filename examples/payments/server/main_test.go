@@ -95,6 +95,7 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	httpReq, err := http.NewRequest(http.MethodPost, "http://"+httpLis.Addr().String()+"/v1/charges", strings.NewReader(`{"account_id": "acct", "amount_cents": 8}`))
 	require.NoError(t, err)
 	httpReq.Header.Set(idempotency.HeaderKey, "server-test-http")
+	httpReq.Header.Set("Authorization", "Bearer demo-token-alice")
 	httpResp, err := http.DefaultClient.Do(httpReq)
 	require.NoError(t, err)
 	httpBody, _ := io.ReadAll(httpResp.Body)
