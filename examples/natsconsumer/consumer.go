@@ -122,7 +122,9 @@ type Delivery struct {
 // starts its sequences over, but every message of the new one was stored
 // after the old one was deleted, so no place of the new stream is a place
 // of the old one (a redelivery names the message's own incarnation, so a
-// Consumer running across a recreation needs no news of it). A place
+// Consumer running across a recreation needs no news of it). The stored
+// times are the server's clock: one set back across the recreation, by
+// more than the old stream lived, could repeat a place. A place
 // longer than a key may be, or with a byte a key may not hold (a stream
 // name that is not ASCII), is "seq:.place.<SHA-256 of it, in hex>".
 //
