@@ -256,7 +256,13 @@ INSERT INTO account_balances VALUES ('acct-1', 100)`); err != nil {
 		})
 		other <- err
 	}()
-	<-holding
+	select {
+	case <-holding:
+	case err := <-other:
+		t.Fatalf("the other process's ProcessMessage ended before it held the ID: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the other process never held the ID")
+	}
 	last := publish(t, js, subject, "credit-1", credit).Sequence
 	var tl tally
 	start(t, ctx, newConsumer(t, js, store, stream, durable, natsconsumer.ApplyCredit, tl.hook(), natsconsumer.WithRetryBackoff(base, time.Second)))
