@@ -98,13 +98,14 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 	if tempSchema != a.tempSchema && a.reset == "" {
 		a.reset = "the handler created a temporary object"
 	}
+	atCommit := false // the COMMIT itself failed, not a statement before it
 	for _, q := range b.QueuedQueries[1:] {
 		tag, e := br.Exec()
 		if e == nil && q.SQL == "COMMIT" && tag.String() != "COMMIT" {
 			e = fmt.Errorf("transaction rolled back: COMMIT returned %s", tag)
 		}
 		if e != nil {
-			err = e
+			err, atCommit = e, q.SQL == "COMMIT"
 			break
 		}
 	}
@@ -113,7 +114,7 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 	}
 	if err != nil {
 		a.open = a.conn.PgConn().TxStatus() != 'I'
-		return a.commitFailed(ctx, err)
+		return a.commitFailed(ctx, err, atCommit)
 	}
 	a.open = false
 	if took := time.Since(start); took >= a.call.TTL/2 {
@@ -202,30 +203,81 @@ func (a *attempt) readOnly(ctx context.Context, what string, ran bool) (result, 
 }
 
 // commitFailed handles a COMMIT that PostgreSQL refused: the transaction
-// rolled back, fn's writes with it.
-func (a *attempt) commitFailed(ctx context.Context, err error) (result, attemptNext, error) {
-	switch code := sqlState(err); {
-	case strings.HasPrefix(code, "23"):
-		return a.violatedAtCommit(ctx, err)
+// rolled back, fn's writes with it. atCommit: the error is the COMMIT's
+// (not a statement queued before it, which is the engine's).
+//
+// At COMMIT PostgreSQL runs what fn's writes deferred: their deferred
+// constraints, and the deferred constraint triggers of fn's tables. Their
+// errors are fn's failure: a violation that can never succeed (check,
+// unique, exclusion) is FailedPrecondition, final where the transport says
+// so; a missing referenced row (foreign_key_violation), which a later
+// attempt can find, and an error raised in a deferred trigger (RAISE, or a
+// statement of the trigger's function that failed: an error with a
+// context) release the key, nothing stored, as fn's own error would. The
+// server's conditions (a lost session, an outage, a serialization failure)
+// and anything else keep the engine's classification (see dbError).
+func (a *attempt) commitFailed(ctx context.Context, err error, atCommit bool) (result, attemptNext, error) {
+	var pgErr *pgconn.PgError
+	if !atCommit || !errors.As(err, &pgErr) {
+		return a.finishFailed(ctx, err)
+	}
+	switch code := pgErr.Code; {
 	case code == sqlSerializationFailure || code == sqlDeadlockDetected:
 		res, err := a.failed(ctx, "commit", err)
 		res.Outcome = OutcomeReleased
 		return res, attemptDone, err
+	case pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" || transientCode(code):
+		return a.finishFailed(ctx, err)
+	case code == sqlForeignKeyViolation:
+		return a.refusedAtCommit(codes.FailedPrecondition, pgErr, fmt.Sprintf("the call's writes violate constraint %s of table %s at COMMIT: %s",
+			pgErr.ConstraintName, pgErr.TableName, pgErr.Message))
+	case strings.HasPrefix(code, "23"):
+		return a.violatedAtCommit(ctx, pgErr)
+	case pgErr.Where != "":
+		// Raised inside a function: a deferred trigger of fn's tables (the
+		// key table has none, and the engine's statements ran before).
+		return a.refusedAtCommit(codes.Unknown, pgErr, fmt.Sprintf("the call's writes were refused at COMMIT by the database, "+
+			"in a deferred trigger of the handler's tables (SQLSTATE %s: %s)", code, pgErr.Message))
 	}
 	return a.finishFailed(ctx, err)
 }
 
 // violatedAtCommit handles a COMMIT that failed on a deferred constraint of
-// fn's writes: fn's failure, as if fn had returned FailedPrecondition, and
-// stored as such when the transport makes that code final.
-func (a *attempt) violatedAtCommit(ctx context.Context, err error) (result, attemptNext, error) {
-	var pgErr *pgconn.PgError
-	errors.As(err, &pgErr)
+// fn's writes that no later attempt can satisfy: fn's failure, as if fn
+// had returned FailedPrecondition, and stored as such when the transport
+// makes that code final.
+func (a *attempt) violatedAtCommit(ctx context.Context, pgErr *pgconn.PgError) (result, attemptNext, error) {
 	st := grpcstatus.Newf(codes.FailedPrecondition, "the call's writes violate constraint %s of table %s: %s", pgErr.ConstraintName, pgErr.TableName, pgErr.Message)
 	if a.tp.finalCode == nil || !a.tp.finalCode(codes.FailedPrecondition) {
 		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, st.Err()
 	}
 	return a.settleWith(ctx, st)
+}
+
+// refusedAtCommit answers a COMMIT that refused fn's writes for a reason a
+// later attempt may not meet: fn's failure, nothing stored. The COMMIT
+// rolled the claim back with them, and the session's lock on the key went
+// with the statement that wrote the key's row: the key is free.
+func (a *attempt) refusedAtCommit(code codes.Code, pgErr *pgconn.PgError, msg string) (result, attemptNext, error) {
+	return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, &commitRefused{code: code, cause: pgErr,
+		msg: msg + "; nothing was committed and nothing stored: a retry with the same key runs the call again"}
+}
+
+// commitRefused is the error of a call whose writes the COMMIT refused
+// (see refusedAtCommit): the client gets code and msg; errors.As finds the
+// database's error.
+type commitRefused struct {
+	code  codes.Code
+	msg   string
+	cause *pgconn.PgError
+}
+
+func (e *commitRefused) Error() string { return "idempotency: " + e.msg }
+
+func (e *commitRefused) Unwrap() error { return e.cause }
+
+func (e *commitRefused) GRPCStatus() *grpcstatus.Status {
+	return grpcstatus.New(e.code, "idempotency: "+e.msg)
 }
 
 // finishFailed handles a failure to store the result: the transaction is

@@ -51,14 +51,26 @@ const messageMethod = "idempotency/message"
 // everything and leaves the ID unprocessed, so a redelivery runs fn again;
 // an error marked with [Final] (a poison message, say) is stored, and
 // redeliveries return it again with [OutcomeReplayed]. So is a deferred
-// constraint of fn's writes that fails at COMMIT (FailedPrecondition): it
-// would fail on every redelivery. Message IDs live in a namespace of their
+// constraint of fn's writes that fails at COMMIT on the message's own data
+// (a unique, check or exclusion constraint: FailedPrecondition), which
+// would fail on every redelivery. What the COMMIT refuses for a reason
+// that can pass is fn's failure, as fn's own error would be: nothing is
+// stored and the message is redelivered ([OutcomeReleased], [Redeliver]).
+// That is a deferred foreign key whose referenced row is not there (yet):
+// FailedPrecondition, not final, as an immediate foreign key would fail
+// fn's statement; and an error raised at COMMIT by a deferred trigger of
+// fn's tables (RAISE EXCEPTION, or a failed statement of its function),
+// whose error names the SQLSTATE and the message and unwraps to the
+// *pgconn.PgError. A consumer that bounds a message's attempts counts
+// both as the handler's failures. Message IDs live in a namespace of their
 // own in the key table: no gRPC or HTTP client's key can ever take one. A redelivery that
 // arrives while the first delivery is still being processed waits for it
 // up to the store's in-progress wait, then gets [ErrInProgress].
 func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx context.Context, tx pgx.Tx) error) (outcome Outcome, err error) {
-	// A deferred constraint that fails at every COMMIT would fail every
-	// redelivery too: it is final, stored, and the message dead-lettered.
+	// A deferred constraint of the message's own data that fails at COMMIT
+	// would fail every redelivery too: it is final, stored, and the
+	// message dead-lettered (a missing referenced row is not; see
+	// commitFailed).
 	tp := &transport{kind: TransportMessage, namespace: namespaceMessage, finalCode: func(c codes.Code) bool { return c == codes.FailedPrecondition }}
 	if s.opts.tracer != nil {
 		ctx, tp.trace = s.startCall(ctx, TransportMessage, m.Scope, m.ID)

@@ -202,6 +202,7 @@ const (
 	sqlUndefinedColumn          = "42703"
 	sqlDatatypeMismatch         = "42804"
 	sqlNotNullViolation         = "23502"
+	sqlForeignKeyViolation      = "23503"
 	sqlQueryCanceled            = "57014"
 	sqlIdleInTransactionTimeout = "25P03"
 	sqlTransactionTimeout       = "25P04"

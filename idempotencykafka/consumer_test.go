@@ -391,8 +391,11 @@ func startChild(t *testing.T, c childConfig) *crashproc.Child {
 
 // Records that can never succeed go to the dead-letter topic with their
 // cause, and the partition moves on: a poison record (a final error), an
-// ID reused for another record, a deferred constraint that fails at every
-// commit, and a handler that fails every time (after its attempts).
+// ID reused for another record, and, after their attempts, a record whose
+// deferred foreign key finds no referenced row at any commit (a row that
+// may still arrive, so each attempt is the handler's failure, nothing
+// stored, as with an immediate foreign key) and a handler that fails every
+// time.
 func TestRecordsThatCanNeverSucceedAreDeadLettered(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
@@ -431,7 +434,7 @@ func TestRecordsThatCanNeverSucceedAreDeadLettered(t *testing.T) {
 	for i, want := range []struct{ offset, id, outcome, cause string }{
 		{"1", "m-2", "executed", "is not an amount"},
 		{"2", "m-1", "key_reused", "different request"},
-		{"3", "m-3", "executed", "credits_ref_fkey"},
+		{"3", "m-3", "released", "gave up after 3 attempts: idempotency: the call's writes violate constraint credits_ref_fkey"},
 		{"4", "m-4", "released", "gave up after 3 attempts: the ledger refuses this record today"},
 	} {
 		require.Equal(t, want.offset, got[i].offset, "dead letter %d", i)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -53,13 +54,14 @@ func TestRedeliveryAfterAckWait(t *testing.T) {
 		want[id] = c
 		last = publish(t, js, subject, id, c).Sequence
 	}
-	for i := range 2 { // no Nats-Msg-Id: identified by stream sequence
+	bare := map[uint64]natsconsumer.Credit{}
+	for i := range 2 { // no Nats-Msg-Id: identified by their place in the stream
 		c := natsconsumer.Credit{Account: "acct-0", AmountCents: int64(5000 + i)}
 		body, err := json.Marshal(c)
 		require.NoError(t, err)
 		ack, err := js.Publish(ctx, subject, body)
 		require.NoError(t, err)
-		want[fmt.Sprintf("seq:%s:%d", stream, ack.Sequence)] = c
+		bare[ack.Sequence] = c
 		last = ack.Sequence
 	}
 
@@ -83,7 +85,14 @@ func TestRedeliveryAfterAckWait(t *testing.T) {
 	for _, stop := range stops {
 		require.ErrorIs(t, stop(), context.Canceled)
 	}
-	t.Logf("%d messages, AckWait %v, %d handlers taking %v: %v", len(want), ackWait, len(slow), slowFor, &tl)
+	t.Logf("%d messages, AckWait %v, %d handlers taking %v: %v", len(want)+len(bare), ackWait, len(slow), slowFor, &tl)
+	for _, d := range tl.all() {
+		if c, ok := bare[d.Sequence]; ok {
+			require.True(t, strings.HasPrefix(d.ID, fmt.Sprintf("seq:%s.%d.", stream, d.Sequence)), "%s", d.ID)
+			want[d.ID] = c
+		}
+	}
+	require.Len(t, want, 24+len(bare), "every delivery of a bare message has one ID")
 
 	requireAppliedOnce(t, pool, want)
 	for id := range want {
@@ -102,7 +111,7 @@ func TestRedeliveryAfterAckWait(t *testing.T) {
 	}
 	require.GreaterOrEqual(t, tl.count(natsconsumer.Duplicate)+tl.count(natsconsumer.InProgress), len(slow))
 	for _, d := range tl.all()[:settled] {
-		if d.Outcome == natsconsumer.Retried || d.Outcome == natsconsumer.Rejected {
+		if d.Outcome == natsconsumer.Retried || d.Outcome == natsconsumer.Rejected || d.Outcome == natsconsumer.GaveUp {
 			t.Errorf("%s delivery %d: %v: %v", d.ID, d.NumDelivered, d.Outcome, d.Err)
 		}
 	}

@@ -41,9 +41,33 @@
 //
 //	outcome                                   action
 //	applied now, or a duplicate               Ack
-//	handler or database error, rolled back    NakWithDelay: redelivered after a backoff
-//	same ID being processed elsewhere         NakWithDelay: the store's retry delay
+//	handler or database error, rolled back,
+//	or a handler's panic (recovered)          NakWithDelay: redelivered after a backoff
+//	same ID being processed elsewhere         NakWithDelay: the store's retry delay,
+//	                                          at least the backoff's base
 //	Final error, invalid ID, ID reused        Term: never redelivered
+//	the handler failed or panicked on each
+//	of its attempts (WithMaxAttempts, 10)     Term: never redelivered (GaveUp)
 //
-// [WithOutcomeHook] reports each of them.
+// [WithOutcomeHook] reports each of them. The database's own failures (down,
+// overloaded, a lock or serialization conflict) are not the message's, and
+// do not count towards its attempts. A deferred constraint or trigger of the
+// handler's tables that refuses the writes at COMMIT is the handler's
+// failure, as if its statement had failed, unless it can never pass (a
+// unique, check or exclusion violation), which is final.
+//
+// A store made with [idempotency.WithSuggestedRetryDelay](0) suggests no
+// delay for a message whose ID another delivery holds; the consumer still
+// waits the retry backoff's base ([WithRetryBackoff], 100 milliseconds by
+// default) before it is redelivered, so that it does not come straight back
+// again and again, a hot loop, while the other delivery runs.
+//
+// # Message IDs
+//
+// The Nats-Msg-Id header, or for a message without one its place in its
+// stream's incarnation, "seq:<stream>.<sequence>.<stored>", stored being
+// when JetStream stored it: a stream deleted and created again has new
+// places. A publisher's ID never takes a place: one that starts with "seq:"
+// is recorded hashed. [Consumer] has the details, and what an upgrade from
+// the earlier "seq:<stream>:<sequence>" form changes.
 package natsconsumer

@@ -228,9 +228,9 @@ func (tl *tally) redeliveries() int {
 }
 
 func (tl *tally) String() string {
-	return fmt.Sprintf("%d deliveries (%d redeliveries): %d applied, %d duplicates, %d in progress, %d retried, %d rejected",
+	return fmt.Sprintf("%d deliveries (%d redeliveries): %d applied, %d duplicates, %d in progress, %d retried, %d rejected, %d given up",
 		len(tl.all()), tl.redeliveries(), tl.count(natsconsumer.Applied), tl.count(natsconsumer.Duplicate),
-		tl.count(natsconsumer.InProgress), tl.count(natsconsumer.Retried), tl.count(natsconsumer.Rejected))
+		tl.count(natsconsumer.InProgress), tl.count(natsconsumer.Retried), tl.count(natsconsumer.Rejected), tl.count(natsconsumer.GaveUp))
 }
 
 // waitAcked waits until the durable has acknowledged (or terminated) every

@@ -1,6 +1,7 @@
 package natsconsumer
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -15,6 +16,7 @@ type options struct {
 	scope                   string
 	ttl                     time.Duration
 	backoffBase, backoffMax time.Duration
+	maxAttempts             int
 	onOutcome               func(Delivery)
 	pull                    []jetstream.PullMessagesOpt
 }
@@ -23,6 +25,7 @@ var defaultOptions = options{
 	ttl:         idempotency.DefaultTTL,
 	backoffBase: 100 * time.Millisecond,
 	backoffMax:  10 * time.Second,
+	maxAttempts: 10,
 }
 
 func evaluateOptions(opts []Option) options {
@@ -31,6 +34,24 @@ func evaluateOptions(opts []Option) options {
 		opt(&o)
 	}
 	return o
+}
+
+func (o *options) validate() error {
+	switch {
+	case o.backoffBase <= 0 || o.backoffMax < o.backoffBase:
+		return fmt.Errorf("natsconsumer: WithRetryBackoff: need 0 < base <= max, got %v and %v", o.backoffBase, o.backoffMax)
+	case o.maxAttempts < 1:
+		return fmt.Errorf("natsconsumer: WithMaxAttempts: need at least 1, got %d", o.maxAttempts)
+	case o.ttl < 0:
+		return fmt.Errorf("natsconsumer: WithTTL: must not be negative, got %v", o.ttl)
+	}
+	return nil
+}
+
+// staleAfter is how long a message's count of failures is kept without a
+// delivery of it: far longer than its redelivery delay.
+func (o *options) staleAfter() time.Duration {
+	return max(10*o.backoffMax, time.Hour)
 }
 
 // WithScope sets the scope of the consumer's message IDs in the key table.
@@ -54,9 +75,35 @@ func WithTTL(ttl time.Duration) Option {
 // rolled back waits before JetStream redelivers it: base after its first
 // delivery, twice as long after each further one, at most max. The wait keeps
 // a database outage from turning into a tight loop of redeliveries. Defaults
-// to 100 milliseconds and 10 seconds.
+// to 100 milliseconds and 10 seconds; 0 < base <= max.
+//
+// base is also the least delay of every nack, that of a message whose ID
+// another delivery holds included ([InProgress]), which waits for the
+// delay the store suggests ([idempotency.WithSuggestedRetryDelay]) when
+// it is longer. A store made with idempotency.WithSuggestedRetryDelay(0)
+// suggests none: nacked at once, the message would come straight back,
+// again and again while the other delivery holds its ID.
 func WithRetryBackoff(base, max time.Duration) Option {
 	return func(o *options) { o.backoffBase, o.backoffMax = base, max }
+}
+
+// WithMaxAttempts bounds how many deliveries of a message whose handler
+// fails (an error that is not final, or a panic) are tried: the n-th such
+// failure terminates the message ([GaveUp]; a final error terminates it
+// at once, [Rejected]). Waiting for another delivery holding the ID does
+// not count, and neither do the database's own failures (down,
+// overloaded, a lock or statement timeout, a serialization failure) nor a
+// delivery cut short by Run's ctx. As with [idempotency.DispositionOf], a
+// message that may succeed later (a row its handler needs is still
+// missing) is given up too once it has failed n times: give n, with the
+// backoff, the time such a message needs, and watch [GaveUp] outcomes.
+// n is at least 1. Defaults to 10, as the Kafka consumer's.
+//
+// The count is this Consumer's, in memory: a message tried by several
+// Consumers on the durable, or by a Consumer started again, may be tried
+// up to n times by each.
+func WithMaxAttempts(n int) Option {
+	return func(o *options) { o.maxAttempts = n }
 }
 
 // WithOutcomeHook calls f once per delivery, after the message was

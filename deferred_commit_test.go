@@ -1,0 +1,306 @@
+package idempotency_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// What a COMMIT refuses for the call's own writes, through every
+// transport: a deferred check that can succeed later (a referenced row
+// that is not there yet, a deferred trigger of the handler's schema that
+// raises) is the handler's failure, nothing stored, the key released; only
+// a violation that no later attempt can get past is stored.
+
+// deferredSchema creates, in db's schema, the parents and children of the
+// foreign-key tests (children_parent_fkey deferred, children_now_parent_fkey
+// immediate) and the orders of the trigger tests, whose deferred
+// constraint trigger raises the way its name says while the books are
+// closed (the table open_books is empty).
+func deferredSchema(t *testing.T, db *testdb.DB) {
+	t.Helper()
+	_, err := db.Pool.Exec(context.Background(), `
+CREATE TABLE parents (id text PRIMARY KEY);
+CREATE TABLE children (id text NOT NULL, parent text CONSTRAINT children_parent_fkey REFERENCES parents DEFERRABLE INITIALLY DEFERRED);
+CREATE TABLE children_now (id text NOT NULL, parent text CONSTRAINT children_now_parent_fkey REFERENCES parents);
+CREATE TABLE open_books (open bool);
+CREATE TABLE orders (id text NOT NULL, raises text NOT NULL);
+CREATE FUNCTION books_open() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF NOT EXISTS (SELECT FROM open_books) THEN
+		IF NEW.raises = 'raise' THEN
+			RAISE EXCEPTION 'the books are closed for order %', NEW.id;
+		ELSIF NEW.raises = 'custom' THEN
+			RAISE EXCEPTION 'order % waits for the auditor', NEW.id USING ERRCODE = 'AU001';
+		ELSE
+			PERFORM 1 / 0; -- division_by_zero, 22012, the code of the engine's own guard
+		END IF;
+	END IF;
+	RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER books_open AFTER INSERT ON orders DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION books_open()`)
+	require.NoError(t, err)
+}
+
+func keyCount(t *testing.T, db *testdb.DB) int {
+	t.Helper()
+	return db.Count(t, `SELECT count(*) FROM idempotency_keys`)
+}
+
+// A message whose row references a parent that arrives later: with a
+// deferred foreign key, as with an immediate one, the first delivery fails
+// without storing anything and is redelivered, and the redelivery after the
+// parent arrived applies it. Before, the deferred one was stored as a final
+// FailedPrecondition and dead-lettered for good.
+func TestDeferredForeignKeyMessageIsRedeliveredUntilItsParentArrives(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ table, constraint string }{
+		{"children", "children_parent_fkey"},
+		{"children_now", "children_now_parent_fkey"},
+	} {
+		t.Run(tc.table, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, 4)
+			store := migratedStore(t, db)
+			deferredSchema(t, db)
+			ctx := context.Background()
+			runs := 0
+			deliver := func(n int) (idempotency.Outcome, error) {
+				return store.ProcessMessage(ctx, idempotency.Message{Scope: "orders", ID: "m-1", Body: []byte("child of p-1"), Redelivered: n > 1},
+					func(ctx context.Context, tx pgx.Tx) error {
+						runs++
+						_, err := tx.Exec(ctx, `INSERT INTO `+tc.table+` VALUES ('c-1', 'p-1')`)
+						return err
+					})
+			}
+			o, err := deliver(1)
+			require.Error(t, err)
+			require.Contains(t, err.Error(), tc.constraint)
+			require.False(t, idempotency.IsFinal(err), "not stored: %v", err)
+			require.Equal(t, idempotency.OutcomeReleased, o, "%v", err)
+			require.Equal(t, idempotency.Redeliver, idempotency.DispositionOf(o, err))
+			require.Zero(t, keyCount(t, db), "nothing stored for the message")
+
+			_, err = db.Pool.Exec(ctx, `INSERT INTO parents VALUES ('p-1')`)
+			require.NoError(t, err)
+			o, err = deliver(2)
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeExecuted, o)
+			require.Equal(t, idempotency.Ack, idempotency.DispositionOf(o, err))
+			o, err = deliver(3)
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeReplayed, o)
+			require.Equal(t, 2, runs)
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM `+tc.table))
+		})
+	}
+}
+
+// The same through the HTTP middleware and the gRPC interceptor: the
+// request whose deferred foreign key finds no parent at COMMIT gets a 409
+// (FailedPrecondition) that is not stored, and the retry with the same key
+// runs once the parent exists.
+func TestDeferredForeignKeyOverHTTPAndGRPCIsNotStored(t *testing.T) {
+	t.Parallel()
+	t.Run("http", func(t *testing.T) {
+		t.Parallel()
+		var e *httpEnv
+		e = newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+			body, _ := io.ReadAll(r.Body)
+			if _, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO children VALUES ('c-1', $1)`, string(body)); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+			_, _ = fmt.Fprintf(w, "child of %s", body)
+		})
+		deferredSchema(t, e.db)
+		r := e.post("k-1", "p-1")
+		require.Equal(t, http.StatusConflict, r.status, r.body)
+		require.Contains(t, r.body, "children_parent_fkey")
+		require.Empty(t, r.header.Get(idempotency.ReplayedHeader))
+		require.Zero(t, keyCount(t, e.db), "nothing stored for the key")
+
+		_, err := e.db.Pool.Exec(context.Background(), `INSERT INTO parents VALUES ('p-1')`)
+		require.NoError(t, err)
+		r = e.post("k-1", "p-1")
+		require.Equal(t, http.StatusCreated, r.status, r.body)
+		require.Empty(t, r.header.Get(idempotency.ReplayedHeader), "the retry ran")
+		r = e.post("k-1", "p-1")
+		require.Equal(t, http.StatusCreated, r.status, r.body)
+		require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader))
+		require.EqualValues(t, 2, e.runs.Load())
+		require.Equal(t, 1, e.db.Count(t, `SELECT count(*) FROM children`))
+	})
+	t.Run("grpc", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			_, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `INSERT INTO children VALUES ('c-1', $1)`, req.GetValue())
+			return wrapperspb.String("child of " + req.GetValue()), err
+		}}) // FailedPrecondition is final there: it would be stored
+		deferredSchema(t, e.db)
+		ctx := context.Background()
+		r := e.call(ctx, methodCharge, "k-1", "p-1")
+		require.Equal(t, codes.FailedPrecondition, status.Code(r.err), "%v", r.err)
+		require.Contains(t, r.err.Error(), "children_parent_fkey")
+		require.Zero(t, e.keyRows(), "nothing stored for the key")
+
+		_, err := e.db.Pool.Exec(ctx, `INSERT INTO parents VALUES ('p-1')`)
+		require.NoError(t, err)
+		r = e.call(ctx, methodCharge, "k-1", "p-1")
+		require.NoError(t, r.err)
+		require.False(t, r.replayed, "the retry ran")
+		r = e.call(ctx, methodCharge, "k-1", "p-1")
+		require.NoError(t, r.err)
+		require.True(t, r.replayed)
+		require.EqualValues(t, 2, e.runs.Load())
+	})
+}
+
+// A deferred unique violation on the message's own data can never succeed:
+// still stored and dead-lettered, beside a foreign key that is not.
+func TestDeferredUniqueViolationIsStillFinal(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE notes (note text UNIQUE DEFERRABLE INITIALLY DEFERRED)`)
+	require.NoError(t, err)
+	o, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "notes", ID: "m-1"}, func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, `INSERT INTO notes VALUES ('twice'), ('twice')`)
+		return err
+	})
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	require.True(t, idempotency.IsFinal(err))
+	require.Equal(t, idempotency.OutcomeExecuted, o, "stored")
+	require.Equal(t, idempotency.DeadLetter, idempotency.DispositionOf(o, err))
+	require.Equal(t, 1, keyCount(t, db))
+}
+
+// A deferred constraint trigger of the handler's schema that raises at
+// COMMIT (RAISE EXCEPTION, P0001; a custom SQLSTATE; an error of a
+// statement in it, here division_by_zero) refuses the call's writes: the
+// handler's failure, not a misconfigured store. Nothing is stored, the key
+// is released, the error names the SQLSTATE and the message, and the
+// message is redelivered (a consumer counts it as a handler failure);
+// once the trigger lets it pass, the redelivery applies it. Before, it was
+// "unexpected database error", OutcomeMisconfigured, redelivered forever.
+func TestDeferredTriggerExceptionIsTheHandlersFailure(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ raises, code, message string }{
+		{"raise", "P0001", "the books are closed for order o-1"},
+		{"custom", "AU001", "order o-1 waits for the auditor"},
+		{"divide", "22012", "division by zero"},
+	} {
+		t.Run(tc.raises, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, 4)
+			store := migratedStore(t, db)
+			deferredSchema(t, db)
+			ctx := context.Background()
+			runs := 0
+			deliver := func(n int) (idempotency.Outcome, error) {
+				return store.ProcessMessage(ctx, idempotency.Message{Scope: "orders", ID: "m-1", Body: []byte(tc.raises), Redelivered: n > 1},
+					func(ctx context.Context, tx pgx.Tx) error {
+						runs++
+						_, err := tx.Exec(ctx, `INSERT INTO orders VALUES ('o-1', $1)`, tc.raises)
+						return err
+					})
+			}
+			o, err := deliver(1)
+			require.Error(t, err)
+			require.Equal(t, idempotency.OutcomeReleased, o, "%v", err)
+			require.False(t, idempotency.IsFinal(err))
+			require.Equal(t, idempotency.Redeliver, idempotency.DispositionOf(o, err))
+			requireRefusedAtCommit(t, err, tc.code, tc.message)
+			require.Zero(t, keyCount(t, db), "nothing stored for the message")
+
+			_, err = db.Pool.Exec(ctx, `INSERT INTO open_books VALUES (true)`)
+			require.NoError(t, err)
+			o, err = deliver(2)
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeExecuted, o)
+			require.Equal(t, 2, runs)
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM orders`))
+		})
+	}
+}
+
+// requireRefusedAtCommit checks that err says the database refused the
+// call's writes at COMMIT, naming the SQLSTATE and the message, and is not
+// taken for a misconfigured store or an outage.
+func requireRefusedAtCommit(t *testing.T, err error, code, message string) {
+	t.Helper()
+	msg := status.Convert(err).Message()
+	require.Contains(t, msg, "refused at COMMIT")
+	require.Contains(t, msg, "SQLSTATE "+code)
+	require.Contains(t, msg, message)
+	require.NotContains(t, msg, "unexpected database error")
+	require.NotContains(t, msg, "misconfigured")
+	require.NotErrorIs(t, err, idempotency.ErrStoreUnavailable)
+	require.NotContains(t, []codes.Code{codes.Internal, codes.Unavailable, codes.Aborted}, status.Code(err), "%v", err)
+}
+
+// The same trigger through the HTTP middleware and the gRPC interceptor:
+// not stored, the key released, and the retry after the books opened runs.
+func TestDeferredTriggerExceptionOverHTTPAndGRPCIsNotStored(t *testing.T) {
+	t.Parallel()
+	t.Run("http", func(t *testing.T) {
+		t.Parallel()
+		var e *httpEnv
+		e = newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+			if _, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO orders VALUES ('o-1', 'raise')`); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "ordered")
+		})
+		deferredSchema(t, e.db)
+		r := e.post("k-1", "o-1")
+		require.Contains(t, r.body, "refused at COMMIT", "%d %s", r.status, r.body)
+		require.Contains(t, r.body, "SQLSTATE P0001")
+		require.Contains(t, r.body, "the books are closed for order o-1")
+		require.NotContains(t, strings.ToLower(r.body), "misconfigured")
+		require.GreaterOrEqual(t, r.status, 500, "not stored, as a 5xx of the handler's is not")
+		require.Zero(t, keyCount(t, e.db), "nothing stored for the key")
+
+		_, err := e.db.Pool.Exec(context.Background(), `INSERT INTO open_books VALUES (true)`)
+		require.NoError(t, err)
+		r = e.post("k-1", "o-1")
+		require.Equal(t, http.StatusCreated, r.status, r.body)
+		require.Empty(t, r.header.Get(idempotency.ReplayedHeader), "the retry ran")
+		require.EqualValues(t, 2, e.runs.Load())
+	})
+	t.Run("grpc", func(t *testing.T) {
+		t.Parallel()
+		e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			_, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `INSERT INTO orders VALUES ($1, 'raise')`, req.GetValue())
+			return wrapperspb.String("ordered"), err
+		}})
+		deferredSchema(t, e.db)
+		ctx := context.Background()
+		r := e.call(ctx, methodCharge, "k-1", "o-1")
+		requireRefusedAtCommit(t, r.err, "P0001", "the books are closed for order o-1")
+		require.Zero(t, e.keyRows(), "nothing stored for the key")
+
+		_, err := e.db.Pool.Exec(ctx, `INSERT INTO open_books VALUES (true)`)
+		require.NoError(t, err)
+		r = e.call(ctx, methodCharge, "k-1", "o-1")
+		require.NoError(t, r.err)
+		require.False(t, r.replayed, "the retry ran")
+		require.EqualValues(t, 2, e.runs.Load())
+	})
+}
