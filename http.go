@@ -321,7 +321,8 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 	}
 	tp := &transport{kind: TransportHTTP, namespace: namespaceHTTP, responseType: httpBodyType,
 		// A FailedPrecondition the engine finds at COMMIT (a deferred
-		// constraint) is stored when a 409 would be.
+		// unique or exclusion constraint; a missing foreign key row is
+		// never final) is stored when a 409 would be.
 		finalCode: func(c codes.Code) bool { return c == codes.FailedPrecondition && o.stored(http.StatusConflict) }}
 	var outcome Outcome
 	var traced error

@@ -31,7 +31,8 @@ type transport struct {
 	// on replay. An error fails the call, nothing stored.
 	metadata func() ([]byte, error)
 	// finalCode decides whether a FailedPrecondition that the engine finds
-	// at COMMIT (a deferred constraint of Func's writes) is final. Nil: it
+	// at COMMIT (a deferred unique or exclusion constraint of Func's
+	// writes; a missing foreign key row never is) is final. Nil: it
 	// releases the key.
 	finalCode func(codes.Code) bool
 	// digest is what derived keys know of the call's proto request (see
