@@ -51,7 +51,8 @@ type Record struct {
 	// Fingerprint identifies the request the key was first used with.
 	Fingerprint []byte
 	// Metadata is what the transport stored with the result (a gRPC call's
-	// headers and trailers, an HTTP response's status and headers), in its
+	// headers and trailers, an HTTP response's status, headers and
+	// trailers), in its
 	// own encoding.
 	Metadata []byte
 }
@@ -73,7 +74,21 @@ func (r Record) HTTPResponse() (status int, header http.Header, body []byte, ok 
 	if err != nil {
 		return 0, nil, nil, false
 	}
-	return rr.statusCode(), rr.header, rr.body.Bytes(), true
+	return rr.statusCode(), rr.sent, rr.body.Bytes(), true
+}
+
+// HTTPTrailer returns the trailers stored with an HTTP request's response
+// (those a replay carries), nil when there are none or the record is not
+// an HTTP response.
+func (r Record) HTTPTrailer() http.Header {
+	if r.Transport != TransportHTTP || r.ResponseType != string(httpBodyType.Descriptor().FullName()) {
+		return nil
+	}
+	rr, err := decodeHTTPResponse(result{Result: Result{Response: &wrapperspb.BytesValue{}}, metadata: r.Metadata})
+	if err != nil || len(rr.trailer) == 0 {
+		return nil
+	}
+	return rr.trailer
 }
 
 // namespaces are the transports' namespaces of stored keys, in the order

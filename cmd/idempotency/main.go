@@ -189,6 +189,8 @@ type inspected struct {
 type httpJSON struct {
 	Status int         `json:"status"`
 	Header http.Header `json:"header,omitempty"`
+	// Trailer holds the trailers a replay carries.
+	Trailer http.Header `json:"trailer,omitempty"`
 	// Body is the body as text when it is UTF-8, BodyBase64 otherwise.
 	Body       *string `json:"body,omitempty"`
 	BodyBase64 string  `json:"body_base64,omitempty"`
@@ -208,7 +210,7 @@ func recordJSON(rec idempotency.Record) inspected {
 	}
 	if code, header, body, ok := rec.HTTPResponse(); ok {
 		out.ResponseType = ""
-		out.HTTP = &httpJSON{Status: code, Header: header}
+		out.HTTP = &httpJSON{Status: code, Header: header, Trailer: rec.HTTPTrailer()}
 		if utf8.Valid(body) {
 			text := string(body)
 			out.HTTP.Body = &text

@@ -327,12 +327,15 @@ func TestInspectHTTPKey(t *testing.T) {
 	store, err := idempotency.NewStore(db.Pool)
 	require.NoError(t, err)
 	require.NoError(t, store.Migrate(ctx))
-	h := idempotency.HTTPMiddleware(store, idempotency.WithHTTPScope(func(*http.Request) (string, error) { return "tenant-1", nil }))(
+	h := idempotency.HTTPMiddleware(store, idempotency.WithHTTPScope(func(*http.Request) (string, error) { return "tenant-1", nil }),
+		idempotency.WithHTTPReplayedHeaders("X-Checksum"))(
 		http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "application/json")
 			w.Header().Set("Location", "/v1/charges/ch_1")
+			w.Header().Set("Trailer", "X-Checksum")
 			w.WriteHeader(http.StatusCreated)
 			_, _ = io.WriteString(w, `{"id":"ch_1"}`)
+			w.Header().Set("X-Checksum", "sum-1")
 		}))
 	req := httptest.NewRequest(http.MethodPost, "/v1/charges", strings.NewReader(`{"amount":100}`))
 	req.Header.Set(idempotency.HeaderKey, "order-1")
@@ -345,9 +348,10 @@ func TestInspectHTTPKey(t *testing.T) {
 	var got struct {
 		Transport string `json:"transport"`
 		HTTP      struct {
-			Status int                 `json:"status"`
-			Header map[string][]string `json:"header"`
-			Body   string              `json:"body"`
+			Status  int                 `json:"status"`
+			Header  map[string][]string `json:"header"`
+			Trailer map[string][]string `json:"trailer"`
+			Body    string              `json:"body"`
 		} `json:"http"`
 	}
 	require.NoError(t, json.Unmarshal([]byte(out), &got), out)
@@ -355,6 +359,7 @@ func TestInspectHTTPKey(t *testing.T) {
 	require.Equal(t, http.StatusCreated, got.HTTP.Status)
 	require.Equal(t, []string{"application/json"}, got.HTTP.Header["Content-Type"])
 	require.Equal(t, []string{"/v1/charges/ch_1"}, got.HTTP.Header["Location"])
+	require.Equal(t, map[string][]string{"X-Checksum": {"sum-1"}}, got.HTTP.Trailer)
 	require.Equal(t, `{"id":"ch_1"}`, got.HTTP.Body)
 }
 
