@@ -28,3 +28,9 @@ var SleepContext = sleepContext
 func RequestDigest(req proto.Message) [32]byte {
 	return requestDigest(req)
 }
+
+// PreviousHTTPFingerprint is the fingerprint an HTTP request had before
+// the host and a form's fields were part of it.
+func PreviousHTTPFingerprint(method, target string, body []byte) []byte {
+	return tagged(kindDigest("http request"), []byte(method), []byte(target), body)
+}

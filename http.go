@@ -11,6 +11,8 @@ import (
 	"io"
 	"maps"
 	"math"
+	"mime"
+	"mime/multipart"
 	"net"
 	"net/http"
 	"net/url"
@@ -66,10 +68,11 @@ const ReplayedHeader = "Idempotency-Replayed"
 // Error bodies are application/problem+json (RFC 9457). The key is read as
 // the draft's structured-field string ("abc") or a bare token (abc).
 //
-// The request is the same request when its method, path (with query) and
-// body bytes are the same; the path is the one the client sent
-// (r.RequestURI), whatever a router in front (http.StripPrefix) rewrote, and
-// a form a middleware in front parsed is identified by its fields and files.
+// The request is the same request when its method, path (with query),
+// host and body are the same: the path and host the client sent
+// (r.RequestURI, r.Host), whatever a router in front (http.StripPrefix)
+// rewrote; a form by its fields and files, whether a middleware in front
+// parsed it or not; any other body by its bytes.
 // The scope ([WithHTTPScope]) is asked before the body is read. Trailers go
 // out as trailers and are stored and replayed by the same list as headers;
 // a 1xx response other than 101 goes out at once, unstored. Which handler
@@ -352,10 +355,10 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 	}
 	body, code, err := o.readBody(w, r)
 	if err != nil {
-		report(OutcomeRejected, problem(w, code, http.StatusText(code), err.Error(), 0), err)
+		report(OutcomeRejected, problem(w, code, http.StatusText(code), status.Convert(err).Message(), 0), err)
 		return
 	}
-	form, err := parsedForm(r, body)
+	bodyParts, err := requestBody(r, body)
 	if err != nil {
 		report(OutcomeRejected, writeProblem(w, err, 0), err)
 		return
@@ -364,7 +367,7 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 	call := Call{
 		Scope: scope, Key: key, TTL: o.ttl, Isolation: o.isolation,
 		Method:      method,
-		Fingerprint: tagged(kindDigest("http request"), append([][]byte{[]byte(r.Method), []byte(target), body}, form...)...),
+		Fingerprint: tagged(httpRequestKind, append([][]byte{[]byte(r.Method), []byte(target), []byte(strings.ToLower(r.Host))}, bodyParts...)...),
 	}
 	rec := &responseRecorder{}
 	tp.metadata = func() ([]byte, error) { return rec.encode(o.replayed) }
@@ -438,23 +441,48 @@ func (o *httpOptions) readBody(w http.ResponseWriter, r *http.Request) ([]byte, 
 	return nil, http.StatusBadRequest, status.Errorf(codes.InvalidArgument, "idempotency: reading the request body: %v", err)
 }
 
-// parsedForm returns what identifies a form that a middleware in front of
-// this one parsed (r.ParseForm, r.PostFormValue, r.ParseMultipartForm:
-// CSRF middleware does), consuming the body: its fields, and a multipart
-// form's files, name, type and content. Nil when the body was not
-// consumed (then its bytes identify the request, and nothing else is
-// added, so such requests keep the fingerprint they always had).
-func parsedForm(r *http.Request, body []byte) ([][]byte, error) {
-	if len(body) > 0 || (len(r.PostForm) == 0 && r.MultipartForm == nil) {
-		return nil, nil
+// requestBody returns what identifies the request's body: a form
+// (application/x-www-form-urlencoded or multipart/form-data) by its fields,
+// and a multipart form's files by field, name, type and content, whether
+// its bytes were left to read or a middleware in front already parsed it
+// (r.ParseForm, r.PostFormValue, r.ParseMultipartForm: CSRF middleware does,
+// on some requests and not on others), consuming them; any other body by
+// its bytes. So a form is the same request parsed in front or not, and two
+// multipart bodies that differ only in their boundary are one request.
+func requestBody(r *http.Request, body []byte) ([][]byte, error) {
+	if len(body) == 0 {
+		switch {
+		case r.MultipartForm != nil:
+			return multipartParts(r.MultipartForm)
+		case len(r.PostForm) > 0:
+			return [][]byte{[]byte("form"), []byte(r.PostForm.Encode())}, nil
+		}
+		return [][]byte{[]byte("bytes"), body}, nil
 	}
-	parts := [][]byte{[]byte("parsed form"), []byte(r.PostForm.Encode())}
-	if r.MultipartForm == nil {
-		return parts, nil
+	mediaType, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	switch {
+	case err != nil:
+	case mediaType == "application/x-www-form-urlencoded":
+		if fields, err := url.ParseQuery(string(body)); err == nil {
+			return [][]byte{[]byte("form"), []byte(fields.Encode())}, nil
+		}
+	case mediaType == "multipart/form-data" && params["boundary"] != "":
+		// Parsed as net/http parses it, to compare with a form parsed in
+		// front; the files stay in memory, within the body's size limit.
+		if form, err := multipart.NewReader(bytes.NewReader(body), params["boundary"]).ReadForm(int64(len(body)) + 1); err == nil {
+			defer func() { _ = form.RemoveAll() }()
+			return multipartParts(form)
+		}
 	}
-	parts = append(parts, []byte(url.Values(r.MultipartForm.Value).Encode()))
-	for _, field := range slices.Sorted(maps.Keys(r.MultipartForm.File)) {
-		for _, fh := range r.MultipartForm.File[field] {
+	return [][]byte{[]byte("bytes"), body}, nil
+}
+
+// multipartParts identifies a multipart form: its fields, then each file
+// in field order, by field, name, type and the SHA-256 of its content.
+func multipartParts(form *multipart.Form) ([][]byte, error) {
+	parts := [][]byte{[]byte("multipart"), []byte(url.Values(form.Value).Encode())}
+	for _, field := range slices.Sorted(maps.Keys(form.File)) {
+		for _, fh := range form.File[field] {
 			f, err := fh.Open()
 			if err != nil {
 				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
@@ -475,9 +503,8 @@ func parsedForm(r *http.Request, body []byte) ([][]byte, error) {
 // fingerprinted with, from what the client sent (r.RequestURI), not from
 // r.URL, which a router in front (http.StripPrefix) may have rewritten: two
 // routes that differ only in a stripped prefix are different calls. A
-// route of net/http's mux that names a host is named with it, since the
-// path alone does not tell such routes apart. A method over the limit
-// PostgreSQL stores is kept short with a hash of its path.
+// method over the limit PostgreSQL stores is kept short with a hash of its
+// path.
 func requestName(r *http.Request) (method, target string) {
 	path, query := r.URL.EscapedPath(), r.URL.RawQuery
 	if r.RequestURI != "" && r.RequestURI != "*" {
@@ -489,7 +516,7 @@ func requestName(r *http.Request) (method, target string) {
 	if query != "" {
 		target += "?" + query
 	}
-	method = r.Method + " " + patternHost(r.Pattern) + path
+	method = r.Method + " " + path
 	if len(method) > maxMethodLen {
 		sum := sha256.Sum256([]byte(method))
 		method = fmt.Sprintf("%s sha256:%x", r.Method, sum)
@@ -497,17 +524,14 @@ func requestName(r *http.Request) (method, target string) {
 	return method, target
 }
 
-// patternHost returns the host a net/http mux pattern ("[METHOD ][HOST]/[PATH]")
-// names, or "".
-func patternHost(pattern string) string {
-	if i := strings.IndexByte(pattern, ' '); i >= 0 {
-		pattern = strings.TrimLeft(pattern[i+1:], " \t")
-	}
-	if i := strings.IndexByte(pattern, '/'); i > 0 {
-		return pattern[:i]
-	}
-	return ""
-}
+// httpRequestKind is the schema of an HTTP request's fingerprint: method,
+// target, host, and the body as requestBody identifies it. The host is the
+// one the client sent (lower case): routers route by it (a mux pattern's
+// host, one mux per virtual host), and wherever the middleware is mounted
+// two hosts' requests are then different calls. Fingerprints of the schema
+// before it (no host; a form's bytes) are not compared with these, as for
+// any schema change (see sameRequest): a retry across the upgrade replays.
+var httpRequestKind = kindDigest("http request: method, target, host, body")
 
 // keyFromHeader reads the Idempotency-Key header: a structured-field
 // string ("abc", as the draft specifies) or a bare token (abc, as most
@@ -593,11 +617,17 @@ func (rr *responseRecorder) WriteHeader(code int) {
 	switch {
 	case rr.status != 0:
 	case code < 200 && code != http.StatusSwitchingProtocols:
+		// The real writer's headers as they were after: what the handler
+		// set for the 1xx goes with the final response only if it is still
+		// set then, as with net/http's own writer.
 		h := rr.w.Header()
+		before := h.Clone()
 		for name, values := range rr.header {
 			h[name] = slices.Clone(values)
 		}
 		rr.w.WriteHeader(code)
+		clear(h)
+		maps.Copy(h, before)
 	default:
 		rr.status = code
 		rr.snapshot()

@@ -415,3 +415,24 @@ func TestHTTPStoredHeadersAreBounded(t *testing.T) {
 	require.Equal(t, http.StatusInternalServerError, r.status, "nothing was stored: the retry runs again")
 	require.EqualValues(t, 2, big.runs.Load())
 }
+
+// A key stored by the release before the host and a form's fields were
+// part of an HTTP request's fingerprint: its retry after the upgrade
+// replays the stored response (fingerprints of another schema are not
+// compared, as across any deploy that changes one), never runs again and
+// never gets 422.
+func TestHTTPRetryAcrossTheFingerprintUpgradeReplays(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, nil)
+	first := e.post("k-upgrade", "charge")
+	require.Equal(t, http.StatusCreated, first.status)
+	old := idempotency.PreviousHTTPFingerprint("POST /v1/charges", "/v1/charges", []byte("charge"))
+	tag, err := e.db.Pool.Exec(context.Background(), `UPDATE idempotency_keys SET fingerprint = $1 WHERE key LIKE '%k-upgrade'`, old)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, tag.RowsAffected())
+	retry := e.post("k-upgrade", "charge")
+	require.Equal(t, first.body, retry.body)
+	require.Equal(t, "true", retry.header.Get(idempotency.ReplayedHeader))
+	require.EqualValues(t, 1, e.runs.Load())
+	require.Equal(t, 1, e.ledgerRows())
+}

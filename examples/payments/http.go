@@ -93,8 +93,9 @@ func CallerFromContext(ctx context.Context) (string, error) {
 // tokens, and puts the caller in the context of the others.
 func (c Callers) authenticate(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		caller, known := c[token]
+		scheme, token, ok := strings.Cut(r.Header.Get("Authorization"), " ")
+		ok = ok && strings.EqualFold(scheme, "Bearer") // the scheme is case-insensitive (RFC 9110)
+		caller, known := c[strings.TrimSpace(token)]
 		if !ok || !known {
 			w.Header().Set("WWW-Authenticate", "Bearer")
 			writeJSON(w, nil, status.Error(codes.Unauthenticated, "send Authorization: Bearer <token> with a token of a known caller"))

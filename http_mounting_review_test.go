@@ -15,13 +15,11 @@ import (
 	"github.com/exactlyonce/idempotency"
 )
 
-// With the middleware mounted outside net/http's ServeMux (wrapping the
-// whole mux, as services mount middleware), r.Pattern is still empty when
-// the request is named, so the host a mux pattern names is never part of
-// it: a.example/charges and b.example/charges are one call, and
-// b.example's request under a.example's key and body is answered with
-// a.example's stored response (Idempotency-Replayed: true); b.example's
-// handler never runs.
+// It failed when the host was part of a request only through r.Pattern:
+// with the middleware wrapping the whole mux, the pattern is empty when the
+// request is named, and b.example's request under a.example's key and body
+// was answered with a.example's stored response. The host the client sent
+// is part of the fingerprint wherever the middleware is mounted.
 func TestHTTPOutsideTheMuxHostRoutesAreDifferentCalls(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
@@ -48,11 +46,9 @@ func TestHTTPOutsideTheMuxHostRoutesAreDifferentCalls(t *testing.T) {
 	require.EqualValues(t, 1, runs.Load())
 }
 
-// Routed by host on an outer mux and by path on an inner one (one mux per
-// virtual host), the inner mux overwrites r.Pattern with its own host-less
-// pattern ("POST /charges"), so the host the outer mux routed on is lost:
-// b.example's request under a.example's key and body is answered with
-// a.example's stored response, and b.example's handler never runs.
+// It failed the same way with one mux per virtual host: the inner mux's
+// host-less pattern ("POST /charges") replaced the outer one's, and
+// b.example got a.example's stored response.
 func TestHTTPNestedMuxHostRoutesAreDifferentCalls(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
@@ -82,12 +78,10 @@ func TestHTTPNestedMuxHostRoutesAreDifferentCalls(t *testing.T) {
 	require.EqualValues(t, 1, runs.Load())
 }
 
-// A 1xx response copies every header the handler had set into the real
-// writer's header map, and nothing takes them out again: a header the
-// handler set for the 103 and then removed still goes out with the final
-// first response (net/http would not send it), while the replay, built
-// from the snapshot taken at WriteHeader, does not carry it. With Link in
-// the replayed list, the first caller and the retry get different
+// It failed when the headers a 1xx response carried stayed in the real
+// writer's map: a header the handler set for the 103 and then removed went
+// out with the first final response (net/http would not send it) and not
+// with the replay, so the first caller and the retry got different
 // replayed headers.
 func TestHTTPEarlyHintsHeadersDoNotLeakIntoTheFinalResponse(t *testing.T) {
 	t.Parallel()
@@ -117,13 +111,11 @@ func TestHTTPEarlyHintsHeadersDoNotLeakIntoTheFinalResponse(t *testing.T) {
 	require.Equal(t, first.header.Values("Link"), replay.header.Values("Link"), "the first caller and the retry get different replayed headers")
 }
 
-// A form is fingerprinted from its parsed fields when a middleware in
-// front parsed it, and from its bytes when it did not; the same request
-// body gives two fingerprints. A CSRF check that reads the token from a
-// header and falls back to the form (gorilla/csrf's order) parses the
-// form on one attempt and not on its retry that sends the header: the
-// retry of the very same body under the same key gets 422 instead of the
-// stored response.
+// It failed when a form was fingerprinted from its fields when a
+// middleware in front parsed it and from its bytes when none did: a CSRF
+// check that reads a header and falls back to the form (gorilla/csrf's
+// order) parsed one attempt and not its retry, which got 422 for the very
+// same body. A form is identified by its fields either way.
 func TestHTTPFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
