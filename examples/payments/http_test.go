@@ -21,13 +21,8 @@ import (
 // on the same business code and store as gRPC.
 func TestHTTPChargesAndBalance(t *testing.T) {
 	t.Parallel()
-	db := testdb.New(t, 8)
+	db, store, srv := newHTTPService(t)
 	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, payments.Migrate(ctx, db.Pool, store))
-	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store, payments.DemoCallers()))
-	t.Cleanup(srv.Close)
 	do := func(method, path, key, body string) (int, http.Header, string) {
 		req, err := http.NewRequest(method, srv.URL+path, strings.NewReader(body))
 		require.NoError(t, err)
@@ -87,13 +82,7 @@ func TestHTTPChargesAndBalance(t *testing.T) {
 // alice's stored charge. Each caller's keys are their own.
 func TestHTTPCallersKeysAreTheirOwn(t *testing.T) {
 	t.Parallel()
-	db := testdb.New(t, 8)
-	ctx := context.Background()
-	store, err := idempotency.NewStore(db.Pool)
-	require.NoError(t, err)
-	require.NoError(t, payments.Migrate(ctx, db.Pool, store))
-	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store, payments.DemoCallers()))
-	t.Cleanup(srv.Close)
+	db, _, srv := newHTTPService(t)
 	charge := func(token string) (int, string) {
 		req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/charges", strings.NewReader(`{"account_id": "acct-shared", "amount_cents": 100}`))
 		require.NoError(t, err)
@@ -128,4 +117,17 @@ func TestHTTPCallersKeysAreTheirOwn(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode, "the scheme is case-insensitive")
 	require.Equal(t, "true", resp.Header.Get(idempotency.ReplayedHeader), "bob's own charge, replayed")
 	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger WHERE account_id = 'acct-shared'`))
+}
+
+// newHTTPService serves the HTTP API with the demo callers on a database
+// of its own.
+func newHTTPService(t *testing.T) (*testdb.DB, *idempotency.Store, *httptest.Server) {
+	t.Helper()
+	db := testdb.New(t, 8)
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	require.NoError(t, payments.Migrate(context.Background(), db.Pool, store))
+	srv := httptest.NewServer(payments.NewHTTPHandler(payments.NewServer(db.Pool), store, payments.DemoCallers()))
+	t.Cleanup(srv.Close)
+	return db, store, srv
 }
