@@ -51,12 +51,14 @@ CREATE CONSTRAINT TRIGGER audited_c AFTER INSERT ON audited DEFERRABLE INITIALLY
 // it takes these for a deferred constraint of the handler's own rows:
 // stored as a final FailedPrecondition, and every later delivery of the
 // message is dead-lettered, even once the trigger's statement can pass
-// (the conflicting audit row deleted).
+// (the conflicting audit row deleted). The same for a RAISE of the
+// trigger's with ERRCODE unique_violation.
 func TestDeferredTriggerStatementViolationIsNotStored(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ name, body string }{
 		{"unique", `INSERT INTO audit_log VALUES ('fixed', NEW.id)`},
 		{"not_null", `INSERT INTO audit_log VALUES (NULL, NEW.id)`},
+		{"raise_unique", `RAISE EXCEPTION 'item % is already audited', NEW.id USING ERRCODE = 'unique_violation'`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
