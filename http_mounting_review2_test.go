@@ -142,3 +142,37 @@ func TestHTTPFormOverTheLimitGetsOneAnswerWhetherOrNotParsedInFront(t *testing.T
 	require.Equal(t, first.status, r.status, "first %d %q, retry %d %q", first.status, first.body, r.status, r.body)
 	require.Equal(t, first.body, r.body)
 }
+
+// A form with no fields ("&", as some clients send an empty form) is
+// fingerprinted as the empty form when it reaches the middleware unread,
+// and as the empty byte string when a middleware in front parsed it
+// (r.PostForm is empty, so requestBody does not see a parsed form): the
+// retry of the same body, parsed in front once and not the other time,
+// gets 422 instead of the stored response.
+func TestHTTPEmptyFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, suiteDB(t))
+	var runs atomic.Int64
+	parseSometimes := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("X-Parse") != "" {
+				_ = r.ParseForm()
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	srv := httptest.NewServer(parseSometimes(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		_, _ = fmt.Fprintf(w, "fields %d", len(r.PostForm))
+	}))))
+	t.Cleanup(srv.Close)
+	const form = "application/x-www-form-urlencoded"
+
+	first := mountedPost(t, srv.URL, form, "&")
+	first.Header.Set("X-Parse", "1")
+	require.Equal(t, http.StatusOK, do(t, srv.Client(), first, "k-empty-form").status)
+	r := do(t, srv.Client(), mountedPost(t, srv.URL, form, "&"), "k-empty-form")
+	require.Equal(t, http.StatusOK, r.status, "the same body under the same key: %s", r.body)
+	require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader))
+	require.EqualValues(t, 1, runs.Load())
+}
