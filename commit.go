@@ -208,14 +208,14 @@ func (a *attempt) readOnly(ctx context.Context, what string, ran bool) (result, 
 //
 // At COMMIT PostgreSQL runs what fn's writes deferred: their deferred
 // constraints, and the deferred constraint triggers of fn's tables. Their
-// errors are fn's failure: a violation that can never succeed (check,
-// unique, exclusion) is FailedPrecondition, final where the transport says
-// so; a missing referenced row (foreign_key_violation), which a later
-// attempt can find, and an error raised in a deferred trigger (RAISE, or a
-// statement of the trigger's function that failed: an error with a
-// context) release the key, nothing stored, as fn's own error would. The
-// server's conditions (a lost session, an outage, a serialization failure)
-// and anything else keep the engine's classification (see dbError).
+// errors are fn's failure: a violation of fn's rows that can never succeed
+// (unique, exclusion) is FailedPrecondition, final where the transport
+// says so; a missing referenced row (foreign_key_violation), which a later
+// attempt can find, and any error of a deferred trigger (RAISE, a C
+// function's error, a statement of the function that failed) release the
+// key, nothing stored, as fn's own error would. The server's conditions (a
+// lost session, an outage, a serialization failure) keep the engine's
+// classification (see dbError).
 func (a *attempt) commitFailed(ctx context.Context, err error, atCommit bool) (result, attemptNext, error) {
 	var pgErr *pgconn.PgError
 	if !atCommit || !errors.As(err, &pgErr) {
@@ -228,18 +228,22 @@ func (a *attempt) commitFailed(ctx context.Context, err error, atCommit bool) (r
 		return res, attemptDone, err
 	case pgErr.Severity == "FATAL" || pgErr.Severity == "PANIC" || transientCode(code):
 		return a.finishFailed(ctx, err)
-	case code == sqlForeignKeyViolation:
+	case pgErr.Where == "" && code == sqlForeignKeyViolation:
+		// A deferred foreign key (its check has no context of its own).
 		return a.refusedAtCommit(codes.FailedPrecondition, pgErr, fmt.Sprintf("the call's writes violate constraint %s of table %s at COMMIT: %s",
 			pgErr.ConstraintName, pgErr.TableName, pgErr.Message))
-	case strings.HasPrefix(code, "23"):
+	case pgErr.Where == "" && strings.HasPrefix(code, "23"):
+		// A deferred unique or exclusion constraint of fn's rows.
 		return a.violatedAtCommit(ctx, pgErr)
-	case pgErr.Where != "":
-		// Raised inside a function: a deferred trigger of fn's tables (the
-		// key table has none, and the engine's statements ran before).
-		return a.refusedAtCommit(codes.Unknown, pgErr, fmt.Sprintf("the call's writes were refused at COMMIT by the database, "+
-			"in a deferred trigger of the handler's tables (SQLSTATE %s: %s)", code, pgErr.Message))
 	}
-	return a.finishFailed(ctx, err)
+	// Any other error of the COMMIT itself is the deferred work of fn's
+	// writes: the engine defers nothing (its statements ran before, and
+	// the key table has no deferred constraint or trigger). So it is a
+	// deferred trigger of fn's tables, whatever it raised and in whatever
+	// language its function is written (a statement of the function that
+	// violated a constraint included): fn's failure.
+	return a.refusedAtCommit(codes.Unknown, pgErr, fmt.Sprintf("the call's writes were refused at COMMIT by the database, "+
+		"in a deferred trigger of the handler's tables (SQLSTATE %s: %s)", pgErr.Code, pgErr.Message))
 }
 
 // violatedAtCommit handles a COMMIT that failed on a deferred constraint of

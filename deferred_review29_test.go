@@ -13,15 +13,12 @@ import (
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
-// A deferred constraint trigger of the handler's table whose function is
-// written in C (here the built-in suppress_redundant_updates_trigger, which
-// refuses an INSERT with 39P01) raises at COMMIT an error without a
-// context (no Where). commitFailed only takes an error with a context for
-// a trigger's, so this one falls through to finishFailed: "unexpected
-// database error", OutcomeMisconfigured, Internal. A consumer does not
-// count that as the handler's failure, so the message is redelivered
-// forever. Expected: the handler's failure, code Unknown, OutcomeReleased,
-// nothing stored.
+// It failed when only an error with a context (Where) was taken for a
+// deferred trigger's: a trigger function written in C (here the built-in
+// suppress_redundant_updates_trigger, refusing an INSERT with 39P01) fails
+// at COMMIT without one, and the call was reported as a misconfigured
+// store, Internal, and redelivered forever by a consumer. Any error of the
+// COMMIT that is not the server's condition is the handler's failure.
 func TestDeferredTriggerWithoutFunctionContextIsTheHandlersFailure(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
@@ -43,16 +40,11 @@ CREATE CONSTRAINT TRIGGER audited_c AFTER INSERT ON audited DEFERRABLE INITIALLY
 	require.Zero(t, keyCount(t, db), "nothing stored")
 }
 
-// A deferred constraint trigger whose function's statement fails at COMMIT
-// with an integrity violation (its INSERT into another table hits that
-// table's unique key, or a NOT NULL column) is "a failing statement in the
-// trigger's function": the handler's failure, Unknown, nothing stored.
-// commitFailed tests the SQLSTATE class 23 before the error's context, so
-// it takes these for a deferred constraint of the handler's own rows:
-// stored as a final FailedPrecondition, and every later delivery of the
-// message is dead-lettered, even once the trigger's statement can pass
-// (the conflicting audit row deleted). The same for a RAISE of the
-// trigger's with ERRCODE unique_violation.
+// It failed when class 23 was tested before the error's context: a
+// deferred trigger whose own statement hit a unique key or a NOT NULL
+// column (or that raised unique_violation) was taken for a deferred
+// constraint of the handler's rows, stored as final, and the message
+// dead-lettered even once the trigger could pass.
 func TestDeferredTriggerStatementViolationIsNotStored(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ name, body string }{

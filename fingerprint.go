@@ -25,13 +25,15 @@ import (
 //	"\xffIDF"  magic, 4 bytes
 //	version    1 byte
 //
-// Version 2 (message bodies of streams, HTTP requests, and proto requests
-// before version 3) is flat:
+// Version 2 (message bodies of streams, and HTTP and proto requests before
+// versions 4 and 3) is flat:
 //
 //	schema     8 bytes: what the encoding depends on (the kind of request)
 //	sum        32 bytes: SHA-256 of the request
 //
 // Two version 2 fingerprints are compared only when their schema agrees.
+//
+// Version 4 (HTTP requests): see httpfingerprint.go.
 //
 // Version 3 (proto requests) has a part per field present, and says once
 // per message type which fields its schema knows, so that two releases of
@@ -249,6 +251,8 @@ func sameRequest(stored, current []byte) bool {
 		return true // another algorithm: not comparable
 	case sv == fieldsVersion:
 		return sameFields(stored, current)
+	case sv == httpVersion:
+		return sameHTTP(stored, current)
 	case sv == fingerprintVersion:
 		head := len(fingerprintMagic) + 1 + 8
 		return !bytes.Equal(stored[:head], current[:head]) // another schema: not comparable
@@ -266,6 +270,8 @@ func versionOf(fp []byte) byte {
 	case v == fingerprintVersion && len(fp) == fingerprintLen:
 		return v
 	case v == fieldsVersion && len(fp) > fieldsHeadLen:
+		return v
+	case v == httpVersion && validHTTP(fp):
 		return v
 	}
 	return 0

@@ -11,8 +11,6 @@ import (
 	"io"
 	"maps"
 	"math"
-	"mime"
-	"mime/multipart"
 	"net"
 	"net/http"
 	"net/url"
@@ -358,17 +356,13 @@ func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWrit
 		report(OutcomeRejected, problem(w, code, http.StatusText(code), status.Convert(err).Message(), 0), err)
 		return
 	}
-	bodyParts, err := requestBody(r, body)
+	method, target := requestName(r)
+	fp, code, err := httpFingerprint(r, target, body, o.maxRequest)
 	if err != nil {
-		report(OutcomeRejected, writeProblem(w, err, 0), err)
+		report(OutcomeRejected, problem(w, code, http.StatusText(code), status.Convert(err).Message(), 0), err)
 		return
 	}
-	method, target := requestName(r)
-	call := Call{
-		Scope: scope, Key: key, TTL: o.ttl, Isolation: o.isolation,
-		Method:      method,
-		Fingerprint: tagged(httpRequestKind, append([][]byte{[]byte(r.Method), []byte(target), []byte(strings.ToLower(r.Host))}, bodyParts...)...),
-	}
+	call := Call{Scope: scope, Key: key, TTL: o.ttl, Isolation: o.isolation, Method: method, Fingerprint: fp}
 	rec := &responseRecorder{}
 	tp.metadata = func() ([]byte, error) { return rec.encode(o.replayed) }
 	res, err := store.execute(r.Context(), call, tp, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
@@ -441,64 +435,6 @@ func (o *httpOptions) readBody(w http.ResponseWriter, r *http.Request) ([]byte, 
 	return nil, http.StatusBadRequest, status.Errorf(codes.InvalidArgument, "idempotency: reading the request body: %v", err)
 }
 
-// requestBody returns what identifies the request's body: a form
-// (application/x-www-form-urlencoded or multipart/form-data) by its fields,
-// and a multipart form's files by field, name, type and content, whether
-// its bytes were left to read or a middleware in front already parsed it
-// (r.ParseForm, r.PostFormValue, r.ParseMultipartForm: CSRF middleware does,
-// on some requests and not on others), consuming them; any other body by
-// its bytes. So a form is the same request parsed in front or not, and two
-// multipart bodies that differ only in their boundary are one request.
-func requestBody(r *http.Request, body []byte) ([][]byte, error) {
-	if len(body) == 0 {
-		switch {
-		case r.MultipartForm != nil:
-			return multipartParts(r.MultipartForm)
-		case len(r.PostForm) > 0:
-			return [][]byte{[]byte("form"), []byte(r.PostForm.Encode())}, nil
-		}
-		return [][]byte{[]byte("bytes"), body}, nil
-	}
-	mediaType, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
-	switch {
-	case err != nil:
-	case mediaType == "application/x-www-form-urlencoded":
-		if fields, err := url.ParseQuery(string(body)); err == nil {
-			return [][]byte{[]byte("form"), []byte(fields.Encode())}, nil
-		}
-	case mediaType == "multipart/form-data" && params["boundary"] != "":
-		// Parsed as net/http parses it, to compare with a form parsed in
-		// front; the files stay in memory, within the body's size limit.
-		if form, err := multipart.NewReader(bytes.NewReader(body), params["boundary"]).ReadForm(int64(len(body)) + 1); err == nil {
-			defer func() { _ = form.RemoveAll() }()
-			return multipartParts(form)
-		}
-	}
-	return [][]byte{[]byte("bytes"), body}, nil
-}
-
-// multipartParts identifies a multipart form: its fields, then each file
-// in field order, by field, name, type and the SHA-256 of its content.
-func multipartParts(form *multipart.Form) ([][]byte, error) {
-	parts := [][]byte{[]byte("multipart"), []byte(url.Values(form.Value).Encode())}
-	for _, field := range slices.Sorted(maps.Keys(form.File)) {
-		for _, fh := range form.File[field] {
-			f, err := fh.Open()
-			if err != nil {
-				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
-			}
-			h := sha256.New()
-			_, err = io.Copy(h, f)
-			_ = f.Close()
-			if err != nil {
-				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
-			}
-			parts = append(parts, []byte(field), []byte(fh.Filename), []byte(fh.Header.Get("Content-Type")), h.Sum(nil))
-		}
-	}
-	return parts, nil
-}
-
 // requestName returns the call's method and the request target it is
 // fingerprinted with, from what the client sent (r.RequestURI), not from
 // r.URL, which a router in front (http.StripPrefix) may have rewritten: two
@@ -523,15 +459,6 @@ func requestName(r *http.Request) (method, target string) {
 	}
 	return method, target
 }
-
-// httpRequestKind is the schema of an HTTP request's fingerprint: method,
-// target, host, and the body as requestBody identifies it. The host is the
-// one the client sent (lower case): routers route by it (a mux pattern's
-// host, one mux per virtual host), and wherever the middleware is mounted
-// two hosts' requests are then different calls. Fingerprints of the schema
-// before it (no host; a form's bytes) are not compared with these, as for
-// any schema change (see sameRequest): a retry across the upgrade replays.
-var httpRequestKind = kindDigest("http request: method, target, host, body")
 
 // keyFromHeader reads the Idempotency-Key header: a structured-field
 // string ("abc", as the draft specifies) or a bare token (abc, as most

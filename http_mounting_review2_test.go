@@ -31,12 +31,11 @@ func csrfInFront(next http.Handler) http.Handler {
 	})
 }
 
-// curl -d sends application/x-www-form-urlencoded, and a JSON handler
-// reads the bytes whatever the type says. The middleware fingerprints such
-// a body by url.ParseQuery's fields, which unescapes "+" and %XX: the JSON
-// {"note":"a+b"} and {"note":"a b"} are one fingerprint, and the second,
-// a different request the handler would answer differently, gets the
-// first's stored response instead of 422.
+// It failed when a form-typed body was identified by its fields alone:
+// curl -d sends JSON as application/x-www-form-urlencoded, a JSON handler
+// reads the bytes, and {"note":"a b"} got the stored response of
+// {"note":"a+b"} (url.ParseQuery reads "+" as a space). Bodies read by the
+// middleware are compared by their bytes.
 func TestHTTPJSONSentWithTheFormTypeIsNotAnotherRequestsReplay(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
@@ -61,12 +60,9 @@ func TestHTTPJSONSentWithTheFormTypeIsNotAnotherRequestsReplay(t *testing.T) {
 	require.EqualValues(t, 1, runs.Load())
 }
 
-// A form url.ParseQuery refuses ("50%off", or a ";" separator) is
-// fingerprinted by its bytes when it reaches the middleware unread, and by
-// the fields net/http kept (ParseForm keeps the valid pairs and the error
-// is ignored by PostFormValue) when a middleware in front parsed it: the
-// retry of the very same body, parsed in front once and not the other
-// time, gets 422 instead of the stored response.
+// It failed when a form url.ParseQuery refuses ("50%off") was identified
+// by its bytes unread and by the pairs net/http kept when parsed in front:
+// the retry of the same body, parsed in front once, got 422.
 func TestHTTPUnparsableFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
@@ -90,11 +86,9 @@ func TestHTTPUnparsableFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *tes
 	require.EqualValues(t, 1, runs.Load())
 }
 
-// net/http parses a form whose Content-Type has a malformed parameter
-// ("; charset": mime.ParseMediaType returns the type with an error, which
-// parsePostForm ignores); the middleware treats an error as "not a form"
-// and fingerprints the bytes. Parsed in front once and not on the retry,
-// the same request gets 422.
+// It failed when a Content-Type with a malformed parameter ("; charset")
+// was not a form's to the middleware while net/http parses it as one:
+// parsed in front once and not on the retry, the same request got 422.
 func TestHTTPFormWithAMalformedTypeParameterIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
@@ -117,12 +111,9 @@ func TestHTTPFormWithAMalformedTypeParameterIsTheSameRequestWhetherOrNotParsedIn
 	require.EqualValues(t, 1, runs.Load())
 }
 
-// WithHTTPMaxRequestBytes is enforced only on the bytes left to read: a
-// form over the limit that a middleware in front parsed (net/http reads
-// up to 10 MB of it, a multipart form's files without limit) runs and is
-// stored; its retry, not parsed in front, is refused with 413 "over N
-// bytes, the most that can be fingerprinted" instead of getting the
-// stored response. One key, two answers.
+// It failed when WithHTTPMaxRequestBytes held only the bytes left to
+// read: a form over the limit parsed in front ran and was stored, and its
+// retry, not parsed in front, got 413. One key, two answers.
 func TestHTTPFormOverTheLimitGetsOneAnswerWhetherOrNotParsedInFront(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
@@ -143,12 +134,9 @@ func TestHTTPFormOverTheLimitGetsOneAnswerWhetherOrNotParsedInFront(t *testing.T
 	require.Equal(t, first.body, r.body)
 }
 
-// A form with no fields ("&", as some clients send an empty form) is
-// fingerprinted as the empty form when it reaches the middleware unread,
-// and as the empty byte string when a middleware in front parsed it
-// (r.PostForm is empty, so requestBody does not see a parsed form): the
-// retry of the same body, parsed in front once and not the other time,
-// gets 422 instead of the stored response.
+// It failed when a form with no fields ("&") parsed in front was taken
+// for an empty body: the retry of the same body, parsed in front once and
+// not the other time, got 422.
 func TestHTTPEmptyFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -395,7 +396,18 @@ func (c *Consumer) failed(which delivered) int {
 			}
 		}
 		if len(c.failures) >= maxTracked {
-			clear(c.failures)
+			// Still full: forget the half seen least recently. A message
+			// that keeps failing here is seen again soon and keeps its
+			// count (clearing them all would reset it, over and over,
+			// and it would never reach its attempts).
+			seen := make([]delivered, 0, len(c.failures))
+			for k := range c.failures {
+				seen = append(seen, k)
+			}
+			slices.SortFunc(seen, func(a, b delivered) int { return c.failures[a].last.Compare(c.failures[b].last) })
+			for _, k := range seen[:len(seen)/2] {
+				delete(c.failures, k)
+			}
 		}
 	}
 	f := c.failures[which]

@@ -5,15 +5,11 @@ import (
 	"testing"
 )
 
-// A Consumer on a busy durable counts failures of messages that then
-// succeed on another Consumer and never come back to it; their counts stay
-// for staleAfter (at least an hour). Once maxTracked such counts are
-// tracked within that hour, failed clears the whole map, the count of a
-// message that fails on every delivery with it: that message's count
-// starts over each time the map fills, so with enough other one-off
-// failures (here 1500 between each of its deliveries) it never reaches
-// WithMaxAttempts and is redelivered forever. Expected: its 10th failure
-// is counted as its 10th (GaveUp), whatever else was tracked.
+// It failed when a full table of failure counts was cleared whole: on a
+// busy durable, where other consumers finish messages that failed once
+// here, a message that fails on every delivery had its count reset each
+// time the table filled and never reached WithMaxAttempts. Now the half
+// seen least recently is forgotten.
 func TestMaxAttemptsReachedWhileManyOtherMessagesFail(t *testing.T) {
 	c := &Consumer{opts: evaluateOptions(nil), failures: map[delivered]*failures{}}
 	poison := delivered{"poison", 1}
