@@ -69,8 +69,9 @@ const ReplayedHeader = "Idempotency-Replayed"
 // The request is the same request when its method, path (with query),
 // host and body are the same: the path and host the client sent
 // (r.RequestURI, r.Host), whatever a router in front (http.StripPrefix)
-// rewrote; a form by its fields and files, whether a middleware in front
-// parsed it or not; any other body by its bytes.
+// rewrote; the body by its bytes, and a form a middleware in front parsed
+// (consuming them) by its fields and files, so that a form is one request
+// whether or not something in front parsed it.
 // The scope ([WithHTTPScope]) is asked before the body is read. Trailers go
 // out as trailers and are stored and replayed by the same list as headers;
 // a 1xx response other than 101 goes out at once, unstored. Which handler
