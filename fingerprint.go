@@ -245,6 +245,9 @@ func sameRequest(stored, current []byte) bool {
 	if bytes.Equal(stored, current) {
 		return true
 	}
+	if malformedHTTP(stored) || malformedHTTP(current) {
+		return false
+	}
 	sv, cv := versionOf(stored), versionOf(current)
 	switch {
 	case sv != cv:

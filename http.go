@@ -275,7 +275,11 @@ func WithHTTPIsolation(level pgx.TxIsoLevel) HTTPOption {
 }
 
 // WithHTTPMaxRequestBytes bounds the request body, which is read whole to
-// be fingerprinted; a larger one gets 413. Defaults to 1 MiB.
+// be fingerprinted; a larger one gets 413, and so does one whose declared
+// Content-Length is larger. A form sent without a Content-Length (chunked)
+// is held to it by the size of its encoded fields and files, whether or
+// not a middleware in front parsed it, so that it gets one answer either
+// way. Defaults to 1 MiB.
 func WithHTTPMaxRequestBytes(n int64) HTTPOption {
 	return func(o *httpOptions) { o.maxRequest = n }
 }
@@ -420,14 +424,18 @@ func (o *httpOptions) readBody(w http.ResponseWriter, r *http.Request) ([]byte, 
 				"a middleware in front of this one wraps the ResponseWriter without an Unwrap method", err)
 		}
 	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, o.maxRequest))
+	if r.ContentLength > o.maxRequest {
+		// Declared over the limit: refused before a byte is read, whether
+		// or not a middleware in front read it.
+		return nil, http.StatusRequestEntityTooLarge, errTooLarge(o.maxRequest)
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, readLimit(r, o.maxRequest)))
 	var tooLarge *http.MaxBytesError
 	switch {
 	case err == nil:
 		return body, 0, nil
 	case errors.As(err, &tooLarge):
-		return nil, http.StatusRequestEntityTooLarge, status.Errorf(codes.InvalidArgument,
-			"idempotency: the request body is over %d bytes, the most that can be fingerprinted", o.maxRequest)
+		return nil, http.StatusRequestEntityTooLarge, errTooLarge(o.maxRequest)
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return nil, http.StatusRequestTimeout, status.Errorf(codes.DeadlineExceeded,
 			"idempotency: the server's read deadline passed while reading the request body; nothing ran. The body is read before the handler runs, "+

@@ -21,7 +21,9 @@ import (
 // HTTP request:
 //
 //	request    32 bytes: SHA-256 of the method, the target and the host the
-//	           client sent (lower case), each length-prefixed
+//	           client sent (lower case), and the Content-Type (its media
+//	           type and parameters but a multipart boundary), each
+//	           length-prefixed
 //	flags      1 byte: 1 the form's digest follows, 2 the body's
 //	form       32 bytes: SHA-256 of the form's fields (url.Values.Encode:
 //	           names sorted, values in order) and, for a multipart form,
@@ -30,7 +32,8 @@ import (
 //	body       32 bytes: SHA-256 of the body's bytes
 //
 // A body has a form digest when net/http would parse it as a form (its
-// Content-Type, read as ParseForm reads it), and a body digest when its
+// Content-Type, read as ParseForm reads it; a multipart body that does not
+// parse has the digest of one that does not), and a body digest when its
 // bytes were there to read: a middleware in front that parsed the form
 // (r.ParseForm, r.PostFormValue, r.ParseMultipartForm; CSRF middleware
 // does, on some requests and not on others) consumed them. Two requests
@@ -49,10 +52,20 @@ const (
 // httpFingerprint returns the fingerprint of r, whose target is as the
 // client sent it and body what was left to read of it. A form parsed in
 // front is held to the body's limit too (413), so that a request gets one
-// answer whether or not something in front parsed it.
+// answer whether or not something in front parsed it: by the length the
+// client declared (readBody refused one over the limit), or without one by
+// the size of its fields and files, which is what an unparsed form sent
+// without a length is held to as well.
 func httpFingerprint(r *http.Request, target string, body []byte, limit int64) ([]byte, int, error) {
+	ct := r.Header.Get("Content-Type")
+	if ct == "" {
+		ct = "application/octet-stream" // as ParseForm
+	}
+	// As ParseForm reads the type: a malformed parameter does not keep it
+	// from being a form's type.
+	mediaType, params, typeErr := mime.ParseMediaType(ct)
 	h := sha256.New()
-	for _, p := range []string{r.Method, target, strings.ToLower(r.Host)} {
+	for _, p := range []string{r.Method, target, strings.ToLower(r.Host), contentType(ct, mediaType, params, typeErr)} {
 		h.Write(binary.AppendUvarint(nil, uint64(len(p))))
 		h.Write([]byte(p))
 	}
@@ -61,18 +74,23 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	flags := len(out)
 	out = append(out, 0)
 
-	consumed := len(body) == 0 && (r.PostForm != nil || r.MultipartForm != nil)
-	if consumed && parsedSize(r) > limit {
-		return nil, http.StatusRequestEntityTooLarge, status.Errorf(codes.InvalidArgument,
-			"idempotency: the request body is over %d bytes, the most that can be fingerprinted", limit)
+	isForm := mediaType == "application/x-www-form-urlencoded" || mediaType == "multipart/form-data"
+	// Consumed: a middleware in front parsed the form, reading the body.
+	// (ParseForm leaves any other body unread.)
+	consumed := len(body) == 0 && (r.MultipartForm != nil || (r.PostForm != nil && isForm))
+	var form *formSum
+	if consumed || isForm {
+		var err error
+		if form, err = formDigest(r, body, consumed, mediaType, params, typeErr); err != nil {
+			return nil, http.StatusInternalServerError, err
+		}
 	}
-	form, hasForm, err := formDigest(r, body, consumed)
-	if err != nil {
-		return nil, http.StatusInternalServerError, err
+	if form != nil && r.ContentLength < 0 && form.size > limit {
+		return nil, http.StatusRequestEntityTooLarge, errTooLarge(limit)
 	}
-	if hasForm {
+	if form != nil {
 		out[flags] |= httpHasForm
-		out = append(out, form[:]...)
+		out = append(out, form.sum[:]...)
 	}
 	if !consumed {
 		out[flags] |= httpHasBody
@@ -82,83 +100,112 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	return out, 0, nil
 }
 
-// parsedSize is the size of a body a middleware in front parsed: the
-// length the client declared, or without one what the form holds.
-func parsedSize(r *http.Request) int64 {
-	if r.ContentLength >= 0 {
-		return r.ContentLength
-	}
-	n := int64(len(r.PostForm.Encode()))
-	if r.MultipartForm != nil {
-		for _, files := range r.MultipartForm.File {
-			for _, fh := range files {
-				n += fh.Size
-			}
+// contentType is the request's Content-Type as it bears on the body's
+// meaning: its media type and parameters, but for a multipart boundary,
+// which changes with every encoding of the same form.
+func contentType(raw, mediaType string, params map[string]string, err error) string {
+	if err == nil {
+		delete(params, "boundary")
+		if t := mime.FormatMediaType(mediaType, params); t != "" {
+			return t
 		}
 	}
-	return n
+	return strings.ToLower(strings.TrimSpace(raw))
 }
 
-// formDigest returns the digest of the request's form when net/http would
-// parse its body as one: from what a middleware in front parsed
-// (consumed), or from the body's bytes, parsed as net/http parses them.
-func formDigest(r *http.Request, body []byte, consumed bool) (d [sha256.Size]byte, ok bool, err error) {
-	// As ParseForm: a malformed parameter does not keep the type from
-	// being a form's; a multipart body needs a valid type and boundary.
-	ct := r.Header.Get("Content-Type")
-	if ct == "" {
-		ct = "application/octet-stream"
+// errTooLarge is the error of a body over the limit.
+func errTooLarge(limit int64) error {
+	return status.Errorf(codes.InvalidArgument, "idempotency: the request body is over %d bytes, the most that can be fingerprinted", limit)
+}
+
+// readLimit is how much of the body the middleware reads: the limit, or
+// for a form sent without a length, which is held to the limit by the size
+// of its fields and files (see httpFingerprint), as much as net/http's
+// ParseForm reads of one.
+func readLimit(r *http.Request, limit int64) int64 {
+	if r.ContentLength >= 0 {
+		return limit
 	}
-	mediaType, params, typeErr := mime.ParseMediaType(ct)
+	mediaType, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if mediaType == "application/x-www-form-urlencoded" || mediaType == "multipart/form-data" {
+		return max(limit, maxFormBytes)
+	}
+	return limit
+}
+
+// maxFormBytes is what net/http's ParseForm reads of a form at most.
+const maxFormBytes = 10 << 20
+
+// formSum identifies a form: the digest of its fields and files, and
+// their size.
+type formSum struct {
+	sum  [sha256.Size]byte
+	size int64
+}
+
+// formDigest identifies the request's form: from what a middleware in
+// front parsed (consumed), or from the body's bytes, parsed as net/http
+// parses them. A multipart body that does not parse is identified as
+// such, parsed in front or not (the handler sees no form either way).
+func formDigest(r *http.Request, body []byte, consumed bool, mediaType string, params map[string]string, typeErr error) (*formSum, error) {
 	switch {
 	case consumed && r.MultipartForm != nil:
 		return multipartDigest(r.MultipartForm)
-	case consumed:
-		if mediaType != "application/x-www-form-urlencoded" {
-			return d, false, nil
-		}
-		return sha256.Sum256([]byte("form\x00" + r.PostForm.Encode())), true, nil
 	case mediaType == "application/x-www-form-urlencoded":
-		// What parsed before an invalid pair, as ParseForm keeps it.
-		fields, _ := url.ParseQuery(string(body))
-		return sha256.Sum256([]byte("form\x00" + fields.Encode())), true, nil
-	case typeErr == nil && mediaType == "multipart/form-data" && params["boundary"] != "":
+		fields := r.PostForm
+		if !consumed {
+			// What parsed before an invalid pair, as ParseForm keeps it.
+			fields, _ = url.ParseQuery(string(body))
+		}
+		enc := fields.Encode()
+		return &formSum{sha256.Sum256([]byte("form\x00" + enc)), int64(len(enc))}, nil
+	case !consumed && typeErr == nil && params["boundary"] != "":
 		// The files stay in memory: the body is within its limit.
 		form, err := multipart.NewReader(bytes.NewReader(body), params["boundary"]).ReadForm(int64(len(body)) + 1)
-		if err != nil {
-			return d, false, nil // the handler's parse fails too
+		if err == nil {
+			defer func() { _ = form.RemoveAll() }()
+			return multipartDigest(form)
 		}
-		defer func() { _ = form.RemoveAll() }()
-		return multipartDigest(form)
 	}
-	return d, false, nil
+	return &formSum{sha256.Sum256([]byte("multipart that does not parse")), int64(len(body))}, nil
 }
 
 // multipartDigest is the digest of a multipart form: its fields, then each
 // file in field order, by field, name, type and content.
-func multipartDigest(form *multipart.Form) (d [sha256.Size]byte, ok bool, err error) {
+func multipartDigest(form *multipart.Form) (*formSum, error) {
 	h := sha256.New()
-	h.Write([]byte("multipart\x00" + url.Values(form.Value).Encode()))
+	values := url.Values(form.Value).Encode()
+	h.Write([]byte("multipart\x00" + values))
+	size := int64(len(values))
 	for _, field := range slices.Sorted(maps.Keys(form.File)) {
 		for _, fh := range form.File[field] {
 			f, err := fh.Open()
 			if err != nil {
-				return d, false, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
+				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
 			}
 			content := sha256.New()
 			_, err = io.Copy(content, f)
 			_ = f.Close()
 			if err != nil {
-				return d, false, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
+				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
 			}
+			size += fh.Size
 			for _, p := range [][]byte{[]byte(field), []byte(fh.Filename), []byte(fh.Header.Get("Content-Type")), content.Sum(nil)} {
 				h.Write(binary.AppendUvarint(nil, uint64(len(p))))
 				h.Write(p)
 			}
 		}
 	}
-	h.Sum(d[:0])
-	return d, true, nil
+	f := &formSum{size: size}
+	h.Sum(f.sum[:0])
+	return f, nil
+}
+
+// malformedHTTP reports whether fp carries version 4's tag but not its
+// form: a damaged row, which is the same request as nothing.
+func malformedHTTP(fp []byte) bool {
+	tag := len(fingerprintMagic) + 1
+	return len(fp) >= tag && string(fp[:tag]) == fingerprintMagic+string(rune(httpVersion)) && !validHTTP(fp)
 }
 
 // validHTTP reports whether fp is a well-formed version 4 fingerprint.
