@@ -1,7 +1,6 @@
 package idempotency_test
 
 import (
-	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -118,35 +117,5 @@ func TestHTTPEarlyHintsHeadersDoNotLeakIntoTheFinalResponse(t *testing.T) {
 // same body. A form is identified by its fields either way.
 func TestHTTPFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
 	t.Parallel()
-	store := migratedStore(t, suiteDB(t))
-	var runs atomic.Int64
-	csrf := func(next http.Handler) http.Handler {
-		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			token := r.Header.Get("X-CSRF-Token")
-			if token == "" {
-				token = r.PostFormValue("csrf")
-			}
-			if token != "ok" {
-				http.Error(w, "csrf", http.StatusForbidden)
-				return
-			}
-			next.ServeHTTP(w, r)
-		})
-	}
-	srv := httptest.NewServer(csrf(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		runs.Add(1)
-		_, _ = fmt.Fprintf(w, "charged %s", r.PostFormValue("amount"))
-	}))))
-	t.Cleanup(srv.Close)
-	const form = "application/x-www-form-urlencoded"
-
-	first := do(t, srv.Client(), mountedPost(t, srv.URL, form, "csrf=ok&amount=100"), "k-csrf")
-	require.Equal(t, "charged 100", first.body)
-	retry := mountedPost(t, srv.URL, form, "csrf=ok&amount=100")
-	retry.Header.Set("X-CSRF-Token", "ok")
-	r := do(t, srv.Client(), retry, "k-csrf")
-	require.Equal(t, http.StatusOK, r.status, "the same method, path and body under the same key: %s", r.body)
-	require.Equal(t, "charged 100", r.body)
-	require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader))
-	require.EqualValues(t, 1, runs.Load())
+	requireOneChargeWhetherParsedInFront(t, "application/x-www-form-urlencoded", "csrf=ok&amount=100")
 }
