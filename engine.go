@@ -219,6 +219,14 @@ func sendAll(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) (failed int, err
 // the primary key's index entry well under PostgreSQL's limit for one.
 const MaxScopeLen = 1024
 
+// ValidateScope reports whether the store can keep keys under scope: at
+// most [MaxScopeLen] bytes of valid UTF-8 without a NUL byte. A transport
+// of your own can check a configured scope once, at start, instead of
+// failing every call.
+func ValidateScope(scope string) error {
+	return validateText("scope", scope, MaxScopeLen)
+}
+
 // maxMethodLen bounds Call.Method, which PostgreSQL stores with every key.
 const maxMethodLen = 1024
 

@@ -35,6 +35,7 @@ import (
 	"math/rand/v2"
 	"runtime/debug"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -80,12 +81,24 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 	if autoOff, _ := client.OptValue(kgo.DisableAutoCommit).(bool); !autoOff {
 		return nil, errors.New("idempotencykafka: the client commits offsets on its own, possibly ahead of the database: set kgo.DisableAutoCommit")
 	}
+	if !readsCommitted(client) {
+		return nil, errors.New("idempotencykafka: the client reads the records of aborted transactions (franz-go's default), which would be applied as if produced: " +
+			"set kgo.FetchIsolationLevel(kgo.ReadCommitted())")
+	}
 	o := defaultOptions(group)
 	for _, opt := range opts {
 		opt(&o)
 	}
 	if err := o.validate(); err != nil {
 		return nil, err
+	}
+	// A scope the store refuses would fail every record, retried forever:
+	// refused here, for every topic the client names.
+	topics, _ := client.OptValue(kgo.ConsumeTopics).([]string)
+	for _, topic := range append([]string{""}, topics...) {
+		if err := idempotency.ValidateScope(o.scope(topic)); err != nil {
+			return nil, fmt.Errorf("idempotencykafka: WithScope: %w", err)
+		}
 	}
 	return &Consumer{store: store, client: client, handle: handle, o: o}, nil
 }
@@ -257,10 +270,17 @@ func (c *Consumer) Message(r *kgo.Record) idempotency.Message {
 
 // messageID is the producer's ID header, or the record's position (hashed
 // when a long topic name would make it longer than a key may be).
+//
+// The two never meet: a position is "<topic>/<partition>/<offset>" or
+// "position-<hex>", and a topic name has no ':'. A producer ID that is not a
+// valid key, or that could be read as a position, or that begins with "id:",
+// is recorded as "id:" and its SHA-256 in hex, which no position and no
+// other producer ID can be; every other producer ID is recorded as it is.
+// An empty ID is no ID: the record is identified by its position.
 func (c *Consumer) messageID(r *kgo.Record) string {
 	for _, h := range r.Headers {
-		if h.Key == c.o.idHeader {
-			return string(h.Value)
+		if h.Key == c.o.idHeader && len(h.Value) > 0 {
+			return producerID(string(h.Value))
 		}
 	}
 	pos := r.Topic + "/" + strconv.FormatInt(int64(r.Partition), 10) + "/" + strconv.FormatInt(r.Offset, 10)
@@ -269,6 +289,45 @@ func (c *Consumer) messageID(r *kgo.Record) string {
 		pos = "position-" + hex.EncodeToString(sum[:])
 	}
 	return pos
+}
+
+// readsCommitted reports whether the client reads committed records only.
+// franz-go's OptValue gives the level as it keeps it, an int8 (1 is read
+// committed, Kafka's isolation_level), or as the option's own type.
+func readsCommitted(client *kgo.Client) bool {
+	switch v := client.OptValue(kgo.FetchIsolationLevel).(type) {
+	case kgo.IsolationLevel:
+		return v == kgo.ReadCommitted()
+	case int8:
+		return v == 1
+	}
+	return false
+}
+
+// producerID is the recorded form of a producer's ID (see messageID).
+func producerID(id string) string {
+	if idempotency.ValidateKey(id) == nil && !looksLikePosition(id) && !strings.HasPrefix(id, "id:") {
+		return id
+	}
+	sum := sha256.Sum256([]byte(id))
+	return "id:" + hex.EncodeToString(sum[:])
+}
+
+// looksLikePosition reports whether id has the form of a position.
+func looksLikePosition(id string) bool {
+	if strings.HasPrefix(id, "position-") {
+		return true
+	}
+	parts := strings.Split(id, "/")
+	if len(parts) != 3 || parts[0] == "" {
+		return false
+	}
+	for _, p := range parts[1:] {
+		if _, err := strconv.ParseInt(p, 10, 64); err != nil {
+			return false
+		}
+	}
+	return true
 }
 
 // body is what the record's ID is fingerprinted with: its key and value.

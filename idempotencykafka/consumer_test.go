@@ -105,7 +105,7 @@ func consumerOpts(brokers []string, group, topic string, extra ...kgo.Opt) []kgo
 		kgo.SessionTimeout(3 * time.Second),
 		kgo.HeartbeatInterval(200 * time.Millisecond),
 		kgo.FetchMaxWait(100 * time.Millisecond),
-		kgo.MaxBufferedRecords(500),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 	}, extra...)
 }
 

@@ -53,8 +53,9 @@ func ExampleConsumer() {
 		kgo.ConsumerGroup("credits"),
 		kgo.ConsumeTopics("payments"),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
-		kgo.DisableAutoCommit(),    // required: offsets follow the database
-		kgo.BlockRebalanceOnPoll(), // recommended: no revocation mid-batch
+		kgo.DisableAutoCommit(),                      // required: offsets follow the database
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()), // required: no record of an aborted transaction
+		kgo.BlockRebalanceOnPoll(),                   // recommended: no revocation mid-batch
 	)
 	if err != nil {
 		log.Fatal(err)
