@@ -3,10 +3,18 @@
 // idempotency engine: every record's effect commits in one PostgreSQL
 // transaction with its message ID, and the record's offset is committed to
 // Kafka only after that transaction committed. A record delivered again
-// (after a crash between the two commits, a rebalance, a producer's retry)
-// finds its ID and is skipped; a record that can never succeed is produced
-// to a dead-letter topic with its cause, then committed, so that it never
-// blocks its partition or comes back forever.
+// (after a crash between the two commits, a rebalance) finds its ID and is
+// skipped; a record that can never succeed is produced to a dead-letter
+// topic with its cause, then committed, so that it never blocks its
+// partition or comes back forever.
+//
+// A producer's own re-send of a record is found only when the producer
+// gives both sends the same ID in the message-id header ([WithIDHeader]):
+// without it the re-send is a record of its own, at its own position, and
+// is applied again. (franz-go's idempotent producer dedupes its internal
+// retries on the broker; an application's re-send after a timeout needs the
+// header.) IDs that are not valid keys are recorded hashed; an empty one is
+// no ID.
 //
 // It is a module of its own, so that the core library's go.mod has no
 // Kafka client.
@@ -15,8 +23,9 @@
 //		kgo.SeedBrokers(brokers...),
 //		kgo.ConsumerGroup("credits"),
 //		kgo.ConsumeTopics("payments"),
-//		kgo.DisableAutoCommit(),    // required: offsets follow the database
-//		kgo.BlockRebalanceOnPoll(), // recommended: no revocation mid-batch
+//		kgo.DisableAutoCommit(),                      // required: offsets follow the database
+//		kgo.FetchIsolationLevel(kgo.ReadCommitted()), // required: no record of an aborted transaction
+//		kgo.BlockRebalanceOnPoll(),                   // recommended: no revocation mid-batch
 //	)
 //	c, err := idempotencykafka.New(store, client, func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
 //		_, err := tx.Exec(ctx, `INSERT INTO credits (account, cents) VALUES ($1, $2)`, r.Key, r.Value)
