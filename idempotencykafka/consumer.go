@@ -49,6 +49,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -124,6 +125,9 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // offset commit is reported to WithErrorHandler and Run goes on: the
 // records are applied, and a redelivery of them replays.
 func (c *Consumer) Run(ctx context.Context) error {
+	if err := c.CheckRetention(ctx); err != nil {
+		return err
+	}
 	for {
 		fetches := c.client.PollFetches(ctx)
 		if fetches.IsClientClosed() {
@@ -298,6 +302,108 @@ func (c *Consumer) messageID(r *kgo.Record) string {
 		pos = "position-" + hex.EncodeToString(sum[:])
 	}
 	return pos
+}
+
+// CheckRetention reads the retention.ms of every topic the client consumes
+// and the brokers' offsets.retention.minutes, and makes sure that message
+// IDs outlast both: a record is never read again after its ID was
+// forgotten. Without [WithTTL] it sets the TTL to their sum; with it, it
+// refuses a shorter TTL, naming both. A topic that keeps its records
+// forever needs an explicit TTL. Topics consumed by a regex are held to
+// the brokers' log.retention.ms. Run calls it when it starts; a poll loop
+// of one's own ([Consumer.ProcessFetches]) calls it before its first poll.
+func (c *Consumer) CheckRetention(ctx context.Context) error {
+	adm := kadm.NewClient(c.client)
+	brokers, err := adm.DescribeBrokerConfigs(ctx)
+	if err == nil {
+		err = firstErr(brokers)
+	}
+	if err != nil {
+		return c.retentionUnknown(err)
+	}
+	offsets, ok := configMillis(brokers, "offsets.retention.minutes", time.Minute)
+	if !ok {
+		offsets = 7 * 24 * time.Hour // Kafka's default
+	}
+	var topics []string
+	if regex, _ := c.client.OptValue(kgo.ConsumeRegex).(bool); !regex {
+		topics, _ = c.client.OptValue(kgo.ConsumeTopics).([]string)
+	}
+	retentions := map[string]time.Duration{}
+	if len(topics) == 0 {
+		if d, ok := configMillis(brokers, "log.retention.ms", time.Millisecond); ok {
+			retentions["the brokers' log.retention.ms"] = d
+		}
+	} else {
+		rcs, err := adm.DescribeTopicConfigs(ctx, topics...)
+		if err == nil {
+			err = firstErr(rcs)
+		}
+		if err != nil {
+			return c.retentionUnknown(err)
+		}
+		for _, rc := range rcs {
+			if d, ok := configMillis(kadm.ResourceConfigs{rc}, "retention.ms", time.Millisecond); ok {
+				retentions["topic "+rc.Name] = d
+			}
+		}
+	}
+	for what, retention := range retentions {
+		switch need := retention + offsets; {
+		case retention < 0 && !c.o.ttlSet:
+			return fmt.Errorf("idempotencykafka: %s keeps its records forever (retention.ms -1): no TTL of message IDs outlasts it; "+
+				"choose one with WithTTL (records read again after it are applied again)", what)
+		case retention < 0:
+		case !c.o.ttlSet:
+			c.o.ttl = max(c.o.ttl, need)
+		case c.o.ttl < need:
+			return fmt.Errorf("idempotencykafka: WithTTL(%v) is shorter than %s's retention.ms (%v) plus the brokers' offsets.retention.minutes (%v): "+
+				"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set at least %v", c.o.ttl, what, retention, offsets, need)
+		}
+	}
+	return nil
+}
+
+// firstErr is the first error of a resource's configs.
+func firstErr(rcs kadm.ResourceConfigs) error {
+	for _, rc := range rcs {
+		if rc.Err != nil {
+			return fmt.Errorf("%s: %w", rc.Name, rc.Err)
+		}
+	}
+	return nil
+}
+
+// retentionUnknown is the error of a retention that cannot be read: fatal
+// without an explicit TTL, since the default could then be too short.
+func (c *Consumer) retentionUnknown(err error) error {
+	if c.o.ttlSet {
+		c.o.onError(fmt.Errorf("idempotencykafka: the topics' retention cannot be read (%w); going on with WithTTL(%v)", err, c.o.ttl))
+		return nil
+	}
+	return fmt.Errorf("idempotencykafka: the topics' retention.ms and the brokers' offsets.retention.minutes cannot be read (%w): "+
+		"grant the client DescribeConfigs, or set WithTTL longer than both together", err)
+}
+
+// configMillis returns a config's value as a duration of unit, -1 for a
+// negative value (forever).
+func configMillis(rcs kadm.ResourceConfigs, key string, unit time.Duration) (time.Duration, bool) {
+	for _, rc := range rcs {
+		for _, cfg := range rc.Configs {
+			if cfg.Key != key || cfg.Value == nil {
+				continue
+			}
+			n, err := strconv.ParseInt(*cfg.Value, 10, 64)
+			if err != nil {
+				return 0, false
+			}
+			if n < 0 {
+				return -1, true
+			}
+			return time.Duration(n) * unit, true
+		}
+	}
+	return 0, false
 }
 
 // readsCommitted reports whether the client reads committed records only.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/exactlyonce/idempotency"
@@ -121,4 +122,59 @@ func TestNewRefusesAScopeTheStoreCannotKeep(t *testing.T) {
 	_, err = idempotencykafka.New(w.store, client, credit, idempotencykafka.WithScope(strings.Repeat("s", idempotency.MaxScopeLen+1)))
 	require.ErrorContains(t, err, "WithScope")
 	require.ErrorContains(t, err, "the limit is 1024")
+}
+
+// It failed when the ID's lifetime defaulted to the engine's 24 hours
+// while Kafka keeps records and an idle group's offsets 7 days each: 10
+// records consumed, their keys two days old, the group's offsets deleted,
+// and the group read the topic again: 20 effects. Run now derives the TTL
+// from the topic's retention.ms and the brokers' offsets.retention.minutes
+// (here 7 days each), so the keys outlast both: 10 effects, 10 replays.
+func TestDefaultTTLOutlastsRetentionAndOffsets(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	w.produce(t, "credits", amounts(10)...)
+	m := w.startMember(t, "ttl-group", "credits")
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "ttl-group", "credits") == 10 })
+	m.stop()
+	ctx := context.Background()
+	require.Equal(t, 10, w.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE expires_at > now() + interval '13 days'`), "the keys outlast retention and offsets")
+	_, err := w.db.Pool.Exec(ctx, `UPDATE idempotency_keys SET created_at = created_at - interval '2 days', expires_at = expires_at - interval '2 days'`)
+	require.NoError(t, err)
+	_, err = w.admin.DeleteGroups(ctx, "ttl-group")
+	require.NoError(t, err)
+
+	again := w.startMember(t, "ttl-group", "credits")
+	waitFor(t, "every offset committed again", func() bool { return w.committed(t, "ttl-group", "credits") == 10 && again.replayed.Load() == 10 })
+	again.stop()
+	rows, _ := w.credits(t)
+	require.Equal(t, 10, rows, "each record applied once")
+}
+
+// An explicit TTL shorter than retention plus the offsets' retention is
+// refused by Run, naming both; a topic that keeps its records forever
+// needs an explicit TTL, and runs with one.
+func TestTTLShorterThanRetentionIsRefused(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits", "forever")
+	ctx := context.Background()
+	forever := "-1"
+	_, err := w.admin.AlterTopicConfigs(ctx, []kadm.AlterConfig{{Name: "retention.ms", Value: &forever}}, "forever")
+	require.NoError(t, err)
+	run := func(topic string, opts ...idempotencykafka.Option) error {
+		client, err := kgo.NewClient(consumerOpts(w.brokers, "g-"+topic, topic)...)
+		require.NoError(t, err)
+		defer client.Close()
+		c, err := idempotencykafka.New(w.store, client, credit, opts...)
+		require.NoError(t, err)
+		ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		defer cancel()
+		return c.Run(ctx)
+	}
+	err = run("credits", idempotencykafka.WithTTL(time.Hour))
+	require.ErrorContains(t, err, "WithTTL(1h0m0s) is shorter than topic credits's retention.ms (168h0m0s) plus the brokers' offsets.retention.minutes (168h0m0s)")
+	require.ErrorContains(t, err, "set at least 336h0m0s")
+	require.ErrorIs(t, run("credits", idempotencykafka.WithTTL(15*24*time.Hour)), context.DeadlineExceeded, "a long enough TTL runs")
+	require.ErrorContains(t, run("forever"), "keeps its records forever")
+	require.ErrorIs(t, run("forever", idempotencykafka.WithTTL(30*24*time.Hour)), context.DeadlineExceeded, "an explicit TTL is the operator's decision")
 }

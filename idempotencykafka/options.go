@@ -20,6 +20,7 @@ type options struct {
 	maxAttempts, commitEvery int
 	backoffBase, backoffMax  time.Duration
 	commitTimeout, ttl       time.Duration
+	ttlSet                   bool // WithTTL was given
 	onError                  func(error)
 	onOutcome                func(*kgo.Record, idempotency.Outcome, error)
 	onDeadLetter             func(*kgo.Record, string)
@@ -121,13 +122,19 @@ func WithRetryBackoff(base, max time.Duration) Option {
 	return func(o *options) { o.backoffBase, o.backoffMax = base, max }
 }
 
-// WithTTL sets how long message IDs are remembered; keep it longer than
-// the topic's retention. A topic deleted and created again within the TTL
+// WithTTL sets how long message IDs are remembered. A record read again
+// after its ID was forgotten is applied again, and a group re-reads its
+// topics from the start when its offsets go (expired after the broker's
+// offsets.retention.minutes, reset, the group recreated): so the TTL must
+// outlast the topic's retention.ms plus the offsets' retention, and Run
+// refuses a shorter one (see [Consumer.CheckRetention]). Without WithTTL
+// the TTL is that sum, read from the brokers when Run starts; a topic that
+// keeps its records forever (retention.ms -1) needs an explicit TTL, the
+// operator's decision. A topic deleted and created again within the TTL
 // starts its offsets over: records identified by their position would be
 // taken for the old ones (replayed, or dead-lettered as reused IDs), so
-// give them producer-set IDs or the consumer a new scope. Defaults to
-// idempotency.DefaultTTL.
-func WithTTL(ttl time.Duration) Option { return func(o *options) { o.ttl = ttl } }
+// give them producer-set IDs or the consumer a new scope.
+func WithTTL(ttl time.Duration) Option { return func(o *options) { o.ttl, o.ttlSet = ttl, true } }
 
 // The handlers of WithErrorHandler, WithOutcomeHandler and
 // WithDeadLetterHandler are called from the goroutines that apply the
