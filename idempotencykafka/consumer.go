@@ -50,6 +50,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -453,12 +454,17 @@ func body(r *kgo.Record) []byte {
 
 // Headers of a dead-lettered record, beside the original record's own.
 const (
-	HeaderCause     = "idempotency-dead-letter-cause"
-	HeaderOutcome   = "idempotency-dead-letter-outcome"
-	HeaderMessageID = "idempotency-dead-letter-message-id"
-	HeaderTopic     = "idempotency-dead-letter-topic"
-	HeaderPartition = "idempotency-dead-letter-partition"
-	HeaderOffset    = "idempotency-dead-letter-offset"
+	HeaderCause = "idempotency-dead-letter-cause"
+	// HeaderValueOmitted is on a dead letter that the broker refused whole
+	// (too large): it has the record's key but not its value nor its own
+	// headers, and says why; the original is at the position the other
+	// headers name, for as long as the topic keeps it.
+	HeaderValueOmitted = "idempotency-dead-letter-value-omitted"
+	HeaderOutcome      = "idempotency-dead-letter-outcome"
+	HeaderMessageID    = "idempotency-dead-letter-message-id"
+	HeaderTopic        = "idempotency-dead-letter-topic"
+	HeaderPartition    = "idempotency-dead-letter-partition"
+	HeaderOffset       = "idempotency-dead-letter-offset"
 )
 
 // deadLetter produces r to the dead-letter topic with its cause, waiting
@@ -472,6 +478,15 @@ const (
 // its effect is applied once, and the dead-letter topic has a copy that
 // an operator should check against the effect before replaying it.
 func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, outcome idempotency.Outcome, cause string) error {
+	if isDeadLetter(r) {
+		// A dead letter read back (a consumer subscribed to its own
+		// dead-letter topics, by a regex): producing it again would make
+		// dead letters of dead letters forever. Left where it is.
+		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d is a dead letter already and cannot be applied either (%s); it is not dead-lettered again",
+			r.Topic, r.Partition, r.Offset, cause))
+		c.o.onDeadLetter(r, cause)
+		return nil
+	}
 	dl := &kgo.Record{
 		Topic: c.o.deadLetterTopic(r.Topic),
 		Key:   r.Key,
@@ -495,10 +510,77 @@ func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, out
 			return ctx.Err()
 		}
 		c.o.onError(fmt.Errorf("idempotencykafka: produce %s/%d@%d to dead-letter topic %s: %w", r.Topic, r.Partition, r.Offset, dl.Topic, err))
+		if neverProduced(err) {
+			return c.deadLetterThatFits(ctx, r, dl, cause, err)
+		}
 		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
 			return err
 		}
 	}
+}
+
+// deadLetterThatFits produces, for a dead letter the broker refused for
+// good (too large, say), one that fits: the record's key, no value, none of
+// its own headers, the dead-letter headers with the cause cut short, which
+// point at the original record (topic, partition, offset) for whoever
+// replays it. If even that is refused for good (the topic invalid, or not
+// writable by the client), the record is given up without one, reported:
+// a dead letter must never stop its partition.
+func (c *Consumer) deadLetterThatFits(ctx context.Context, r *kgo.Record, dl *kgo.Record, cause string, refused error) error {
+	const maxCause = 1 << 10
+	if len(cause) > maxCause {
+		cause = cause[:maxCause] + "..."
+	}
+	small := &kgo.Record{Topic: dl.Topic, Key: r.Key}
+	for _, h := range dl.Headers[len(r.Headers):] {
+		if h.Key == HeaderCause {
+			h.Value = []byte(cause)
+		}
+		small.Headers = append(small.Headers, h)
+	}
+	small.Headers = append(small.Headers, kgo.RecordHeader{Key: HeaderValueOmitted, Value: []byte(refused.Error())})
+	for wait := uint(0); ; wait++ {
+		err := c.client.ProduceSync(ctx, small).FirstErr()
+		switch {
+		case err == nil:
+			c.o.onDeadLetter(r, cause)
+			return nil
+		case ctx.Err() != nil:
+			return ctx.Err()
+		case neverProduced(err):
+			c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d is given up without a dead letter: the dead-letter topic %s refuses it for good (%w); its cause: %s",
+				r.Topic, r.Partition, r.Offset, dl.Topic, err, cause))
+			c.o.onDeadLetter(r, cause)
+			return nil
+		}
+		c.o.onError(fmt.Errorf("idempotencykafka: produce the shortened dead letter of %s/%d@%d to %s: %w", r.Topic, r.Partition, r.Offset, dl.Topic, err))
+		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
+			return err
+		}
+	}
+}
+
+// neverProduced reports whether a produce error is one no retry fixes: the
+// record too large, the topic invalid, the client not authorized.
+func neverProduced(err error) bool {
+	for _, e := range []*kerr.Error{kerr.MessageTooLarge, kerr.RecordListTooLarge, kerr.InvalidTopicException, kerr.TopicAuthorizationFailed,
+		kerr.ClusterAuthorizationFailed, kerr.InvalidRecord, kerr.PolicyViolation, kerr.InvalidRequiredAcks} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// isDeadLetter reports whether r carries the headers this package gives a
+// dead letter.
+func isDeadLetter(r *kgo.Record) bool {
+	var cause, topic bool
+	for _, h := range r.Headers {
+		cause = cause || h.Key == HeaderCause
+		topic = topic || h.Key == HeaderTopic
+	}
+	return cause && topic
 }
 
 func sleep(ctx context.Context, d time.Duration) error {

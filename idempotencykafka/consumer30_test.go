@@ -178,3 +178,47 @@ func TestTTLShorterThanRetentionIsRefused(t *testing.T) {
 	require.ErrorContains(t, run("forever"), "keeps its records forever")
 	require.ErrorIs(t, run("forever", idempotencykafka.WithTTL(30*24*time.Hour)), context.DeadlineExceeded, "an explicit TTL is the operator's decision")
 }
+
+// It failed when every produce error of a dead letter was retried: a
+// poison record near the size limit, whose dead-letter copy (its value,
+// its headers and six more, one a cause quoting the value) is too large,
+// got MESSAGE_TOO_LARGE forever and nothing after it was applied. A dead
+// letter the broker refuses for good falls back to one that fits (key, no
+// value, the cause cut short, the original's position), and the partition
+// goes on.
+func TestTooLargeDeadLetterFallsBackToOneThatFits(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter")
+	w.produce(t, "payments", rec("big", "acct-1", strings.Repeat("x", 1000012-200)), rec("next", "acct-1", "100"))
+	m := w.startMember(t, "big-group", "payments", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
+	waitFor(t, "both offsets committed", func() bool { return w.committed(t, "big-group", "payments") == 2 })
+	m.stop()
+	rows, _ := w.credits(t)
+	require.Equal(t, 1, rows, "the record after the poison one is applied")
+	dl := w.readAll(t, "payments.dead-letter", 1)
+	require.Empty(t, dl[0].Value, "the dead letter that fits has no value")
+	require.Contains(t, header(dl[0], idempotencykafka.HeaderValueOmitted), "MESSAGE_TOO_LARGE")
+	require.Equal(t, "0", header(dl[0], idempotencykafka.HeaderOffset), "it points at the original")
+	require.Equal(t, "payments", header(dl[0], idempotencykafka.HeaderTopic))
+	require.LessOrEqual(t, len(header(dl[0], idempotencykafka.HeaderCause)), 1<<10+3, "the cause is cut short")
+}
+
+// It failed when a consumer subscribed to its own dead-letter topic (a
+// regex like ^payments) dead-lettered dead letters forever:
+// payments.dead-letter.dead-letter and on. A record that carries the
+// dead-letter headers is not dead-lettered again; it is committed where it
+// is.
+func TestDeadLettersAreNotDeadLetteredAgain(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter", "payments.dead-letter.dead-letter")
+	w.produce(t, "payments", rec("m-1", "acct-1", "oops"))
+	m := w.startMemberWith(t, memberConfig{store: w.store, client: []kgo.Opt{kgo.ConsumeRegex()}}, "regex-group", "^payments.*")
+	waitFor(t, "the poison record and its dead letter committed", func() bool {
+		return w.committed(t, "regex-group", "payments") == 1 && w.committed(t, "regex-group", "payments.dead-letter") == 1
+	})
+	m.stop()
+	ends, err := w.admin.ListEndOffsets(context.Background(), "payments.dead-letter.dead-letter")
+	require.NoError(t, err)
+	end, _ := ends.Lookup("payments.dead-letter.dead-letter", 0)
+	require.Zero(t, end.Offset, "no dead letter of a dead letter")
+}
