@@ -166,6 +166,21 @@ func handlerError(err error) error {
 	return err
 }
 
+// IsDatabaseTrouble reports whether err is the database's own condition,
+// one that passes, as the engine found it: an outage or overload, a lock or
+// statement timeout ([ErrStoreUnavailable]), a serialization failure or
+// deadlock (of the engine's statements, the handler's or the COMMIT). A
+// consumer waits for these instead of counting them against a message. A
+// status a handler returned itself (a downstream call's Aborted or
+// ResourceExhausted) is never database trouble, whatever its code.
+func IsDatabaseTrouble(err error) bool {
+	if errors.Is(err, ErrStoreUnavailable) {
+		return true
+	}
+	var failure *dbFailure
+	return errors.As(err, &failure) && failure.code == codes.Aborted
+}
+
 // outcomeOf is the outcome of a call that ended in err before Func ran or
 // committed: what a tracer counts.
 func outcomeOf(err error) Outcome {

@@ -52,8 +52,6 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/exactlyonce/idempotency"
 )
@@ -266,11 +264,7 @@ func (c *Consumer) apply(ctx context.Context, m idempotency.Message, fn func(con
 // (down, overloaded, a lock or statement timeout, a serialization failure
 // or deadlock): trying again can help, and the record is not at fault.
 func transient(err error) bool {
-	switch status.Code(err) {
-	case codes.Aborted, codes.ResourceExhausted:
-		return true
-	}
-	return errors.Is(err, idempotency.ErrStoreUnavailable)
+	return idempotency.IsDatabaseTrouble(err)
 }
 
 // Message is what the consumer processes r as: its ID (the producer's ID

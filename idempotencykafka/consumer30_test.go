@@ -222,3 +222,23 @@ func TestDeadLettersAreNotDeadLetteredAgain(t *testing.T) {
 	end, _ := ends.Lookup("payments.dead-letter.dead-letter", 0)
 	require.Zero(t, end.Offset, "no dead letter of a dead letter")
 }
+
+// It failed when errors were classified by status code alone: a handler's
+// own Aborted or ResourceExhausted (a downstream gRPC call's) was taken for
+// the database's trouble and retried forever, past WithMaxAttempts(3). The
+// database's trouble is what the engine found; the handler's own codes
+// count against the record.
+func TestHandlersOwnAbortedIsBoundedByMaxAttempts(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter")
+	w.produce(t, "payments", rec("m-1", "acct-1", "downstream-aborted"), rec("m-2", "acct-1", "downstream-exhausted"), rec("m-3", "acct-1", "100"))
+	m := w.startMember(t, "own-codes", "payments", idempotencykafka.WithMaxAttempts(3), idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond))
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "own-codes", "payments") == 3 })
+	m.stop()
+	dl := w.readAll(t, "payments.dead-letter", 2)
+	for _, r := range dl {
+		require.Contains(t, header(r, idempotencykafka.HeaderCause), "gave up after 3 attempts")
+	}
+	rows, _ := w.credits(t)
+	require.Equal(t, 1, rows)
+}

@@ -21,6 +21,9 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 	"github.com/exactlyonce/idempotency/internal/crashproc"
@@ -111,7 +114,8 @@ func consumerOpts(brokers []string, group, topic string, extra ...kgo.Opt) []kgo
 
 // credit is the handler: the value is an amount of cents; "oops" is a
 // poison record, "fail" fails every time, "panic" panics every time,
-// "ref:X" credits against a reference that must exist when the transaction
+// "downstream-aborted" and "downstream-exhausted" fail as a downstream
+// gRPC call does, "ref:X" credits against a reference that must exist when the transaction
 // commits, "lock" credits 1 cent after locking the 'known' reference, with
 // a lock timeout of 50 ms.
 func credit(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
@@ -121,6 +125,10 @@ func credit(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
 		return errors.New("the ledger refuses this record today")
 	case v == "panic":
 		panic("the handler cannot read " + v)
+	case v == "downstream-aborted":
+		return status.Error(codes.Aborted, "the provider aborted the charge")
+	case v == "downstream-exhausted":
+		return status.Error(codes.ResourceExhausted, "the provider's quota is used up")
 	case v == "lock":
 		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '50ms'`); err != nil {
 			return err

@@ -15,8 +15,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/exactlyonce/idempotency"
 )
@@ -373,11 +371,7 @@ func (c *Consumer) processMessage(ctx context.Context, m idempotency.Message, ms
 // (down, overloaded, a lock or statement timeout, a serialization failure
 // or deadlock): trying again can help, and the message is not at fault.
 func transient(err error) bool {
-	switch status.Code(err) {
-	case codes.Aborted, codes.ResourceExhausted:
-		return true
-	}
-	return errors.Is(err, idempotency.ErrStoreUnavailable)
+	return idempotency.IsDatabaseTrouble(err)
 }
 
 // failed counts one more failure of the handler on a message, and returns
