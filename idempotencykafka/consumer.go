@@ -121,8 +121,9 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // stops only with ctx, and with kgo.BlockRebalanceOnPoll the client's
 // Close waits for Run to allow the rebalance. A client closed under Run
 // with CloseAllowingRebalance ends it (nil) at its next poll. A failed
-// offset commit is reported to WithErrorHandler and Run goes on: the
-// records are applied, and a redelivery of them replays.
+// offset commit is reported to WithErrorHandler and tried again, with
+// backoff, until it succeeds or the group moved the partition (whose new
+// owner reads the records again and replays them).
 func (c *Consumer) Run(ctx context.Context) error {
 	if err := c.CheckRetention(ctx); err != nil {
 		return err
@@ -204,13 +205,41 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 // commit commits the offset after r, on a context of its own: what
 // committed in the database should reach Kafka even when the consumer is
 // stopping.
+//
+// A failed commit is tried again, with backoff, until it succeeds: a
+// committed offset that stays behind means a lag that never clears and
+// records read again at every restart. It stops when the group moved the
+// partition (the member's generation is over: the new owner reads the
+// records again and replays them), or when ctx is done and a last try
+// within the commit timeout failed.
 func (c *Consumer) commit(ctx context.Context, r *kgo.Record) error {
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.o.commitTimeout)
-	defer cancel()
-	if err := c.client.CommitRecords(cctx, r); err != nil {
-		return fmt.Errorf("idempotencykafka: commit offset %d of %s/%d: %w", r.Offset+1, r.Topic, r.Partition, err)
+	for wait := uint(0); ; wait++ {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.o.commitTimeout)
+		err := c.client.CommitRecords(cctx, r)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		err = fmt.Errorf("idempotencykafka: commit offset %d of %s/%d: %w", r.Offset+1, r.Topic, r.Partition, err)
+		if ctx.Err() != nil || partitionMoved(err) {
+			return err
+		}
+		c.o.onError(fmt.Errorf("%w; trying again", err))
+		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
+			return fmt.Errorf("idempotencykafka: commit offset %d of %s/%d: stopped before it succeeded", r.Offset+1, r.Topic, r.Partition)
+		}
 	}
-	return nil
+}
+
+// partitionMoved reports whether a commit failed because the member's
+// generation in the group is over: its partitions are another member's.
+func partitionMoved(err error) bool {
+	for _, e := range []*kerr.Error{kerr.IllegalGeneration, kerr.UnknownMemberID, kerr.RebalanceInProgress, kerr.FencedInstanceID, kerr.StaleMemberEpoch, kerr.UnknownTopicOrPartition} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // processRecord applies r until it is done, or ctx is done.

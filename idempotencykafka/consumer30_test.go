@@ -3,13 +3,16 @@ package idempotencykafka_test
 import (
 	"context"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/idempotencykafka"
@@ -241,4 +244,41 @@ func TestHandlersOwnAbortedIsBoundedByMaxAttempts(t *testing.T) {
 	}
 	rows, _ := w.credits(t)
 	require.Equal(t, 1, rows)
+}
+
+// It failed when a failed offset commit was reported and never tried
+// again: one OffsetCommit refused by the broker left the committed offset
+// at 0 with 3 records applied, and the lag never cleared. A commit is tried
+// again, with backoff, until it succeeds.
+func TestFailedOffsetCommitIsTriedAgain(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	var refused atomic.Int64
+	w.cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		commit := req.(*kmsg.OffsetCommitRequest)
+		if commit.Group != "commit-group" {
+			return nil, nil, false
+		}
+		resp := commit.ResponseKind().(*kmsg.OffsetCommitResponse)
+		for _, topic := range commit.Topics {
+			rt := kmsg.NewOffsetCommitResponseTopic()
+			rt.Topic = topic.Topic
+			for _, p := range topic.Partitions {
+				rp := kmsg.NewOffsetCommitResponseTopicPartition()
+				rp.Partition = p.Partition
+				rp.ErrorCode = kerr.OffsetMetadataTooLarge.Code
+				rt.Partitions = append(rt.Partitions, rp)
+			}
+			resp.Topics = append(resp.Topics, rt)
+		}
+		refused.Add(1)
+		return resp, nil, true
+	})
+	w.produce(t, "credits", amounts(3)...)
+	m := w.startMember(t, "commit-group", "credits", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
+	waitFor(t, "the offsets committed after the refusal", func() bool { return w.committed(t, "commit-group", "credits") == 3 })
+	m.stop()
+	require.EqualValues(t, 1, refused.Load())
+	rows, _ := w.credits(t)
+	require.Equal(t, 3, rows)
 }
