@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash"
+	"io"
 	"math"
 	"slices"
 	"strings"
@@ -228,15 +229,21 @@ func messageFingerprint(body []byte) []byte {
 // that no two lists of parts hash alike.
 func tagged(schema [8]byte, parts ...[]byte) []byte {
 	h := sha256.New()
-	for _, p := range parts {
-		h.Write(binary.AppendUvarint(nil, uint64(len(p))))
-		h.Write(p)
-	}
+	writeParts(h, parts...)
 	out := make([]byte, 0, fingerprintLen)
 	out = append(out, fingerprintMagic...)
 	out = append(out, fingerprintVersion)
 	out = append(out, schema[:]...)
 	return h.Sum(out)
+}
+
+// writeParts writes parts to h, each length-prefixed so that no two lists
+// of parts hash alike.
+func writeParts(h io.Writer, parts ...[]byte) {
+	for _, p := range parts {
+		_, _ = h.Write(binary.AppendUvarint(nil, uint64(len(p))))
+		_, _ = h.Write(p)
+	}
 }
 
 // sameRequest reports whether a stored fingerprint and a new one name the

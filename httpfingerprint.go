@@ -3,7 +3,6 @@ package idempotency
 import (
 	"bytes"
 	"crypto/sha256"
-	"encoding/binary"
 	"io"
 	"maps"
 	"mime"
@@ -65,10 +64,7 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	// from being a form's type.
 	mediaType, params, typeErr := mime.ParseMediaType(ct)
 	h := sha256.New()
-	for _, p := range []string{r.Method, target, strings.ToLower(r.Host), contentType(ct, mediaType, params, typeErr)} {
-		h.Write(binary.AppendUvarint(nil, uint64(len(p))))
-		h.Write([]byte(p))
-	}
+	writeParts(h, []byte(r.Method), []byte(target), []byte(strings.ToLower(r.Host)), []byte(contentType(ct, mediaType, params, typeErr)))
 	out := append([]byte(fingerprintMagic), httpVersion)
 	out = h.Sum(out)
 	flags := len(out)
@@ -190,10 +186,7 @@ func multipartDigest(form *multipart.Form) (*formSum, error) {
 				return nil, status.Errorf(codes.Internal, "idempotency: reading the file %q of the parsed multipart form: %v", fh.Filename, err)
 			}
 			size += fh.Size
-			for _, p := range [][]byte{[]byte(field), []byte(fh.Filename), []byte(fh.Header.Get("Content-Type")), content.Sum(nil)} {
-				h.Write(binary.AppendUvarint(nil, uint64(len(p))))
-				h.Write(p)
-			}
+			writeParts(h, []byte(field), []byte(fh.Filename), []byte(fh.Header.Get("Content-Type")), content.Sum(nil))
 		}
 	}
 	f := &formSum{size: size}

@@ -63,15 +63,8 @@ type Record struct {
 // (an error the engine stored, such as a handler that ended the
 // transaction; Status has it).
 func (r Record) HTTPResponse() (status int, header http.Header, body []byte, ok bool) {
-	if r.Transport != TransportHTTP || r.ResponseType != string(httpBodyType.Descriptor().FullName()) {
-		return 0, nil, nil, false
-	}
-	m := &wrapperspb.BytesValue{}
-	if err := proto.Unmarshal(r.Response, m); err != nil {
-		return 0, nil, nil, false
-	}
-	rr, err := decodeHTTPResponse(result{Result: Result{Response: m}, metadata: r.Metadata})
-	if err != nil {
+	rr := r.httpResponse()
+	if rr == nil {
 		return 0, nil, nil, false
 	}
 	return rr.statusCode(), rr.sent, rr.body.Bytes(), true
@@ -81,14 +74,26 @@ func (r Record) HTTPResponse() (status int, header http.Header, body []byte, ok 
 // (those a replay carries), nil when there are none or the record is not
 // an HTTP response.
 func (r Record) HTTPTrailer() http.Header {
+	if rr := r.httpResponse(); rr != nil && len(rr.trailer) > 0 {
+		return rr.trailer
+	}
+	return nil
+}
+
+// httpResponse decodes the HTTP response the record holds, nil for none.
+func (r Record) httpResponse() *responseRecorder {
 	if r.Transport != TransportHTTP || r.ResponseType != string(httpBodyType.Descriptor().FullName()) {
 		return nil
 	}
-	rr, err := decodeHTTPResponse(result{Result: Result{Response: &wrapperspb.BytesValue{}}, metadata: r.Metadata})
-	if err != nil || len(rr.trailer) == 0 {
+	m := &wrapperspb.BytesValue{}
+	if err := proto.Unmarshal(r.Response, m); err != nil {
 		return nil
 	}
-	return rr.trailer
+	rr, err := decodeHTTPResponse(result{Result: Result{Response: m}, metadata: r.Metadata})
+	if err != nil {
+		return nil
+	}
+	return rr
 }
 
 // namespaces are the transports' namespaces of stored keys, in the order
