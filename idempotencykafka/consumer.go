@@ -266,7 +266,14 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 			// serialization conflict, or the ID held by another member, are
 			// not the record's fault: those wait.
 			if failures++; failures >= c.o.maxAttempts {
-				return c.deadLetter(ctx, r, id, outcome, fmt.Sprintf("gave up after %d attempts: %v", failures, err))
+				// Giving up is stored as the ID's final error, like a
+				// handler's Final: a redelivery (the offset commit failed,
+				// the consumer died before it) is dead-lettered again and
+				// never applied after the records that came after it.
+				// Storing it waits for the database as a try does.
+				gaveUp := fmt.Errorf("gave up after %d attempts: %v", failures, err)
+				fn = func(context.Context, pgx.Tx) error { return idempotency.Final(gaveUp) }
+				continue
 			}
 		}
 		if err := sleep(ctx, c.o.backoff(wait, err)); err != nil {
@@ -495,11 +502,10 @@ const (
 // WithErrorHandler until an operator creates it), so that the record is
 // committed only once it is kept there. The dead-letter topic is
 // at-least-once: a consumer that dies between the produce and the offset
-// commit gets the record again. One with a final error (stored) is
-// dead-lettered again without running; one that was given up after its
-// attempts, or whose ID was reused, is tried again, and may then succeed:
-// its effect is applied once, and the dead-letter topic has a copy that
-// an operator should check against the effect before replaying it.
+// commit gets the record again. One with a final error, or given up
+// after its attempts (both stored with its ID), is dead-lettered again
+// without running; one whose ID was reused by another record is compared
+// again, and dead-lettered again.
 func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, outcome idempotency.Outcome, cause string) error {
 	if isDeadLetter(r) {
 		// A dead letter read back (a consumer subscribed to its own

@@ -102,8 +102,10 @@ func WithDeadLetterTopic(f func(topic string) string) Option {
 }
 
 // WithMaxAttempts bounds how many times a record whose handler fails is
-// tried before it is dead-lettered (a final error dead-letters it at
-// once). Waiting for the database or for another member holding the ID
+// tried before it is given up: stored as given up with its ID, so that no
+// redelivery applies it after the records behind it, and dead-lettered (a
+// final error dead-letters it at once). [Consumer.Redrive] applies it
+// again once its cause is fixed. Waiting for the database or for another member holding the ID
 // does not count, and neither do the database's own failures (down,
 // overloaded, a lock or statement timeout, a serialization failure).
 // Defaults to 10.
