@@ -204,6 +204,25 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 // (in any of the transports it may name), and returns [ErrKeyNotFound]
 // when there is no record.
 func (s *Store) Forget(ctx context.Context, scope, key string) error {
+	return s.forget(ctx, scope, key, false)
+}
+
+// ErrNotFailed is returned by [Store.ForgetFailed] for a key whose record
+// is not a failure: its call succeeded (or its handler committed its own
+// transaction), and its effect must not be applied again.
+var ErrNotFailed = errors.New("idempotency: the key's call did not fail; its record is kept")
+
+// ForgetFailed is Forget for a record whose call failed for good (State
+// "failed": a Final error, a message given up): it deletes it, so that the
+// next call with the key runs again once its cause is fixed. A record of a
+// call that succeeded is kept ([ErrNotFailed]), in the same statement that
+// would delete it: a redrive repeated, or racing the call it redrives,
+// never forgets an effect that was applied.
+func (s *Store) ForgetFailed(ctx context.Context, scope, key string) error {
+	return s.forget(ctx, scope, key, true)
+}
+
+func (s *Store) forget(ctx context.Context, scope, key string, onlyFailed bool) error {
 	st, err := s.statements(ctx)
 	if err != nil {
 		return s.dbError(ctx, "forget key", err)
@@ -217,13 +236,25 @@ func (s *Store) Forget(ctx context.Context, scope, key string) error {
 		if !free {
 			return inProgress("a call holds the key; forget it once the call is over", s.opts.retryDelay)
 		}
+		if onlyFailed {
+			var state string
+			switch err := tx.QueryRow(ctx, st.forgetFailed, scope, keys).Scan(&state); {
+			case errors.Is(err, pgx.ErrNoRows):
+				return ErrKeyNotFound
+			case err != nil:
+				return err
+			case state != "failed":
+				return fmt.Errorf("%w (state %s)", ErrNotFailed, state)
+			}
+			return nil
+		}
 		tag, err := tx.Exec(ctx, st.forget, scope, keys)
 		if err == nil && tag.RowsAffected() == 0 {
 			err = ErrKeyNotFound
 		}
 		return err
 	})
-	if err != nil && !errors.Is(err, ErrKeyNotFound) && !errors.Is(err, ErrInProgress) {
+	if err != nil && !errors.Is(err, ErrKeyNotFound) && !errors.Is(err, ErrInProgress) && !errors.Is(err, ErrNotFailed) {
 		err = s.dbError(ctx, "forget key", err)
 	}
 	return err
