@@ -320,8 +320,15 @@ func (c *Consumer) Message(r *kgo.Record) idempotency.Message {
 // valid key, or that could be read as a position, or that begins with "id:",
 // is recorded as "id:" and its SHA-256 in hex, which no position and no
 // other producer ID can be; every other producer ID is recorded as it is.
-// An empty ID is no ID: the record is identified by its position.
+// An empty ID is no ID: the record is identified by its position. A
+// record Redrive produced is identified by the ID it names
+// ([HeaderRedrivenID]), that of the record it applies again.
 func (c *Consumer) messageID(r *kgo.Record) string {
+	for _, h := range r.Headers {
+		if h.Key == HeaderRedrivenID && idempotency.ValidateKey(string(h.Value)) == nil {
+			return string(h.Value)
+		}
+	}
 	for _, h := range r.Headers {
 		if h.Key == c.o.idHeader && len(h.Value) > 0 {
 			return producerID(string(h.Value))
@@ -482,6 +489,11 @@ func body(r *kgo.Record) []byte {
 	return append(append(b, r.Key...), r.Value...)
 }
 
+// HeaderRedrivenID is on a record [Consumer.Redrive] produced: the message
+// ID of the record it applies again, which the consumer identifies it by.
+// Only Redrive sets it.
+const HeaderRedrivenID = "idempotency-redriven-message-id"
+
 // Headers of a dead-lettered record, beside the original record's own.
 const (
 	HeaderCause = "idempotency-dead-letter-cause"
@@ -599,6 +611,68 @@ func neverProduced(err error) bool {
 		}
 	}
 	return false
+}
+
+// Redrive applies a dead-lettered record again, once the cause that made
+// it fail is fixed: it forgets the record's stored failure (its final
+// error, or its giving up) and produces the record back to its topic with
+// its message ID (header [HeaderRedrivenID]), where the consumer applies
+// it. The effect stays once: the ID's record is forgotten only when it
+// failed ([idempotency.Store.ForgetFailed]), so a Redrive repeated, or of a
+// record that was applied after all, produces a copy that is replayed, or
+// refuses. It refuses a record whose ID another record took first (the
+// dead letter's outcome key_reused: produce it again under a new
+// message-id), and a dead letter without the record's value
+// ([HeaderValueOmitted]: produce the original, at the position the dead
+// letter names, again with its message-id, after ForgetFailed of that ID).
+// dl is the record as read from the dead-letter topic.
+func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
+	if !isDeadLetter(dl) {
+		return fmt.Errorf("idempotencykafka: redrive %s/%d@%d: not a dead letter (it has no %s header)", dl.Topic, dl.Partition, dl.Offset, HeaderCause)
+	}
+	h := func(key string) (string, bool) {
+		for _, hd := range dl.Headers {
+			if hd.Key == key {
+				return string(hd.Value), true
+			}
+		}
+		return "", false
+	}
+	id, _ := h(HeaderMessageID)
+	topic, _ := h(HeaderTopic)
+	partition, _ := h(HeaderPartition)
+	offset, _ := h(HeaderOffset)
+	where := topic + "/" + partition + "@" + offset
+	if _, omitted := h(HeaderValueOmitted); omitted {
+		return fmt.Errorf("idempotencykafka: redrive %s: the dead letter has no value (%s); produce the original record at %s again, with its message-id header, after Store.ForgetFailed(%q, %q)",
+			where, HeaderValueOmitted, where, c.o.scope(topic), "message "+id)
+	}
+	if o, _ := h(HeaderOutcome); o == idempotency.OutcomeKeyReused.String() {
+		return fmt.Errorf("idempotencykafka: redrive %s: its message ID %q was taken by another record first; produce it again with a new %s header", where, id, c.o.idHeader)
+	}
+	if err := idempotency.ValidateKey(id); err != nil || topic == "" {
+		return fmt.Errorf("idempotencykafka: redrive %s/%d@%d: the dead letter's %s or %s header is missing or invalid", dl.Topic, dl.Partition, dl.Offset, HeaderMessageID, HeaderTopic)
+	}
+	switch err := c.store.ForgetFailed(ctx, c.o.scope(topic), "message "+id); {
+	case errors.Is(err, idempotency.ErrNotFailed):
+		return fmt.Errorf("idempotencykafka: redrive %s: message %q was applied already; redriving it would apply it twice: %w", where, id, err)
+	case err != nil && !errors.Is(err, idempotency.ErrKeyNotFound):
+		// ErrKeyNotFound: nothing is stored (the ID expired, or a redrive
+		// forgot it already and its copy is on its way): the copy carries
+		// the ID, so it is applied at most once all the same.
+		return fmt.Errorf("idempotencykafka: redrive %s: %w", where, err)
+	}
+	again := &kgo.Record{Topic: topic, Key: dl.Key, Value: dl.Value}
+	for _, hd := range dl.Headers {
+		if !strings.HasPrefix(hd.Key, "idempotency-dead-letter-") && hd.Key != HeaderRedrivenID {
+			again.Headers = append(again.Headers, hd)
+		}
+	}
+	again.Headers = append(again.Headers, kgo.RecordHeader{Key: HeaderRedrivenID, Value: []byte(id)})
+	if err := c.client.ProduceSync(ctx, again).FirstErr(); err != nil {
+		return fmt.Errorf("idempotencykafka: redrive %s: produce it to %s (its failure is forgotten: redrive it again): %w", where, topic, err)
+	}
+	return nil
 }
 
 // isDeadLetter reports whether r carries the headers this package gives a

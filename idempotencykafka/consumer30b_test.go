@@ -92,3 +92,59 @@ func TestGivenUpRecordIsNotAppliedAfterLaterRecords(t *testing.T) {
 	dl := w.readAll(t, "payments.dead-letter", 2)
 	require.Contains(t, header(dl[1], idempotencykafka.HeaderCause), "gave up after 2 attempts")
 }
+
+// It failed when a dead letter produced back to its topic after the
+// handler was fixed was dead-lettered again: the copy kept its ID, whose
+// failure was stored, and the fixed handler never ran. Redrive forgets the
+// failure and produces the record again under its ID: records with a
+// producer's ID and records identified by their position are each applied
+// once, and a second redrive of the same dead letters is refused and
+// applies nothing.
+func TestRedriveAppliesADeadLetterOnceAfterTheFix(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter")
+	byPosition := &kgo.Record{Key: []byte("acct-2"), Value: []byte("ref:later")}
+	w.produce(t, "payments", rec("r", "acct-1", "ref:later"), byPosition, rec("s", "acct-1", "oops"))
+	m := w.startMember(t, "redrive-group", "payments", idempotencykafka.WithMaxAttempts(2), idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond))
+	waitFor(t, "three dead letters", func() bool { return w.end(t, "payments.dead-letter") == 3 })
+	dls := w.readAll(t, "payments.dead-letter", 3)
+
+	_, err := w.db.Pool.Exec(context.Background(), `INSERT INTO refs VALUES ('later')`)
+	require.NoError(t, err)
+	ctx := context.Background()
+	for _, dl := range dls[:2] {
+		require.NoError(t, m.consumer.Redrive(ctx, dl))
+	}
+	waitFor(t, "the redriven records applied", func() bool {
+		rows, _ := w.credits(t)
+		return rows == 2 && w.committed(t, "redrive-group", "payments") == 5
+	})
+	for _, dl := range dls[:2] {
+		require.ErrorIs(t, m.consumer.Redrive(ctx, dl), idempotency.ErrNotFailed, "a second redrive is refused")
+	}
+	// The poison record's cause is not fixed: its redrive dead-letters it
+	// again.
+	require.NoError(t, m.consumer.Redrive(ctx, dls[2]))
+	waitFor(t, "the poison record dead-lettered again", func() bool {
+		return w.end(t, "payments.dead-letter") == 4 && w.committed(t, "redrive-group", "payments") == 6
+	})
+	m.stop()
+	rows, distinct := w.credits(t)
+	require.Equal(t, 2, rows)
+	require.Equal(t, 2, distinct)
+	again := w.readAll(t, "payments.dead-letter", 4)[3]
+	require.Equal(t, "s", header(again, idempotencykafka.HeaderMessageID), "under its own ID")
+	require.Equal(t, "5", header(again, idempotencykafka.HeaderOffset), "at the copy's position")
+	require.Error(t, m.consumer.Redrive(ctx, rec("x", "acct-1", "1")), "a record that is not a dead letter")
+
+	// The group's offsets deleted, the topic read again: the originals and
+	// the copies are replays, the one identified by its position too.
+	_, err = w.admin.DeleteGroups(ctx, "redrive-group")
+	require.NoError(t, err)
+	reread := w.startMember(t, "redrive-group", "payments")
+	waitFor(t, "the topic read again", func() bool { return w.committed(t, "redrive-group", "payments") == 6 })
+	reread.stop()
+	rows, _ = w.credits(t)
+	require.Equal(t, 2, rows, "nothing applied again")
+	require.Zero(t, reread.executed.Load())
+}

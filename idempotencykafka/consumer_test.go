@@ -261,6 +261,7 @@ type member struct {
 	executed, replayed atomic.Int64
 	inProgress         atomic.Int64
 	assigned           atomic.Int64 // partitions the group gave it, over time
+	consumer           *idempotencykafka.Consumer
 	stop               func()
 }
 
@@ -310,6 +311,7 @@ func (w *world) startMemberWith(t *testing.T, cfg memberConfig, group, topic str
 	})
 	c, err := idempotencykafka.New(cfg.store, m.client, credit, append([]idempotencykafka.Option{count}, opts...)...)
 	require.NoError(t, err)
+	m.consumer = c
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
