@@ -25,6 +25,7 @@
 //		kgo.ConsumeTopics("payments"),
 //		kgo.DisableAutoCommit(),                      // required: offsets follow the database
 //		kgo.FetchIsolationLevel(kgo.ReadCommitted()), // required: no record of an aborted transaction
+//		kgo.KeepControlRecords(),                     // required: offsets committed past transaction markers
 //		kgo.BlockRebalanceOnPoll(),                   // recommended: no revocation mid-batch
 //	)
 //	c, err := idempotencykafka.New(store, client, func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
@@ -74,7 +75,11 @@ type Consumer struct {
 
 // New returns a consumer of client's group. The client must consume as a
 // group (kgo.ConsumerGroup) with kgo.DisableAutoCommit, so that no offset
-// is committed ahead of the database; kgo.BlockRebalanceOnPoll is
+// is committed ahead of the database, read committed records only
+// (kgo.FetchIsolationLevel(kgo.ReadCommitted())), so that no record of an
+// aborted transaction is applied, and keep transaction markers
+// (kgo.KeepControlRecords), so that offsets are committed past them and a
+// transactional partition's lag reaches 0; kgo.BlockRebalanceOnPoll is
 // recommended, so that a partition is not revoked while its records are
 // being applied (if it is, its new owner waits for the record's key and
 // replays it: the effect stays once). The client is the caller's to close,
@@ -93,6 +98,10 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 	if !readsCommitted(client) {
 		return nil, errors.New("idempotencykafka: the client reads the records of aborted transactions (franz-go's default), which would be applied as if produced: " +
 			"set kgo.FetchIsolationLevel(kgo.ReadCommitted())")
+	}
+	if keeps, _ := client.OptValue(kgo.KeepControlRecords).(bool); !keeps {
+		return nil, errors.New("idempotencykafka: the client hides transaction markers, so no offset can be committed past one and a transactional partition's lag never reaches 0: " +
+			"set kgo.KeepControlRecords() (the consumer skips them itself)")
 	}
 	o := defaultOptions(group)
 	for _, opt := range opts {
@@ -187,6 +196,13 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 	var errs []error
 	var last *kgo.Record
 	for i, r := range records {
+		if r.Attrs.IsControl() {
+			// A transaction's commit or abort marker: nothing to apply, but
+			// an offset to commit past (Kafka's consumers do), or the
+			// partition's lag would stay at 1.
+			last = r
+			continue
+		}
 		if err := c.processRecord(ctx, r); err != nil {
 			errs = append(errs, err)
 			break
@@ -247,10 +263,16 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 	m := c.Message(r)
 	id := m.ID
 	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handle(ctx, tx, r) }
-	failures := 0
+	failures, givingUp := 0, false
 	for wait := uint(0); ; wait++ {
 		outcome, err := c.apply(ctx, m, fn)
-		c.o.onOutcome(r, outcome, err)
+		if givingUp && outcome == idempotency.OutcomeExecuted {
+			// The giving up is stored; the handlers were told of the last
+			// try, released, and the dead letter says so.
+			outcome = idempotency.OutcomeReleased
+		} else {
+			c.o.onOutcome(r, outcome, err)
+		}
 		switch idempotency.DispositionOf(outcome, err) {
 		case idempotency.Ack:
 			return nil
@@ -273,6 +295,7 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 				// Storing it waits for the database as a try does.
 				gaveUp := fmt.Errorf("gave up after %d attempts: %v", failures, err)
 				fn = func(context.Context, pgx.Tx) error { return idempotency.Final(gaveUp) }
+				givingUp = true
 				continue
 			}
 		}

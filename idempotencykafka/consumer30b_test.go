@@ -148,3 +148,36 @@ func TestRedriveAppliesADeadLetterOnceAfterTheFix(t *testing.T) {
 	require.Equal(t, 2, rows, "nothing applied again")
 	require.Zero(t, reread.executed.Load())
 }
+
+// It failed when the offset committed after a transaction's last record
+// stopped at the transaction's commit marker: a transactional partition
+// showed a lag of 1 forever. New requires a client that keeps the markers,
+// and the consumer commits past them: the committed offset reaches the
+// partition's end.
+func TestTransactionalPartitionsLagReachesZero(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	hides, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("g"), kgo.ConsumeTopics("credits"), kgo.DisableAutoCommit(),
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()))
+	require.NoError(t, err)
+	_, err = idempotencykafka.New(w.store, hides, credit)
+	hides.Close()
+	require.ErrorContains(t, err, "set kgo.KeepControlRecords()")
+
+	ctx := context.Background()
+	p, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.DefaultProduceTopic("credits"), kgo.TransactionalID("lag-producer"))
+	require.NoError(t, err)
+	defer p.Close()
+	for i := range 2 {
+		require.NoError(t, p.BeginTransaction())
+		require.NoError(t, p.ProduceSync(ctx, amounts(4)[2*i:2*i+2]...).FirstErr())
+		require.NoError(t, p.EndTransaction(ctx, kgo.TryCommit))
+	}
+	end := w.end(t, "credits")
+	require.EqualValues(t, 6, end, "4 records and 2 commit markers")
+	m := w.startMember(t, "lag-group", "credits")
+	waitFor(t, "the committed offset at the end", func() bool { return w.committed(t, "lag-group", "credits") == end })
+	m.stop()
+	rows, _ := w.credits(t)
+	require.Equal(t, 4, rows)
+}

@@ -109,6 +109,7 @@ func consumerOpts(brokers []string, group, topic string, extra ...kgo.Opt) []kgo
 		kgo.HeartbeatInterval(200 * time.Millisecond),
 		kgo.FetchMaxWait(100 * time.Millisecond),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
+		kgo.KeepControlRecords(),
 	}, extra...)
 }
 

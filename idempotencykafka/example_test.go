@@ -55,6 +55,7 @@ func ExampleConsumer() {
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.DisableAutoCommit(),                      // required: offsets follow the database
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()), // required: no record of an aborted transaction
+		kgo.KeepControlRecords(),                     // required: offsets committed past transaction markers
 		kgo.BlockRebalanceOnPoll(),                   // recommended: no revocation mid-batch
 	)
 	if err != nil {
