@@ -282,7 +282,7 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if outcome == idempotency.OutcomeReleased && !transient(err) {
+		if outcome == idempotency.OutcomeReleased && !transient(err) && !c.o.retryable(err) {
 			// The handler's own error: the record is tried a bounded number
 			// of times. The database being down or overloaded, a lock or
 			// serialization conflict, or the ID held by another member, are

@@ -2,6 +2,7 @@ package idempotencykafka_test
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -180,4 +181,34 @@ func TestTransactionalPartitionsLagReachesZero(t *testing.T) {
 	m.stop()
 	rows, _ := w.credits(t)
 	require.Equal(t, 4, rows)
+}
+
+// The handler says which of its errors are not the record's fault: a
+// record whose handler fails with one (here a reference that has not
+// arrived yet) is tried past WithMaxAttempts until it succeeds, and
+// applied once (without it, TestGivenUpRecordIsNotAppliedAfterLaterRecords
+// gives the same record up after two).
+func TestRetryableErrorsWaitPastMaxAttempts(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter")
+	w.produce(t, "payments", rec("r", "acct-1", "ref:later"), rec("s", "acct-1", "100"))
+	var released atomic.Int64
+	m := w.startMember(t, "retryable-group", "payments", idempotencykafka.WithMaxAttempts(2), idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond),
+		idempotencykafka.WithRetryable(func(err error) bool { return strings.Contains(err.Error(), "credits_ref_fkey") }),
+		idempotencykafka.WithOutcomeHandler(func(_ *kgo.Record, o idempotency.Outcome, _ error) {
+			if o == idempotency.OutcomeReleased {
+				released.Add(1)
+			}
+		}))
+	waitFor(t, "five tries", func() bool { return released.Load() >= 5 })
+	_, err := w.db.Pool.Exec(context.Background(), `INSERT INTO refs VALUES ('later')`)
+	require.NoError(t, err)
+	waitFor(t, "both offsets committed", func() bool { return w.committed(t, "retryable-group", "payments") == 2 })
+	m.stop()
+	rows, _ := w.credits(t)
+	require.Equal(t, 2, rows)
+	require.Zero(t, w.end(t, "payments.dead-letter"), "nothing dead-lettered")
+
+	_, err = idempotencykafka.New(w.store, m.client, credit, idempotencykafka.WithRetryable(nil))
+	require.ErrorContains(t, err, "WithRetryable")
 }

@@ -21,6 +21,7 @@ type options struct {
 	backoffBase, backoffMax  time.Duration
 	commitTimeout, ttl       time.Duration
 	ttlSet                   bool // WithTTL was given
+	retryable                func(error) bool
 	onError                  func(error)
 	onOutcome                func(*kgo.Record, idempotency.Outcome, error)
 	onDeadLetter             func(*kgo.Record, string)
@@ -39,6 +40,7 @@ func defaultOptions(group string) options {
 		backoffBase:     50 * time.Millisecond,
 		backoffMax:      5 * time.Second,
 		commitTimeout:   10 * time.Second,
+		retryable:       func(error) bool { return false },
 		onError:         func(error) {},
 		onOutcome:       func(*kgo.Record, idempotency.Outcome, error) {},
 		onDeadLetter:    func(*kgo.Record, string) {},
@@ -59,6 +61,8 @@ func (o *options) validate() error {
 		return fmt.Errorf("idempotencykafka: WithCommitEvery: need at least 1, got %d", o.commitEvery)
 	case o.backoffBase <= 0 || o.backoffMax < o.backoffBase:
 		return fmt.Errorf("idempotencykafka: WithRetryBackoff: need 0 < base <= max, got %v and %v", o.backoffBase, o.backoffMax)
+	case o.retryable == nil:
+		return fmt.Errorf("idempotencykafka: WithRetryable: the function must not be nil")
 	case o.ttl < 0:
 		return fmt.Errorf("idempotencykafka: WithTTL: must not be negative, got %v", o.ttl)
 	}
@@ -105,11 +109,23 @@ func WithDeadLetterTopic(f func(topic string) string) Option {
 // tried before it is given up: stored as given up with its ID, so that no
 // redelivery applies it after the records behind it, and dead-lettered (a
 // final error dead-letters it at once). [Consumer.Redrive] applies it
-// again once its cause is fixed. Waiting for the database or for another member holding the ID
-// does not count, and neither do the database's own failures (down,
-// overloaded, a lock or statement timeout, a serialization failure).
-// Defaults to 10.
+// again once its cause is fixed. Waiting for the database or for another
+// member holding the ID does not count, and neither do the database's own
+// failures (down, overloaded, a lock or statement timeout, a serialization
+// failure) nor the errors [WithRetryable] names. Defaults to 10.
 func WithMaxAttempts(n int) Option { return func(o *options) { o.maxAttempts = n } }
+
+// WithRetryable says which of the handler's errors are not the record's
+// fault: a downstream service that is down, a quota used up. A record
+// whose handler fails with one waits, tried again with backoff, for as
+// long as it lasts, and the try does not count against [WithMaxAttempts];
+// the partition waits with it. Every other error counts, so that a record
+// that fails for its own reasons is given up. The database's own trouble
+// (an outage, a lock or statement timeout, a serialization failure) always
+// waits, whatever f says: it is recognised by the engine, not by f. err is
+// the error ProcessMessage returned, which wraps the handler's. By default
+// no handler error is retryable.
+func WithRetryable(f func(err error) bool) Option { return func(o *options) { o.retryable = f } }
 
 // WithCommitEvery sets how many records of a partition are applied between
 // two offset commits (and a partition's last record of a poll is always
