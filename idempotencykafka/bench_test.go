@@ -19,8 +19,12 @@ import (
 //
 //   - plain: the same consumer loop and handler, each record's effect in a
 //     transaction of its own, offsets committed the same way (every 100
-//     records and at the end of a partition's poll), no deduplication;
+//     records of a partition, and the poll's last offsets in one request
+//     at its end), no deduplication;
 //   - helper: idempotencykafka, each record's effect committed with its ID;
+//   - helper/commit-per-partition: the helper committing each partition's
+//     last offset of a poll in a request of its own, what one commit per
+//     poll saves;
 //   - helper/commit-every-1: the helper committing the offset after every
 //     record, what a batch of 100 saves.
 //
@@ -34,6 +38,7 @@ func BenchmarkConsume(b *testing.B) {
 	}{
 		{"plain", func(ctx context.Context, w *world, client *kgo.Client) error { return plainConsume(ctx, w, client) }},
 		{"helper", helperConsume(idempotencykafka.WithCommitEvery(100))},
+		{"helper/commit-per-partition", helperConsume(idempotencykafka.WithCommitEvery(100), idempotencykafka.WithCommitPerPartition())},
 		{"helper/commit-every-1", helperConsume(idempotencykafka.WithCommitEvery(1))},
 	} {
 		b.Run(v.name, func(b *testing.B) {
@@ -79,25 +84,37 @@ func helperConsume(opts ...idempotencykafka.Option) func(ctx context.Context, w 
 // same handler in a transaction of its own, the same offset commits.
 func plainConsume(ctx context.Context, w *world, client *kgo.Client) error {
 	for {
-		fetches := client.PollFetches(ctx)
+		fetches := client.PollRecords(ctx, 500)
 		if ctx.Err() != nil || fetches.IsClientClosed() {
 			client.AllowRebalance()
 			return ctx.Err()
 		}
-		var wg sync.WaitGroup
+		var (
+			wg   sync.WaitGroup
+			mu   sync.Mutex
+			last []*kgo.Record
+		)
 		fetches.EachPartition(func(p kgo.FetchTopicPartition) {
 			wg.Go(func() {
 				for i, r := range p.Records {
 					if err := pgx.BeginFunc(ctx, w.db.Pool, func(tx pgx.Tx) error { return credit(ctx, tx, r) }); err != nil {
 						return
 					}
-					if (i+1)%100 == 0 || i == len(p.Records)-1 {
+					switch {
+					case i == len(p.Records)-1:
+						mu.Lock()
+						last = append(last, r)
+						mu.Unlock()
+					case (i+1)%100 == 0:
 						_ = client.CommitRecords(context.WithoutCancel(ctx), r)
 					}
 				}
 			})
 		})
 		wg.Wait()
+		if len(last) > 0 {
+			_ = client.CommitRecords(context.WithoutCancel(ctx), last...)
+		}
 		client.AllowRebalance()
 	}
 }

@@ -138,7 +138,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		return err
 	}
 	for {
-		fetches := c.client.PollFetches(ctx)
+		fetches := c.client.PollRecords(ctx, c.o.maxPollRecords)
 		if fetches.IsClientClosed() {
 			return nil
 		}
@@ -166,34 +166,52 @@ func (c *Consumer) Run(ctx context.Context) error {
 // every record is done or ctx is done; a record is done when its effect
 // committed, now or before, or it was produced to the dead-letter topic. A
 // record is never skipped: while the database is down, or another member
-// holds the record's ID during a rebalance, it is tried again. The error
-// joins the failed offset commits and ctx's error.
+// holds the record's ID during a rebalance, it is tried again. The offsets
+// of the poll's last records are committed in one request once every
+// partition is done (and a partition's every [WithCommitEvery] records on
+// the way). The error joins the failed offset commits and ctx's error.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
 	var (
 		wg   sync.WaitGroup
 		mu   sync.Mutex
 		errs []error
+		done []*kgo.Record
 	)
 	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
 		if len(p.Records) == 0 {
 			return
 		}
 		wg.Go(func() {
-			if err := c.processPartition(ctx, p.Records); err != nil {
-				mu.Lock()
+			last, err := c.processPartition(ctx, p.Records)
+			if last != nil && c.o.commitPerPartition {
+				err = errors.Join(err, c.commit(ctx, last))
+				last = nil
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
 				errs = append(errs, err)
-				mu.Unlock()
+			}
+			if last != nil {
+				done = append(done, last)
 			}
 		})
 	})
 	wg.Wait()
+	if len(done) > 0 {
+		// One commit for the poll's partitions: what each applied is in
+		// the database already, so waiting for the slowest costs only
+		// replays if the consumer dies meanwhile, and saves a request per
+		// partition.
+		errs = append(errs, c.commit(ctx, done...))
+	}
 	return errors.Join(errs...)
 }
 
 // processPartition applies records in order, committing the offset after
-// every commitEvery records done and after the last one.
-func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) error {
-	var errs []error
+// every commitEvery records done; it returns the last record done whose
+// offset is not committed yet.
+func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) (*kgo.Record, error) {
 	var last *kgo.Record
 	for i, r := range records {
 		if r.Attrs.IsControl() {
@@ -204,23 +222,22 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 			continue
 		}
 		if err := c.processRecord(ctx, r); err != nil {
-			errs = append(errs, err)
-			break
+			return last, err
 		}
 		last = r
 		if (i+1)%c.o.commitEvery == 0 && i+1 < len(records) {
-			errs = append(errs, c.commit(ctx, last))
+			if err := c.commit(ctx, last); err != nil {
+				return nil, err
+			}
+			last = nil
 		}
 	}
-	if last != nil {
-		errs = append(errs, c.commit(ctx, last))
-	}
-	return errors.Join(errs...)
+	return last, nil
 }
 
-// commit commits the offset after r, on a context of its own: what
-// committed in the database should reach Kafka even when the consumer is
-// stopping.
+// commit commits the offsets after rs (one per partition), on a context
+// of its own: what committed in the database should reach Kafka even when
+// the consumer is stopping.
 //
 // A failed commit is tried again, with backoff, until it succeeds: a
 // committed offset that stays behind means a lag that never clears and
@@ -228,23 +245,35 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 // partition (the member's generation is over: the new owner reads the
 // records again and replays them), or when ctx is done and a last try
 // within the commit timeout failed.
-func (c *Consumer) commit(ctx context.Context, r *kgo.Record) error {
+func (c *Consumer) commit(ctx context.Context, rs ...*kgo.Record) error {
 	for wait := uint(0); ; wait++ {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.o.commitTimeout)
-		err := c.client.CommitRecords(cctx, r)
+		err := c.client.CommitRecords(cctx, rs...)
 		cancel()
 		if err == nil {
 			return nil
 		}
-		err = fmt.Errorf("idempotencykafka: commit offset %d of %s/%d: %w", r.Offset+1, r.Topic, r.Partition, err)
+		err = fmt.Errorf("idempotencykafka: commit offsets %s: %w", positions(rs), err)
 		if ctx.Err() != nil || partitionMoved(err) {
 			return err
 		}
 		c.o.onError(fmt.Errorf("%w; trying again", err))
 		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
-			return fmt.Errorf("idempotencykafka: commit offset %d of %s/%d: stopped before it succeeded", r.Offset+1, r.Topic, r.Partition)
+			return fmt.Errorf("idempotencykafka: commit offsets %s: stopped before it succeeded", positions(rs))
 		}
 	}
+}
+
+// positions names the offsets after rs: "topic/partition@offset, ...".
+func positions(rs []*kgo.Record) string {
+	var b strings.Builder
+	for i, r := range rs {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s/%d@%d", r.Topic, r.Partition, r.Offset+1)
+	}
+	return b.String()
 }
 
 // partitionMoved reports whether a commit failed because the member's

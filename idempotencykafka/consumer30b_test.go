@@ -212,3 +212,58 @@ func TestRetryableErrorsWaitPastMaxAttempts(t *testing.T) {
 	_, err = idempotencykafka.New(w.store, m.client, credit, idempotencykafka.WithRetryable(nil))
 	require.ErrorContains(t, err, "WithRetryable")
 }
+
+// commitRequests counts the group's OffsetCommit requests and the most
+// partitions one of them carried, letting every request through.
+func commitRequests(cluster *kfake.Cluster, group string) (requests, widest *atomic.Int64) {
+	requests, widest = new(atomic.Int64), new(atomic.Int64)
+	cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		commit := req.(*kmsg.OffsetCommitRequest)
+		if commit.Group == group {
+			requests.Add(1)
+			n := int64(0)
+			for _, t := range commit.Topics {
+				n += int64(len(t.Partitions))
+			}
+			if n > widest.Load() {
+				widest.Store(n)
+			}
+		}
+		return nil, nil, false
+	})
+	return requests, widest
+}
+
+// It failed when Run took whatever the client had buffered in one poll
+// (PollFetches: up to the fetch's 50 MB), which a rebalance then waited
+// for: 100 records came in one or two polls. WithMaxPollRecords(10) (the
+// default is 500) takes at most 10 per poll, each poll ending in a commit.
+func TestPollsAreBounded(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	requests, _ := commitRequests(w.cluster, "bounded")
+	w.produce(t, "credits", amounts(100)...)
+	m := w.startMember(t, "bounded", "credits", idempotencykafka.WithMaxPollRecords(10), idempotencykafka.WithCommitEvery(1000))
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "bounded", "credits") == 100 })
+	m.stop()
+	require.GreaterOrEqual(t, requests.Load(), int64(10), "a commit per poll of at most 10 records")
+	_, err := idempotencykafka.New(w.store, m.client, credit, idempotencykafka.WithMaxPollRecords(0))
+	require.ErrorContains(t, err, "WithMaxPollRecords")
+}
+
+// It failed when each partition committed its poll's last offset in a
+// request of its own: 8 partitions, 8 requests per poll. The poll's
+// offsets go in one request once every partition is done.
+func TestOnePollOneCommit(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 8, "credits")
+	requests, widest := commitRequests(w.cluster, "one-commit")
+	w.produce(t, "credits", amounts(400)...)
+	m := w.startMember(t, "one-commit", "credits", idempotencykafka.WithCommitEvery(1000))
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "one-commit", "credits") == 400 })
+	m.stop()
+	require.Greater(t, widest.Load(), int64(1), "a request carries several partitions (%d requests)", requests.Load())
+	rows, _ := w.credits(t)
+	require.Equal(t, 400, rows)
+}

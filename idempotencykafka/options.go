@@ -22,6 +22,8 @@ type options struct {
 	commitTimeout, ttl       time.Duration
 	ttlSet                   bool // WithTTL was given
 	retryable                func(error) bool
+	commitPerPartition       bool // tests: each partition's last offset of a poll committed on its own
+	maxPollRecords           int
 	onError                  func(error)
 	onOutcome                func(*kgo.Record, idempotency.Outcome, error)
 	onDeadLetter             func(*kgo.Record, string)
@@ -37,6 +39,7 @@ func defaultOptions(group string) options {
 		deadLetterTopic: func(topic string) string { return topic + ".dead-letter" },
 		maxAttempts:     10,
 		commitEvery:     100,
+		maxPollRecords:  500,
 		backoffBase:     50 * time.Millisecond,
 		backoffMax:      5 * time.Second,
 		commitTimeout:   10 * time.Second,
@@ -57,6 +60,8 @@ func (o *options) validate() error {
 		return fmt.Errorf("idempotencykafka: WithDeadLetterTopic: the function must not be nil")
 	case o.maxAttempts < 1:
 		return fmt.Errorf("idempotencykafka: WithMaxAttempts: need at least 1, got %d", o.maxAttempts)
+	case o.maxPollRecords < 1:
+		return fmt.Errorf("idempotencykafka: WithMaxPollRecords: need at least 1, got %d", o.maxPollRecords)
 	case o.commitEvery < 1:
 		return fmt.Errorf("idempotencykafka: WithCommitEvery: need at least 1, got %d", o.commitEvery)
 	case o.backoffBase <= 0 || o.backoffMax < o.backoffBase:
@@ -132,6 +137,13 @@ func WithRetryable(f func(err error) bool) Option { return func(o *options) { o.
 // committed). Fewer commits cost Kafka less; a consumer that dies
 // redelivers, and replays, up to that many records. Defaults to 100.
 func WithCommitEvery(n int) Option { return func(o *options) { o.commitEvery = n } }
+
+// WithMaxPollRecords bounds how many records Run takes in one poll (all
+// partitions together). A poll's records are done before the next
+// rebalance is allowed (with kgo.BlockRebalanceOnPoll), so the bound is
+// what a rebalance may wait for, and what the consumer holds in memory.
+// Defaults to 500, Kafka's max.poll.records.
+func WithMaxPollRecords(n int) Option { return func(o *options) { o.maxPollRecords = n } }
 
 // WithRetryBackoff sets the wait between tries of a record: base, doubled
 // per try up to max, with ±20% jitter. Defaults to 50 milliseconds and 5
