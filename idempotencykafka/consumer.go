@@ -23,10 +23,11 @@
 //		kgo.SeedBrokers(brokers...),
 //		kgo.ConsumerGroup("credits"),
 //		kgo.ConsumeTopics("payments"),
-//		kgo.DisableAutoCommit(),                      // required: offsets follow the database
-//		kgo.FetchIsolationLevel(kgo.ReadCommitted()), // required: no record of an aborted transaction
-//		kgo.KeepControlRecords(),                     // required: offsets committed past transaction markers
-//		kgo.BlockRebalanceOnPoll(),                   // recommended: no revocation mid-batch
+//		kgo.DisableAutoCommit(),                                 // required: offsets follow the database
+//		kgo.FetchIsolationLevel(kgo.ReadCommitted()),            // required: no record of an aborted transaction
+//		kgo.KeepControlRecords(),                                // required: offsets committed past transaction markers
+//		kgo.BlockRebalanceOnPoll(),                              // recommended: no revocation mid-batch
+//		kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost), // recommended: no work on lost partitions
 //	)
 //	c, err := idempotencykafka.New(store, client, func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
 //		_, err := tx.Exec(ctx, `INSERT INTO credits (account, cents) VALUES ($1, $2)`, r.Key, r.Value)
@@ -71,6 +72,9 @@ type Consumer struct {
 	client *kgo.Client
 	handle Handler
 	o      options
+
+	mu       sync.Mutex
+	inFlight map[topicPartition]context.CancelCauseFunc // see OnPartitionsLost
 }
 
 // New returns a consumer of client's group. The client must consume as a
@@ -118,7 +122,9 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 			return nil, fmt.Errorf("idempotencykafka: WithScope: %w", err)
 		}
 	}
-	return &Consumer{store: store, client: client, handle: handle, o: o}, nil
+	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}}
+	register(c)
+	return c, nil
 }
 
 // Run polls records, applies them (partitions at once, each partition's
@@ -182,7 +188,13 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 			return
 		}
 		wg.Go(func() {
-			last, err := c.processPartition(ctx, p.Records)
+			pctx, end := c.partitionContext(ctx, p)
+			defer end()
+			last, err := c.processPartition(pctx, p.Records)
+			if ctx.Err() == nil && pctx.Err() != nil {
+				// Lost: its offsets are not the member's to commit.
+				last, err = nil, context.Cause(pctx)
+			}
 			if last != nil && c.o.commitPerPartition {
 				err = errors.Join(err, c.commit(ctx, last))
 				last = nil

@@ -267,3 +267,53 @@ func TestOnePollOneCommit(t *testing.T) {
 	rows, _ := w.credits(t)
 	require.Equal(t, 400, rows)
 }
+
+// Without the callback, a partition the member lost (its heartbeat
+// refused: fenced) was worked on for as long as its record waited, here
+// forever: ProcessFetches never returned. With kgo.OnPartitionsLost(
+// idempotencykafka.OnPartitionsLost), the lost partition's work stops at
+// once, its offset is not committed, and ProcessFetches returns saying so.
+func TestLostPartitionsWorkStops(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments")
+	var fenced atomic.Bool
+	w.cluster.ControlKey(kmsg.Heartbeat.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		w.cluster.KeepControl()
+		hb := req.(*kmsg.HeartbeatRequest)
+		if hb.Group != "lost-group" || !fenced.Load() {
+			return nil, nil, false
+		}
+		resp := hb.ResponseKind().(*kmsg.HeartbeatResponse)
+		resp.ErrorCode = kerr.UnknownMemberID.Code
+		return resp, nil, true
+	})
+	w.produce(t, "payments", rec("r", "acct-1", "ref:never"))
+	client, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("lost-group"), kgo.ConsumeTopics("payments"),
+		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords(),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.HeartbeatInterval(100*time.Millisecond),
+		kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost))
+	require.NoError(t, err)
+	defer client.Close()
+	var tries atomic.Int64
+	c, err := idempotencykafka.New(w.store, client, credit, idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond),
+		idempotencykafka.WithRetryable(func(error) bool { return true }),
+		idempotencykafka.WithOutcomeHandler(func(*kgo.Record, idempotency.Outcome, error) { tries.Add(1) }))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var fetches kgo.Fetches
+	for len(fetches.Records()) == 0 {
+		fetches = client.PollRecords(ctx, 10)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.ProcessFetches(ctx, fetches) }()
+	waitFor(t, "the record tried", func() bool { return tries.Load() >= 3 })
+	fenced.Store(true)
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, "partition payments/0 was lost")
+	case <-time.After(time.Minute):
+		t.Fatal("ProcessFetches still works on the lost partition")
+	}
+	require.Zero(t, w.committed(t, "lost-group", "payments"))
+}
