@@ -174,20 +174,22 @@ func (c *Consumer) Run(ctx context.Context) error {
 // record is never skipped: while the database is down, or another member
 // holds the record's ID during a rebalance, it is tried again. The offsets
 // of the poll's last records are committed in one request once every
-// partition is done (and a partition's every [WithCommitEvery] records on
-// the way). The error joins the failed offset commits and ctx's error.
+// partition is done, or a second after the first was done while others
+// still work (and a partition's every [WithCommitEvery] records on the
+// way). The error joins the failed offset commits and ctx's error.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
-	var (
-		wg   sync.WaitGroup
-		mu   sync.Mutex
-		errs []error
-		done []*kgo.Record
-	)
+	type finished struct {
+		last *kgo.Record // done, its offset not committed yet
+		err  error
+	}
+	results := make(chan finished, len(fetches)*4)
+	running := 0
 	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
 		if len(p.Records) == 0 {
 			return
 		}
-		wg.Go(func() {
+		running++
+		go func() {
 			pctx, end := c.partitionContext(ctx, p)
 			defer end()
 			last, err := c.processPartition(pctx, p.Records)
@@ -199,26 +201,49 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 				err = errors.Join(err, c.commit(ctx, last))
 				last = nil
 			}
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil {
-				errs = append(errs, err)
-			}
-			if last != nil {
-				done = append(done, last)
-			}
-		})
+			results <- finished{last, err}
+		}()
 	})
-	wg.Wait()
-	if len(done) > 0 {
-		// One commit for the poll's partitions: what each applied is in
-		// the database already, so waiting for the slowest costs only
-		// replays if the consumer dies meanwhile, and saves a request per
-		// partition.
-		errs = append(errs, c.commit(ctx, done...))
+	// The offsets of partitions done go in one commit: at the end of the
+	// poll, or pollCommitWait after the first of them was done while
+	// others still work (a record waiting for a downstream service, say),
+	// so that a partition's lag shows what is applied.
+	var (
+		errs    []error
+		pending []*kgo.Record
+		flush   <-chan time.Time
+	)
+	commit := func() {
+		if len(pending) > 0 {
+			errs = append(errs, c.commit(ctx, pending...))
+			pending = nil
+		}
+		flush = nil
 	}
+	for running > 0 {
+		select {
+		case f := <-results:
+			running--
+			if f.err != nil {
+				errs = append(errs, f.err)
+			}
+			if f.last != nil {
+				pending = append(pending, f.last)
+				if flush == nil {
+					flush = time.After(pollCommitWait)
+				}
+			}
+		case <-flush:
+			commit()
+		}
+	}
+	commit()
 	return errors.Join(errs...)
 }
+
+// pollCommitWait is how long the offsets of a poll's partitions that are
+// done wait for the others, to be committed with theirs in one request.
+const pollCommitWait = time.Second
 
 // processPartition applies records in order, committing the offset after
 // every commitEvery records done; it returns the last record done whose

@@ -317,3 +317,32 @@ func TestLostPartitionsWorkStops(t *testing.T) {
 	}
 	require.Zero(t, w.committed(t, "lost-group", "payments"))
 }
+
+// A poll's offsets go in one commit, but a partition done does not wait
+// for a slow one for long: while partition 0's record waits for its
+// reference (a retryable error), partition 1's records are applied and
+// their offsets committed; partition 0's follows once it is done.
+func TestDonePartitionsAreCommittedWhileAnotherWaits(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 2, "payments")
+	// The round-robin producer puts the records on partitions 0, 1, 0, 1.
+	w.produce(t, "payments", rec("slow", "acct-1", "ref:later"), rec("a", "acct-1", "1"), rec("b", "acct-1", "2"), rec("c", "acct-1", "3"))
+	m := w.startMember(t, "flush-group", "payments", idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond),
+		idempotencykafka.WithRetryable(func(error) bool { return true }))
+	partition := func(p int32) int64 {
+		offsets, err := w.admin.FetchOffsets(context.Background(), "flush-group")
+		if err != nil {
+			return 0
+		}
+		o, _ := offsets.Lookup("payments", p)
+		return o.At
+	}
+	waitFor(t, "partition 1 committed", func() bool { return partition(1) == 2 })
+	require.Less(t, partition(0), int64(1), "partition 0's record still waits")
+	_, err := w.db.Pool.Exec(context.Background(), `INSERT INTO refs VALUES ('later')`)
+	require.NoError(t, err)
+	waitFor(t, "partition 0 committed", func() bool { return partition(0) == 2 })
+	m.stop()
+	rows, _ := w.credits(t)
+	require.Equal(t, 4, rows)
+}
