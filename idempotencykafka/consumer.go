@@ -182,13 +182,15 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 		last *kgo.Record // done, its offset not committed yet
 		err  error
 	}
-	results := make(chan finished, len(fetches)*4)
-	running := 0
+	var partitions []kgo.FetchTopicPartition
 	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-		if len(p.Records) == 0 {
-			return
+		if len(p.Records) > 0 {
+			partitions = append(partitions, p)
 		}
-		running++
+	})
+	results := make(chan finished, len(partitions))
+	running := len(partitions)
+	for _, p := range partitions {
 		go func() {
 			pctx, end := c.partitionContext(ctx, p)
 			defer end()
@@ -203,7 +205,7 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 			}
 			results <- finished{last, err}
 		}()
-	})
+	}
 	// The offsets of partitions done go in one commit: at the end of the
 	// poll, or pollCommitWait after the first of them was done while
 	// others still work (a record waiting for a downstream service, say),
