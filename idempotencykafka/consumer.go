@@ -49,6 +49,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kadm"
@@ -361,7 +362,7 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 				// the consumer died before it) is dead-lettered again and
 				// never applied after the records that came after it.
 				// Storing it waits for the database as a try does.
-				gaveUp := fmt.Errorf("gave up after %d attempts: %v", failures, err)
+				gaveUp := fmt.Errorf("gave up after %d attempts: %s", failures, cut(err.Error(), maxCause))
 				fn = func(context.Context, pgx.Tx) error { return idempotency.Final(gaveUp) }
 				givingUp = true
 				continue
@@ -624,7 +625,7 @@ func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, out
 		Key:   r.Key,
 		Value: r.Value,
 		Headers: append(append([]kgo.RecordHeader(nil), r.Headers...),
-			kgo.RecordHeader{Key: HeaderCause, Value: []byte(cause)},
+			kgo.RecordHeader{Key: HeaderCause, Value: []byte(cut(cause, maxCause))},
 			kgo.RecordHeader{Key: HeaderOutcome, Value: []byte(outcome.String())},
 			kgo.RecordHeader{Key: HeaderMessageID, Value: []byte(id)},
 			kgo.RecordHeader{Key: HeaderTopic, Value: []byte(r.Topic)},
@@ -659,10 +660,7 @@ func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, out
 // writable by the client), the record is given up without one, reported:
 // a dead letter must never stop its partition.
 func (c *Consumer) deadLetterThatFits(ctx context.Context, r *kgo.Record, dl *kgo.Record, cause string, refused error) error {
-	const maxCause = 1 << 10
-	if len(cause) > maxCause {
-		cause = cause[:maxCause] + "..."
-	}
+	cause = cut(cause, 1<<10)
 	small := &kgo.Record{Topic: dl.Topic, Key: r.Key}
 	for _, h := range dl.Headers[len(r.Headers):] {
 		if h.Key == HeaderCause {
@@ -690,6 +688,22 @@ func (c *Consumer) deadLetterThatFits(ctx context.Context, r *kgo.Record, dl *kg
 			return err
 		}
 	}
+}
+
+// maxCause bounds the cause a dead letter carries, and the last error a
+// given-up record's ID is stored with: a handler's error can be as long as
+// it likes, a record's headers cannot.
+const maxCause = 4 << 10
+
+// cut shortens s to at most n bytes and a marker, on a character boundary.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n] + "... (cut)"
 }
 
 // neverProduced reports whether a produce error is one no retry fixes: the

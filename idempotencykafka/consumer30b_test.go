@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
@@ -345,4 +346,24 @@ func TestDonePartitionsAreCommittedWhileAnotherWaits(t *testing.T) {
 	m.stop()
 	rows, _ := w.credits(t)
 	require.Equal(t, 4, rows)
+}
+
+// A handler's error can be megabytes long; a dead letter's headers and a
+// given-up ID's stored error cannot: both are cut to a few KiB, and the
+// record's dead letter is produced whole (with its value) all the same.
+func TestLongHandlerErrorsAreCutInDeadLetters(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter")
+	w.produce(t, "payments", rec("long", "acct-1", "ref:"+strings.Repeat("é", 300_000)))
+	m := w.startMember(t, "long-group", "payments", idempotencykafka.WithMaxAttempts(1))
+	waitFor(t, "the offset committed", func() bool { return w.committed(t, "long-group", "payments") == 1 })
+	m.stop()
+	dl := w.readAll(t, "payments.dead-letter", 1)[0]
+	require.NotEmpty(t, dl.Value, "the dead letter keeps the value")
+	cause := header(dl, idempotencykafka.HeaderCause)
+	require.LessOrEqual(t, len(cause), 8<<10)
+	require.True(t, utf8.ValidString(cause), "cut on a character boundary")
+	rec, err := w.store.Inspect(context.Background(), "kafka/long-group/payments", "message long")
+	require.NoError(t, err)
+	require.LessOrEqual(t, len(rec.Status.Message()), 8<<10, "the stored give-up is cut too")
 }
