@@ -354,7 +354,7 @@ func TestDonePartitionsAreCommittedWhileAnotherWaits(t *testing.T) {
 func TestLongHandlerErrorsAreCutInDeadLetters(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
-	w.produce(t, "payments", rec("long", "acct-1", "ref:"+strings.Repeat("é", 300_000)))
+	w.produce(t, "payments", rec("long", "acct-1", "fail: "+strings.Repeat("é", 300_000)))
 	m := w.startMember(t, "long-group", "payments", idempotencykafka.WithMaxAttempts(1))
 	waitFor(t, "the offset committed", func() bool { return w.committed(t, "long-group", "payments") == 1 })
 	m.stop()

@@ -114,7 +114,8 @@ func consumerOpts(brokers []string, group, topic string, extra ...kgo.Opt) []kgo
 }
 
 // credit is the handler: the value is an amount of cents; "oops" is a
-// poison record, "fail" fails every time, "panic" panics every time,
+// poison record, "fail" fails every time (what follows it is quoted in the
+// error), "panic" panics every time,
 // "downstream-aborted" and "downstream-exhausted" fail as a downstream
 // gRPC call does, "ref:X" credits against a reference that must exist when the transaction
 // commits, "lock" credits 1 cent after locking the 'known' reference, with
@@ -122,8 +123,8 @@ func consumerOpts(brokers []string, group, topic string, extra ...kgo.Opt) []kgo
 func credit(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
 	v := string(r.Value)
 	switch {
-	case v == "fail":
-		return errors.New("the ledger refuses this record today")
+	case strings.HasPrefix(v, "fail"):
+		return errors.New("the ledger refuses this record today" + strings.TrimPrefix(v, "fail"))
 	case v == "panic":
 		panic("the handler cannot read " + v)
 	case v == "downstream-aborted":
