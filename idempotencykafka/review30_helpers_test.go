@@ -25,6 +25,12 @@ func (w *world) startCustom(t *testing.T, store *idempotency.Store, group, topic
 	t.Helper()
 	client, err := kgo.NewClient(consumerOpts(w.brokers, group, topic, clientOpts...)...)
 	require.NoError(t, err)
+	return runCustom(t, store, client, handle, opts...)
+}
+
+// runCustom runs a consumer on a client the test built.
+func runCustom(t *testing.T, store *idempotency.Store, client *kgo.Client, handle idempotencykafka.Handler, opts ...idempotencykafka.Option) *custom {
+	t.Helper()
 	c, err := idempotencykafka.New(store, client, handle, opts...)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
