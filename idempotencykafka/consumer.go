@@ -52,7 +52,6 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -76,6 +75,7 @@ type Consumer struct {
 
 	mu       sync.Mutex
 	inFlight map[topicPartition]context.CancelCauseFunc // see OnPartitionsLost
+	ret      retention
 }
 
 // New returns a consumer of client's group. The client must consume as a
@@ -124,6 +124,7 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 		}
 	}
 	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}}
+	c.ret.ttl = map[string]time.Duration{}
 	register(c)
 	return c, nil
 }
@@ -329,7 +330,17 @@ func partitionMoved(err error) bool {
 
 // processRecord applies r until it is done, or ctx is done.
 func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
-	m := c.Message(r)
+	m, err := c.Message(ctx, r)
+	for wait := uint(0); err != nil; wait++ {
+		// The topic's retention cannot be read, or is longer than WithTTL
+		// (a topic a regex matched since Run started): the record waits,
+		// never applied with an ID that could be forgotten too soon.
+		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d waits: %w", r.Topic, r.Partition, r.Offset, err))
+		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
+			return err
+		}
+		m, err = c.Message(ctx, r)
+	}
 	id := m.ID
 	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handle(ctx, tx, r) }
 	failures, givingUp := 0, false
@@ -396,12 +407,19 @@ func transient(err error) bool {
 }
 
 // Message is what the consumer processes r as: its ID (the producer's ID
-// header, or the record's position), the consumer's scope, and a body of
-// the record's key and value, so that an ID reused for another record is
-// caught. Code that applies a record outside the consumer gives this
-// Message to Store.ProcessMessage, so that the two never both apply it.
-func (c *Consumer) Message(r *kgo.Record) idempotency.Message {
-	return idempotency.Message{Scope: c.o.scope(r.Topic), ID: c.messageID(r), Body: body(r), TTL: c.o.ttl}
+// header, or the record's position), the consumer's scope, a body of the
+// record's key and value, so that an ID reused for another record is
+// caught, and the TTL of its topic's IDs (see [Consumer.CheckRetention]:
+// the topic's configs are read the first time, and a TTL that cannot be
+// established is an error). Code that applies a record outside the
+// consumer gives this Message to Store.ProcessMessage, so that the two
+// never both apply it.
+func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Message, error) {
+	ttl, err := c.ttlOf(ctx, r.Topic)
+	if err != nil {
+		return idempotency.Message{}, err
+	}
+	return idempotency.Message{Scope: c.o.scope(r.Topic), ID: c.messageID(r), Body: body(r), TTL: ttl}, nil
 }
 
 // messageID is the producer's ID header, or the record's position (hashed
@@ -432,108 +450,6 @@ func (c *Consumer) messageID(r *kgo.Record) string {
 		pos = "position-" + hex.EncodeToString(sum[:])
 	}
 	return pos
-}
-
-// CheckRetention reads the retention.ms of every topic the client consumes
-// and the brokers' offsets.retention.minutes, and makes sure that message
-// IDs outlast both: a record is never read again after its ID was
-// forgotten. Without [WithTTL] it sets the TTL to their sum; with it, it
-// refuses a shorter TTL, naming both. A topic that keeps its records
-// forever needs an explicit TTL. Topics consumed by a regex are held to
-// the brokers' log.retention.ms. Run calls it when it starts; a poll loop
-// of one's own ([Consumer.ProcessFetches]) calls it before its first poll.
-func (c *Consumer) CheckRetention(ctx context.Context) error {
-	adm := kadm.NewClient(c.client)
-	brokers, err := adm.DescribeBrokerConfigs(ctx)
-	if err == nil {
-		err = firstErr(brokers)
-	}
-	if err != nil {
-		return c.retentionUnknown(err)
-	}
-	offsets, ok := configMillis(brokers, "offsets.retention.minutes", time.Minute)
-	if !ok {
-		offsets = 7 * 24 * time.Hour // Kafka's default
-	}
-	var topics []string
-	if regex, _ := c.client.OptValue(kgo.ConsumeRegex).(bool); !regex {
-		topics, _ = c.client.OptValue(kgo.ConsumeTopics).([]string)
-	}
-	retentions := map[string]time.Duration{}
-	if len(topics) == 0 {
-		if d, ok := configMillis(brokers, "log.retention.ms", time.Millisecond); ok {
-			retentions["the brokers' log.retention.ms"] = d
-		}
-	} else {
-		rcs, err := adm.DescribeTopicConfigs(ctx, topics...)
-		if err == nil {
-			err = firstErr(rcs)
-		}
-		if err != nil {
-			return c.retentionUnknown(err)
-		}
-		for _, rc := range rcs {
-			if d, ok := configMillis(kadm.ResourceConfigs{rc}, "retention.ms", time.Millisecond); ok {
-				retentions["topic "+rc.Name] = d
-			}
-		}
-	}
-	for what, retention := range retentions {
-		switch need := retention + offsets; {
-		case retention < 0 && !c.o.ttlSet:
-			return fmt.Errorf("idempotencykafka: %s keeps its records forever (retention.ms -1): no TTL of message IDs outlasts it; "+
-				"choose one with WithTTL (records read again after it are applied again)", what)
-		case retention < 0:
-		case !c.o.ttlSet:
-			c.o.ttl = max(c.o.ttl, need)
-		case c.o.ttl < need:
-			return fmt.Errorf("idempotencykafka: WithTTL(%v) is shorter than %s's retention.ms (%v) plus the brokers' offsets.retention.minutes (%v): "+
-				"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set at least %v", c.o.ttl, what, retention, offsets, need)
-		}
-	}
-	return nil
-}
-
-// firstErr is the first error of a resource's configs.
-func firstErr(rcs kadm.ResourceConfigs) error {
-	for _, rc := range rcs {
-		if rc.Err != nil {
-			return fmt.Errorf("%s: %w", rc.Name, rc.Err)
-		}
-	}
-	return nil
-}
-
-// retentionUnknown is the error of a retention that cannot be read: fatal
-// without an explicit TTL, since the default could then be too short.
-func (c *Consumer) retentionUnknown(err error) error {
-	if c.o.ttlSet {
-		c.o.onError(fmt.Errorf("idempotencykafka: the topics' retention cannot be read (%w); going on with WithTTL(%v)", err, c.o.ttl))
-		return nil
-	}
-	return fmt.Errorf("idempotencykafka: the topics' retention.ms and the brokers' offsets.retention.minutes cannot be read (%w): "+
-		"grant the client DescribeConfigs, or set WithTTL longer than both together", err)
-}
-
-// configMillis returns a config's value as a duration of unit, -1 for a
-// negative value (forever).
-func configMillis(rcs kadm.ResourceConfigs, key string, unit time.Duration) (time.Duration, bool) {
-	for _, rc := range rcs {
-		for _, cfg := range rc.Configs {
-			if cfg.Key != key || cfg.Value == nil {
-				continue
-			}
-			n, err := strconv.ParseInt(*cfg.Value, 10, 64)
-			if err != nil {
-				return 0, false
-			}
-			if n < 0 {
-				return -1, true
-			}
-			return time.Duration(n) * unit, true
-		}
-	}
-	return 0, false
 }
 
 // readsCommitted reports whether the client reads committed records only.

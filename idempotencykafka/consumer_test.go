@@ -516,11 +516,13 @@ func TestRecordHeldElsewhereIsWaitedForNeverSkipped(t *testing.T) {
 	require.NoError(t, err)
 	probe, err := idempotencykafka.New(store, client, credit)
 	require.NoError(t, err)
+	msg, err := probe.Message(context.Background(), r)
+	require.NoError(t, err)
 	client.Close()
 	holding, release := make(chan struct{}), make(chan struct{})
 	held := make(chan error, 1)
 	go func() {
-		_, err := store.ProcessMessage(context.Background(), probe.Message(r), func(ctx context.Context, tx pgx.Tx) error {
+		_, err := store.ProcessMessage(context.Background(), msg, func(ctx context.Context, tx pgx.Tx) error {
 			close(holding)
 			<-release
 			return credit(ctx, tx, r)

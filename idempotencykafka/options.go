@@ -156,14 +156,15 @@ func WithRetryBackoff(base, max time.Duration) Option {
 // after its ID was forgotten is applied again, and a group re-reads its
 // topics from the start when its offsets go (expired after the broker's
 // offsets.retention.minutes, reset, the group recreated): so the TTL must
-// outlast the topic's retention.ms plus the offsets' retention, and Run
-// refuses a shorter one (see [Consumer.CheckRetention]). Without WithTTL
-// the TTL is that sum, read from the brokers when Run starts; a topic that
-// keeps its records forever (retention.ms -1) needs an explicit TTL, the
-// operator's decision. A topic deleted and created again within the TTL
-// starts its offsets over: records identified by their position would be
-// taken for the old ones (replayed, or dead-lettered as reused IDs), so
-// give them producer-set IDs or the consumer a new scope.
+// outlast each topic's retention.ms plus the offsets' retention, and a
+// shorter one is refused (see [Consumer.CheckRetention]). Without WithTTL
+// each topic's IDs are kept for that sum, read from the brokers; a topic
+// that keeps its records forever (retention.ms -1, or compacted without
+// delete) needs an explicit TTL, the operator's decision. A topic deleted
+// and created again within the TTL starts its offsets over: records
+// identified by their position would be taken for the old ones (replayed,
+// or dead-lettered as reused IDs), so give them producer-set IDs or the
+// consumer a new scope.
 func WithTTL(ttl time.Duration) Option { return func(o *options) { o.ttl, o.ttlSet = ttl, true } }
 
 // The handlers of WithErrorHandler, WithOutcomeHandler and

@@ -35,8 +35,10 @@ func TestMessageAppliedOutsideTheConsumerOutlastsRetention(t *testing.T) {
 	require.NoError(t, err)
 	r := rec("m-1", "acct-1", "100")
 	r.Topic = "credits"
-	_, err = w.store.ProcessMessage(context.Background(), c.Message(r), func(ctx context.Context, tx pgx.Tx) error { return credit(ctx, tx, r) })
+	m, err := c.Message(context.Background(), r)
+	require.NoError(t, err)
+	_, err = w.store.ProcessMessage(context.Background(), m, func(ctx context.Context, tx pgx.Tx) error { return credit(ctx, tx, r) })
 	require.NoError(t, err)
 	require.Equal(t, 1, w.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE expires_at > now() + interval '13 days'`),
-		"the ID outlasts the topic's retention and the offsets' (TTL of the Message: %v)", c.Message(r).TTL)
+		"the ID outlasts the topic's retention and the offsets' (TTL of the Message: %v)", m.TTL)
 }
