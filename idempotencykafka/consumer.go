@@ -202,7 +202,7 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 				last, err = nil, context.Cause(pctx)
 			}
 			if last != nil && c.o.commitPerPartition {
-				err = errors.Join(err, c.commit(ctx, last))
+				err = errors.Join(err, c.commit(ctx, false, last))
 				last = nil
 			}
 			results <- finished{last, err}
@@ -219,7 +219,7 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 	)
 	commit := func() {
 		if len(pending) > 0 {
-			errs = append(errs, c.commit(ctx, pending...))
+			errs = append(errs, c.commit(ctx, running == 0, pending...))
 			pending = nil
 		}
 		flush = nil
@@ -267,7 +267,7 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 		}
 		last = r
 		if (i+1)%c.o.commitEvery == 0 && i+1 < len(records) {
-			if err := c.commit(ctx, last); err != nil {
+			if err := c.commit(ctx, false, last); err != nil {
 				return nil, err
 			}
 			last = nil
@@ -285,8 +285,10 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 // records read again at every restart. It stops when the group moved the
 // partition (the member's generation is over: the new owner reads the
 // records again and replays them), or when ctx is done and a last try
-// within the commit timeout failed.
-func (c *Consumer) commit(ctx context.Context, rs ...*kgo.Record) error {
+// within the commit timeout failed. A rebalance in progress is waited
+// for; allDone says every record of the poll is done, so that the
+// rebalance may go ahead.
+func (c *Consumer) commit(ctx context.Context, allDone bool, rs ...*kgo.Record) error {
 	for wait := uint(0); ; wait++ {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.o.commitTimeout)
 		err := c.client.CommitRecords(cctx, rs...)
@@ -299,6 +301,13 @@ func (c *Consumer) commit(ctx context.Context, rs ...*kgo.Record) error {
 			return err
 		}
 		c.o.onError(fmt.Errorf("%w; trying again", err))
+		if errors.Is(err, kerr.RebalanceInProgress) && allDone {
+			// The group is rebalancing; the member may keep the partitions
+			// (cooperative-sticky) and then commits in its next generation.
+			// Every record of the poll is done: the rebalance need not
+			// wait for the poll's end (kgo.BlockRebalanceOnPoll).
+			c.client.AllowRebalance()
+		}
 		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
 			return fmt.Errorf("idempotencykafka: commit offsets %s: stopped before it succeeded", positions(rs))
 		}
@@ -320,7 +329,7 @@ func positions(rs []*kgo.Record) string {
 // partitionMoved reports whether a commit failed because the member's
 // generation in the group is over: its partitions are another member's.
 func partitionMoved(err error) bool {
-	for _, e := range []*kerr.Error{kerr.IllegalGeneration, kerr.UnknownMemberID, kerr.RebalanceInProgress, kerr.FencedInstanceID, kerr.StaleMemberEpoch, kerr.UnknownTopicOrPartition} {
+	for _, e := range []*kerr.Error{kerr.IllegalGeneration, kerr.UnknownMemberID, kerr.FencedInstanceID, kerr.StaleMemberEpoch, kerr.UnknownTopicOrPartition} {
 		if errors.Is(err, e) {
 			return true
 		}
