@@ -117,10 +117,21 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 	}
 	// A scope the store refuses would fail every record, retried forever:
 	// refused here, for every topic the client names.
-	topics, _ := client.OptValue(kgo.ConsumeTopics).([]string)
-	for _, topic := range append([]string{""}, topics...) {
+	// A regex, or topics added later, may bring a topic of the longest name
+	// Kafka allows. So is a dead-letter topic that can never exist, for the
+	// topics the client names.
+	var named []string
+	if regex, _ := client.OptValue(kgo.ConsumeRegex).(bool); !regex {
+		named, _ = client.OptValue(kgo.ConsumeTopics).([]string)
+	}
+	for _, topic := range append([]string{strings.Repeat("t", maxTopicLen)}, named...) {
 		if err := idempotency.ValidateScope(o.scope(topic)); err != nil {
-			return nil, fmt.Errorf("idempotencykafka: WithScope: %w", err)
+			return nil, fmt.Errorf("idempotencykafka: WithScope: for topic %.40q: %w (the scope must leave room for topic names of %d characters)", topic, err, maxTopicLen)
+		}
+	}
+	for _, topic := range named {
+		if dl := o.deadLetterTopic(topic); !validTopic(dl) {
+			return nil, fmt.Errorf("idempotencykafka: WithDeadLetterTopic: %.60q, the dead-letter topic of %.40q, is not a valid topic name (1 to %d of a-z, A-Z, 0-9, '.', '_', '-')", dl, topic, maxTopicLen)
 		}
 	}
 	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}}
@@ -558,6 +569,14 @@ func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, out
 			kgo.RecordHeader{Key: HeaderOffset, Value: []byte(strconv.FormatInt(r.Offset, 10))},
 		),
 	}
+	if !validTopic(dl.Topic) {
+		// A name no broker accepts (WithDeadLetterTopic's function for a
+		// topic New did not know): no produce can succeed.
+		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d is given up without a dead letter: its dead-letter topic %.60q is not a valid topic name (fix WithDeadLetterTopic); its cause: %s",
+			r.Topic, r.Partition, r.Offset, dl.Topic, cut(cause, maxCause)))
+		c.o.onDeadLetter(r, cause)
+		return nil
+	}
 	for wait := uint(0); ; wait++ {
 		err := c.client.ProduceSync(ctx, dl).FirstErr()
 		if err == nil {
@@ -629,6 +648,22 @@ func cut(s string, n int) string {
 		n--
 	}
 	return s[:n] + "... (cut)"
+}
+
+// maxTopicLen is the longest topic name Kafka allows.
+const maxTopicLen = 249
+
+// validTopic reports whether name is a topic name Kafka accepts.
+func validTopic(name string) bool {
+	if name == "" || len(name) > maxTopicLen || name == "." || name == ".." {
+		return false
+	}
+	for _, r := range name {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {
+			return false
+		}
+	}
+	return true
 }
 
 // neverProduced reports whether a produce error is one no retry fixes: the

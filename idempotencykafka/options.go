@@ -1,6 +1,8 @@
 package idempotencykafka
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"time"
 
@@ -36,7 +38,7 @@ func defaultOptions(group string) options {
 	return options{
 		scope:           func(topic string) string { return "kafka/" + group + "/" + topic },
 		idHeader:        DefaultIDHeader,
-		deadLetterTopic: func(topic string) string { return topic + ".dead-letter" },
+		deadLetterTopic: defaultDeadLetterTopic,
 		maxAttempts:     10,
 		commitEvery:     100,
 		maxPollRecords:  500,
@@ -89,6 +91,19 @@ func (o *options) backoff(wait uint, err error) time.Duration {
 	return d
 }
 
+// defaultDeadLetterTopic is topic followed by ".dead-letter", or, when
+// that is longer than a topic name may be, the topic's name cut short and
+// a hash of it: two long topics never share a dead-letter topic.
+func defaultDeadLetterTopic(topic string) string {
+	const suffix = ".dead-letter"
+	if len(topic)+len(suffix) <= maxTopicLen {
+		return topic + suffix
+	}
+	sum := sha256.Sum256([]byte(topic))
+	short := "-" + hex.EncodeToString(sum[:8]) + suffix
+	return topic[:maxTopicLen-len(short)] + short
+}
+
 // WithScope sets the scope of the message IDs, one for every topic the
 // consumer reads. Defaults to "kafka/<group>/<topic>": two groups on one
 // topic apply each record once each, and producer-set IDs of two topics
@@ -105,7 +120,11 @@ func WithIDHeader(name string) Option { return func(o *options) { o.idHeader = n
 
 // WithDeadLetterTopic sets the topic a record that can never succeed is
 // produced to, from the record's own topic. Defaults to the topic's name
-// followed by ".dead-letter".
+// followed by ".dead-letter" (a name too long for that is cut short and
+// followed by a hash of it and ".dead-letter"). New refuses a function
+// that gives an invalid topic name for a topic the client names; one that
+// gives an invalid name for a topic met later gives the record up without
+// a dead letter, reported to WithErrorHandler (and stored as given up).
 func WithDeadLetterTopic(f func(topic string) string) Option {
 	return func(o *options) { o.deadLetterTopic = f }
 }

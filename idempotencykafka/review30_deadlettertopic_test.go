@@ -2,6 +2,7 @@ package idempotencykafka_test
 
 import (
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -37,23 +38,22 @@ func poisonNeverBlocks(t *testing.T, w *world, topic string, opts ...idempotency
 	require.Equal(t, 1, rows, "the good record behind it is applied")
 }
 
-// A topic with a name of 245 characters (Kafka allows 249): its default
-// dead-letter topic, the name followed by ".dead-letter", has 257, a name
-// no broker accepts and no operator can create.
-//
-// What happens now: New accepts the consumer; the poison record's dead
-// letter is produced, refused (kfake answers UNKNOWN_TOPIC_OR_PARTITION,
-// which the consumer waits on, as for a topic not created yet), forever:
-// the record behind it is never applied.
-//
-// What should happen: a dead-letter topic whose name can never be valid
-// is refused by New (as a scope the store cannot keep is), or the dead
-// letter is given up at once, reported, and the partition goes on.
+// It failed when a topic with a name of 245 characters (Kafka allows 249)
+// had the default dead-letter topic of its name followed by
+// ".dead-letter", 257 characters, a name no broker accepts and no operator
+// can create: the dead letter was refused forever and the record behind
+// it never applied. The default cuts such a name short and adds a hash of
+// it; once that topic exists, the poison record is dead-lettered there and
+// the partition goes on.
 func TestDeadLetterTopicNameTooLongNeverBlocksThePartition(t *testing.T) {
 	t.Parallel()
 	topic := strings.Repeat("t", 245)
-	w := newWorld(t, 1, topic)
+	dlt := idempotencykafka.DefaultDeadLetterTopic(topic)
+	require.Len(t, dlt, 249)
+	require.NotEqual(t, dlt, idempotencykafka.DefaultDeadLetterTopic(strings.Repeat("t", 244)+"u"), "two long topics never share one")
+	w := newWorld(t, 1, topic, dlt)
 	poisonNeverBlocks(t, w, topic)
+	require.Len(t, w.readAll(t, dlt, 1), 1)
 }
 
 // WithDeadLetterTopic's function returns "" (for some topics, say).
@@ -69,4 +69,26 @@ func TestEmptyDeadLetterTopicNeverBlocksThePartition(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments")
 	poisonNeverBlocks(t, w, "payments", idempotencykafka.WithDeadLetterTopic(func(string) string { return "" }))
+}
+
+// A dead-letter topic that can never exist, for a topic New did not know
+// (matched by a regex): the poison record is given up without a dead
+// letter, reported, and the partition goes on.
+func TestInvalidDeadLetterTopicOfATopicMetLaterIsGivenUp(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "late-payments")
+	w.produce(t, "late-payments", rec("poison", "acct-1", "oops"), rec("good", "acct-1", "100"))
+	var reported atomic.Int64
+	m := w.startCustom(t, w.store, "late-group", "^late", credit, []kgo.Opt{kgo.ConsumeRegex()},
+		idempotencykafka.WithDeadLetterTopic(func(topic string) string { return topic + "/dead" }),
+		idempotencykafka.WithErrorHandler(func(err error) {
+			if strings.Contains(err.Error(), "is not a valid topic name") {
+				reported.Add(1)
+			}
+		}))
+	waitFor(t, "both offsets committed", func() bool { return w.committed(t, "late-group", "late-payments") == 2 })
+	m.stop()
+	require.EqualValues(t, 1, reported.Load())
+	rows, _ := w.credits(t)
+	require.Equal(t, 1, rows)
 }
