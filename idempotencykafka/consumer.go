@@ -350,6 +350,10 @@ func partitionMoved(err error) bool {
 
 // processRecord applies r until it is done, or ctx is done.
 func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
+	if c.ownDeadLetter(r) {
+		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d is a dead letter of this consumer's own: it is not applied (Consumer.Redrive applies it)", r.Topic, r.Partition, r.Offset))
+		return nil
+	}
 	m, err := c.Message(ctx, r)
 	for wait := uint(0); err != nil; wait++ {
 		// The topic's retention cannot be read, or is longer than WithTTL
@@ -451,25 +455,50 @@ func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Mess
 // is recorded as "id:" and its SHA-256 in hex, which no position and no
 // other producer ID can be; every other producer ID is recorded as it is.
 // An empty ID is no ID: the record is identified by its position. A
-// record Redrive produced is identified by the ID it names
-// ([HeaderRedrivenID]), that of the record it applies again.
+// record Redrive produced without the consumer's ID header is identified
+// by the position of the record it applies again ([HeaderRedrivenFrom]):
+// every group that reads the copy takes it for the original, whatever ID
+// header it reads.
 func (c *Consumer) messageID(r *kgo.Record) string {
-	for _, h := range r.Headers {
-		if h.Key == HeaderRedrivenID && idempotency.ValidateKey(string(h.Value)) == nil {
-			return string(h.Value)
-		}
-	}
 	for _, h := range r.Headers {
 		if h.Key == c.o.idHeader && len(h.Value) > 0 {
 			return producerID(string(h.Value))
 		}
 	}
 	pos := r.Topic + "/" + strconv.FormatInt(int64(r.Partition), 10) + "/" + strconv.FormatInt(r.Offset, 10)
+	if from, ok := lastHeader(r, HeaderRedrivenFrom); ok && redrivenFrom(from) {
+		pos = from
+	}
 	if len(pos) > idempotency.MaxKeyLen {
 		sum := sha256.Sum256([]byte(pos))
 		pos = "position-" + hex.EncodeToString(sum[:])
 	}
 	return pos
+}
+
+// redrivenFrom reports whether a HeaderRedrivenFrom value is a position:
+// a valid topic name, a partition and an offset.
+func redrivenFrom(v string) bool {
+	i := strings.LastIndexByte(v, '/')
+	j := strings.LastIndexByte(v[:max(i, 0)], '/')
+	if i < 0 || j < 0 || !validTopic(v[:j]) {
+		return false
+	}
+	_, err1 := strconv.ParseInt(v[j+1:i], 10, 32)
+	_, err2 := strconv.ParseInt(v[i+1:], 10, 64)
+	return err1 == nil && err2 == nil
+}
+
+// lastHeader is the value of r's last header named key: the dead-letter
+// headers follow the record's own, so a record's own header of that name
+// never stands in for them.
+func lastHeader(r *kgo.Record, key string) (string, bool) {
+	for i := len(r.Headers) - 1; i >= 0; i-- {
+		if r.Headers[i].Key == key {
+			return string(r.Headers[i].Value), true
+		}
+	}
+	return "", false
 }
 
 // readsCommitted reports whether the client reads committed records only.
@@ -517,10 +546,11 @@ func body(r *kgo.Record) []byte {
 	return append(append(b, r.Key...), r.Value...)
 }
 
-// HeaderRedrivenID is on a record [Consumer.Redrive] produced: the message
-// ID of the record it applies again, which the consumer identifies it by.
-// Only Redrive sets it.
-const HeaderRedrivenID = "idempotency-redriven-message-id"
+// HeaderRedrivenFrom is on a record [Consumer.Redrive] produced: the
+// position ("topic/partition/offset") of the record it applies again,
+// which a consumer identifies it by when it has no ID header of the
+// consumer's. Only Redrive sets it.
+const HeaderRedrivenFrom = "idempotency-redriven-from"
 
 // Headers of a dead-lettered record, beside the original record's own.
 const (
@@ -530,11 +560,15 @@ const (
 	// headers, and says why; the original is at the position the other
 	// headers name, for as long as the topic keeps it.
 	HeaderValueOmitted = "idempotency-dead-letter-value-omitted"
-	HeaderOutcome      = "idempotency-dead-letter-outcome"
-	HeaderMessageID    = "idempotency-dead-letter-message-id"
-	HeaderTopic        = "idempotency-dead-letter-topic"
-	HeaderPartition    = "idempotency-dead-letter-partition"
-	HeaderOffset       = "idempotency-dead-letter-offset"
+	// HeaderScope is the scope the record's ID lives in: a consumer of
+	// that scope that reads the dead letter back (subscribed to its own
+	// dead-letter topic) never applies it; Redrive does.
+	HeaderScope     = "idempotency-dead-letter-scope"
+	HeaderOutcome   = "idempotency-dead-letter-outcome"
+	HeaderMessageID = "idempotency-dead-letter-message-id"
+	HeaderTopic     = "idempotency-dead-letter-topic"
+	HeaderPartition = "idempotency-dead-letter-partition"
+	HeaderOffset    = "idempotency-dead-letter-offset"
 )
 
 // deadLetter produces r to the dead-letter topic with its cause, waiting
@@ -564,6 +598,7 @@ func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, out
 			kgo.RecordHeader{Key: HeaderCause, Value: []byte(cut(cause, maxCause))},
 			kgo.RecordHeader{Key: HeaderOutcome, Value: []byte(outcome.String())},
 			kgo.RecordHeader{Key: HeaderMessageID, Value: []byte(id)},
+			kgo.RecordHeader{Key: HeaderScope, Value: []byte(c.o.scope(r.Topic))},
 			kgo.RecordHeader{Key: HeaderTopic, Value: []byte(r.Topic)},
 			kgo.RecordHeader{Key: HeaderPartition, Value: []byte(strconv.FormatInt(int64(r.Partition), 10))},
 			kgo.RecordHeader{Key: HeaderOffset, Value: []byte(strconv.FormatInt(r.Offset, 10))},
@@ -680,45 +715,62 @@ func neverProduced(err error) bool {
 
 // Redrive applies a dead-lettered record again, once the cause that made
 // it fail is fixed: it forgets the record's stored failure (its final
-// error, or its giving up) and produces the record back to its topic with
-// its message ID (header [HeaderRedrivenID]), where the consumer applies
-// it. The effect stays once: the ID's record is forgotten only when it
-// failed ([idempotency.Store.ForgetFailed]), so a Redrive repeated, or of a
+// error, or its giving up) and produces the record back to its topic,
+// where the consumer applies it under the original's ID: the copy keeps
+// the original's headers, its ID header included, and names the
+// original's position ([HeaderRedrivenFrom]) for consumers that identify
+// records by position. Every group that reads the copy takes it for the
+// original: one that applied the original replays it.
+//
+// The effect stays once: the ID's record is forgotten only when it failed
+// ([idempotency.Store.ForgetFailed]), so a Redrive repeated, or of a
 // record that was applied after all, produces a copy that is replayed, or
-// refuses. It refuses a record whose ID another record took first (the
-// dead letter's outcome key_reused: produce it again under a new
-// message-id), and a dead letter without the record's value
-// ([HeaderValueOmitted]: produce the original, at the position the dead
-// letter names, again with its message-id, after ForgetFailed of that ID).
-// dl is the record as read from the dead-letter topic.
+// refuses. Redrive a dead letter with the consumer that dead-lettered it
+// (its scope and ID header); another refuses it. It refuses a record
+// whose ID another record took first (the dead letter's outcome
+// key_reused: produce it again under a new ID), and a dead letter without
+// the record's value ([HeaderValueOmitted]: produce the original, at the
+// position the dead letter names, again with its ID header, after
+// ForgetFailed of its ID). dl is the record as read from the dead-letter
+// topic.
 func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 	if !isDeadLetter(dl) {
 		return fmt.Errorf("idempotencykafka: redrive %s/%d@%d: not a dead letter (it has no %s header)", dl.Topic, dl.Partition, dl.Offset, HeaderCause)
 	}
-	h := func(key string) (string, bool) {
-		for _, hd := range dl.Headers {
-			if hd.Key == key {
-				return string(hd.Value), true
-			}
-		}
-		return "", false
+	h := func(key string) string { v, _ := lastHeader(dl, key); return v }
+	id, topic, scope := h(HeaderMessageID), h(HeaderTopic), h(HeaderScope)
+	where := topic + "/" + h(HeaderPartition) + "@" + h(HeaderOffset)
+	if _, omitted := lastHeader(dl, HeaderValueOmitted); omitted {
+		return fmt.Errorf("idempotencykafka: redrive %s: the dead letter has no value (%s); produce the original record at %s again, with its ID header, after Store.ForgetFailed(%q, %q)",
+			where, HeaderValueOmitted, where, scope, "message "+id)
 	}
-	id, _ := h(HeaderMessageID)
-	topic, _ := h(HeaderTopic)
-	partition, _ := h(HeaderPartition)
-	offset, _ := h(HeaderOffset)
-	where := topic + "/" + partition + "@" + offset
-	if _, omitted := h(HeaderValueOmitted); omitted {
-		return fmt.Errorf("idempotencykafka: redrive %s: the dead letter has no value (%s); produce the original record at %s again, with its message-id header, after Store.ForgetFailed(%q, %q)",
-			where, HeaderValueOmitted, where, c.o.scope(topic), "message "+id)
-	}
-	if o, _ := h(HeaderOutcome); o == idempotency.OutcomeKeyReused.String() {
+	if h(HeaderOutcome) == idempotency.OutcomeKeyReused.String() {
 		return fmt.Errorf("idempotencykafka: redrive %s: its message ID %q was taken by another record first; produce it again with a new %s header", where, id, c.o.idHeader)
 	}
-	if err := idempotency.ValidateKey(id); err != nil || topic == "" {
-		return fmt.Errorf("idempotencykafka: redrive %s/%d@%d: the dead letter's %s or %s header is missing or invalid", dl.Topic, dl.Partition, dl.Offset, HeaderMessageID, HeaderTopic)
+	from := topic + "/" + h(HeaderPartition) + "/" + h(HeaderOffset)
+	if !redrivenFrom(from) {
+		return fmt.Errorf("idempotencykafka: redrive %s/%d@%d: the dead letter's %s, %s or %s header is missing or invalid", dl.Topic, dl.Partition, dl.Offset, HeaderTopic, HeaderPartition, HeaderOffset)
 	}
-	switch err := c.store.ForgetFailed(ctx, c.o.scope(topic), "message "+id); {
+	if scope != c.o.scope(topic) {
+		return fmt.Errorf("idempotencykafka: redrive %s: the dead letter is of scope %q, this consumer's is %q: redrive it with the consumer that dead-lettered it", where, scope, c.o.scope(topic))
+	}
+	again := &kgo.Record{Topic: topic, Key: dl.Key, Value: dl.Value}
+	for _, hd := range dl.Headers {
+		switch {
+		case hd.Key == HeaderRedrivenFrom:
+			// The dead letter of a copy: the copy names the original.
+			if redrivenFrom(string(hd.Value)) {
+				from = string(hd.Value)
+			}
+		case !strings.HasPrefix(hd.Key, "idempotency-dead-letter-"):
+			again.Headers = append(again.Headers, hd)
+		}
+	}
+	again.Headers = append(again.Headers, kgo.RecordHeader{Key: HeaderRedrivenFrom, Value: []byte(from)})
+	if got := c.messageID(again); got != id {
+		return fmt.Errorf("idempotencykafka: redrive %s: this consumer identifies the record as %q, the dead letter names %q (another ID header?): redrive it with the consumer that dead-lettered it", where, got, id)
+	}
+	switch err := c.store.ForgetFailed(ctx, scope, "message "+id); {
 	case errors.Is(err, idempotency.ErrNotFailed):
 		return fmt.Errorf("idempotencykafka: redrive %s: message %q was applied already; redriving it would apply it twice: %w", where, id, err)
 	case err != nil && !errors.Is(err, idempotency.ErrKeyNotFound):
@@ -727,17 +779,23 @@ func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 		// the ID, so it is applied at most once all the same.
 		return fmt.Errorf("idempotencykafka: redrive %s: %w", where, err)
 	}
-	again := &kgo.Record{Topic: topic, Key: dl.Key, Value: dl.Value}
-	for _, hd := range dl.Headers {
-		if !strings.HasPrefix(hd.Key, "idempotency-dead-letter-") && hd.Key != HeaderRedrivenID {
-			again.Headers = append(again.Headers, hd)
-		}
-	}
-	again.Headers = append(again.Headers, kgo.RecordHeader{Key: HeaderRedrivenID, Value: []byte(id)})
 	if err := c.client.ProduceSync(ctx, again).FirstErr(); err != nil {
 		return fmt.Errorf("idempotencykafka: redrive %s: produce it to %s (its failure is forgotten: redrive it again): %w", where, topic, err)
 	}
 	return nil
+}
+
+// ownDeadLetter reports whether r is a dead letter of an ID in this
+// consumer's scope, read back (by a consumer subscribed to its own
+// dead-letter topic): it is never applied, since its record was given up,
+// and Redrive applies it.
+func (c *Consumer) ownDeadLetter(r *kgo.Record) bool {
+	if !isDeadLetter(r) {
+		return false
+	}
+	scope, ok := lastHeader(r, HeaderScope)
+	topic, _ := lastHeader(r, HeaderTopic)
+	return ok && scope == c.o.scope(topic)
 }
 
 // isDeadLetter reports whether r carries the headers this package gives a

@@ -18,13 +18,13 @@ import (
 // (cooperative-sticky) a member keeps its partitions across a rebalance,
 // and here no rebalance even follows: the partition never moved.
 //
-// What happens now: the consumer takes REBALANCE_IN_PROGRESS for "the
+// Before the fix: the consumer takes REBALANCE_IN_PROGRESS for "the
 // partition moved" and drops the commit; the client goes on fetching from
 // its position, so the records are never delivered again and their offset
 // is never committed: the group's lag stays at 3 for as long as no new
 // record arrives (and the records are read again at every restart).
 //
-// What should happen: a commit refused for a rebalance in progress is
+// Now: a commit refused for a rebalance in progress is
 // tried again (after the rebalance, for as long as the member still owns
 // the partition), and the committed offset reaches 3.
 func TestCommitRefusedDuringARebalanceIsTriedAgain(t *testing.T) {

@@ -17,11 +17,11 @@ import (
 // reports) deletes nothing. A group whose offsets expire re-reads records
 // of any age.
 //
-// What happens now: CheckRetention reads retention.ms alone, derives a
+// Before the fix: CheckRetention reads retention.ms alone, derives a
 // TTL of 14 days, and Run runs: a record re-read after 14 days finds its
 // ID forgotten and is applied again.
 //
-// What should happen: a topic whose cleanup.policy does not delete (compact
+// Now: a topic whose cleanup.policy does not delete (compact
 // without delete) keeps its records forever, as retention.ms -1 does: Run
 // refuses it without an explicit WithTTL.
 func TestCompactedTopicNeedsAnExplicitTTL(t *testing.T) {

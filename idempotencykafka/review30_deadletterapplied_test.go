@@ -18,13 +18,13 @@ import (
 // up on R (its reference is missing), stores the giving up and
 // dead-letters it; S behind it is applied. The reference then arrives.
 //
-// What happens now: the dead letter, read back from payments.dead-letter,
+// Before the fix: the dead letter, read back from payments.dead-letter,
 // is applied like any record, under the scope of the dead-letter topic
 // where R's ID is unknown: R's effect commits after S's, which the stored
 // giving up was there to prevent; and an operator's Redrive of the dead
 // letter (the documented way to apply it once) applies R a second time.
 //
-// What should happen: a dead letter read back is never applied (it is left
+// Now: a dead letter read back is never applied (it is left
 // where it is, as it is when it fails); R is applied once, by the Redrive.
 func TestDeadLetterReadBackIsNeverApplied(t *testing.T) {
 	t.Parallel()

@@ -58,11 +58,11 @@ func TestDeadLetterTopicNameTooLongNeverBlocksThePartition(t *testing.T) {
 
 // WithDeadLetterTopic's function returns "" (for some topics, say).
 //
-// What happens now: New accepts it; the dead letter fails in the client
+// Before the fix: New accepts it; the dead letter fails in the client
 // ("cannot produce record with no topic and no default topic"), an error
 // no retry fixes, which is retried forever: the partition never moves.
 //
-// What should happen: New refuses an empty dead-letter topic for the
+// Now: New refuses an empty dead-letter topic for the
 // topics it knows, and a produce the client itself refuses for good is
 // given up like one the broker refuses for good.
 func TestEmptyDeadLetterTopicNeverBlocksThePartition(t *testing.T) {

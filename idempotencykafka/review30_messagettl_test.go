@@ -16,13 +16,13 @@ import (
 // it". Such code builds a Consumer with New, for the Message, and does not
 // Run it.
 //
-// What happens now: Message's TTL is 0 until Run's CheckRetention set it,
+// Before the fix: Message's TTL is 0 until Run's CheckRetention set it,
 // so the ID is kept the engine's default 24 hours: the consumer that reads
 // the record later (its group lagging, or re-reading after its offsets
 // expired, within the topic's 7 days) finds the ID forgotten and applies
 // the record a second time.
 //
-// What should happen: the Message of a record outlasts the topic's
+// Now: the Message of a record outlasts the topic's
 // retention and the offsets' (14 days here) however the Consumer was used,
 // or Message refuses until the retention is known.
 func TestMessageAppliedOutsideTheConsumerOutlastsRetention(t *testing.T) {

@@ -19,13 +19,13 @@ import (
 // group applies it. The reference arrives and the ledger's operator
 // redrives the dead letter, as documented.
 //
-// What happens now: the copy Redrive produced carries
+// Before the fix: the copy Redrive produced carries
 // idempotency-redriven-message-id with the ledger's ID ("e"), which every
 // consumer of the topic takes before its own ID header: the audit group
 // identifies the copy as "e", an ID it never saw, and applies the record a
 // second time.
 //
-// What should happen: a redrive for one group never applies an effect
+// Now: a redrive for one group never applies an effect
 // again in another: the audit group replays the copy (its own ID for it is
 // still "m"), and its effect stays once.
 func TestRedriveForOneGroupNeverAppliesAnotherGroupsEffectAgain(t *testing.T) {

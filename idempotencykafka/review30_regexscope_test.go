@@ -18,11 +18,11 @@ import (
 // scope of the matched topic, kafka/<group>/payments-with-a-name, has
 // 1,032.
 //
-// What happens now: New accepts the consumer, and every record of the
+// Before the fix: New accepts the consumer, and every record of the
 // topic is tried forever (OutcomeMisconfigured, "Message.Scope is 1032
 // bytes long"): nothing is ever applied or committed.
 //
-// What should happen: New refuses a scope the store cannot keep for any
+// Now: New refuses a scope the store cannot keep for any
 // topic it may consume (a default scope whose group leaves no room for a
 // topic name of Kafka's 249 characters), or the records are applied.
 func TestRegexConsumerScopeIsOneTheStoreCanKeep(t *testing.T) {

@@ -21,12 +21,12 @@ func (w *world) thirtyDays(t *testing.T, topic string) {
 // A group consumes ^payments by a regex; the topic keeps its records 30
 // days (retention.ms), longer than the brokers' log.retention.ms (7 days).
 //
-// What happens now: CheckRetention holds regex topics to the brokers'
+// Before the fix: CheckRetention holds regex topics to the brokers'
 // log.retention.ms and derives a TTL of 14 days: a record re-read after
 // the group's offsets expired (up to 37 days after it was produced) finds
 // its ID forgotten and is applied again.
 //
-// What should happen: the TTL outlasts the retention.ms of every topic
+// Now: the TTL outlasts the retention.ms of every topic
 // consumed (the topics the regex matched, which the client knows), here at
 // least 37 days.
 func TestRegexTopicsTTLOutlastsTheirOwnRetention(t *testing.T) {
@@ -45,12 +45,12 @@ func TestRegexTopicsTTLOutlastsTheirOwnRetention(t *testing.T) {
 // A consumer of "credits" (7 days) that the application also gives
 // "payments" (30 days) with kgo.Client.AddConsumeTopics before Run.
 //
-// What happens now: CheckRetention reads the topics the client was created
+// Before the fix: CheckRetention reads the topics the client was created
 // with (OptValue(kgo.ConsumeTopics)), not those it consumes: the TTL is 14
 // days, and the payments records re-read after the offsets expired are
 // applied again.
 //
-// What should happen: every topic the client consumes is held to its own
+// Now: every topic the client consumes is held to its own
 // retention.ms (kgo.Client.GetConsumeTopics), here at least 37 days.
 func TestAddedTopicsTTLOutlastsTheirRetention(t *testing.T) {
 	t.Parallel()
