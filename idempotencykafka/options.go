@@ -41,7 +41,7 @@ func defaultOptions(group string) options {
 		deadLetterTopic: defaultDeadLetterTopic,
 		maxAttempts:     10,
 		commitEvery:     100,
-		maxPollRecords:  500,
+		maxPollRecords:  10000,
 		backoffBase:     50 * time.Millisecond,
 		backoffMax:      5 * time.Second,
 		commitTimeout:   10 * time.Second,
@@ -160,8 +160,12 @@ func WithCommitEvery(n int) Option { return func(o *options) { o.commitEvery = n
 // WithMaxPollRecords bounds how many records Run takes in one poll (all
 // partitions together). A poll's records are done before the next
 // rebalance is allowed (with kgo.BlockRebalanceOnPoll), so the bound is
-// what a rebalance may wait for, and what the consumer holds in memory.
-// Defaults to 500, Kafka's max.poll.records.
+// what a rebalance may wait for, and what the consumer holds in memory:
+// keep a poll's work well within the group's rebalance timeout. franz-go
+// fills a poll partition by partition, so a bound below a partition's
+// backlog leaves the other partitions for later polls and applies fewer
+// partitions at once (BENCHMARKS.md: 500 against 10,000). Defaults to
+// 10,000.
 func WithMaxPollRecords(n int) Option { return func(o *options) { o.maxPollRecords = n } }
 
 // WithRetryBackoff sets the wait between tries of a record: base, doubled
