@@ -18,13 +18,13 @@ import (
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
 
-// refuseCommits makes the broker refuse the group's offset commits while
-// refuse is set.
-func refuseCommits(cluster *kfake.Cluster, group string, refuse *atomic.Bool) {
+// refuseCommits makes the broker answer the group's offset commits with
+// code while refuse, asked once per commit, says so.
+func refuseCommits(cluster *kfake.Cluster, group string, code int16, refuse func() bool) {
 	cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
 		cluster.KeepControl()
 		commit := req.(*kmsg.OffsetCommitRequest)
-		if commit.Group != group || !refuse.Load() {
+		if commit.Group != group || !refuse() {
 			return nil, nil, false
 		}
 		resp := commit.ResponseKind().(*kmsg.OffsetCommitResponse)
@@ -34,7 +34,7 @@ func refuseCommits(cluster *kfake.Cluster, group string, refuse *atomic.Bool) {
 			for _, p := range topic.Partitions {
 				rp := kmsg.NewOffsetCommitResponseTopicPartition()
 				rp.Partition = p.Partition
-				rp.ErrorCode = kerr.OffsetMetadataTooLarge.Code
+				rp.ErrorCode = code
 				rt.Partitions = append(rt.Partitions, rp)
 			}
 			resp.Topics = append(resp.Topics, rt)
@@ -42,6 +42,10 @@ func refuseCommits(cluster *kfake.Cluster, group string, refuse *atomic.Bool) {
 		return resp, nil, true
 	})
 }
+
+// once returns a refuse function for refuseCommits that refuses the first
+// commit, and counts the commits asked about in n.
+func once(n *atomic.Int64) func() bool { return func() bool { return n.Add(1) == 1 } }
 
 // end is the end offset of topic's partition 0.
 func (w *world) end(t testing.TB, topic string) int64 {
@@ -63,7 +67,7 @@ func TestGivenUpRecordIsNotAppliedAfterLaterRecords(t *testing.T) {
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
 	var refuse atomic.Bool
 	refuse.Store(true)
-	refuseCommits(w.cluster, "order-group", &refuse)
+	refuseCommits(w.cluster, "order-group", kerr.OffsetMetadataTooLarge.Code, refuse.Load)
 	// R credits against a reference that does not exist yet: it fails at
 	// COMMIT, the handler's failure, until the reference is there.
 	w.produce(t, "payments", rec("r", "acct-1", "ref:later"), rec("s", "acct-1", "100"))

@@ -7,7 +7,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
-	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
@@ -30,28 +29,8 @@ import (
 func TestCommitRefusedDuringARebalanceIsTriedAgain(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "credits")
-	var refused atomic.Int64
-	w.cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		commit := req.(*kmsg.OffsetCommitRequest)
-		if commit.Group != "rip-group" {
-			w.cluster.KeepControl()
-			return nil, nil, false
-		}
-		resp := commit.ResponseKind().(*kmsg.OffsetCommitResponse)
-		for _, topic := range commit.Topics {
-			rt := kmsg.NewOffsetCommitResponseTopic()
-			rt.Topic = topic.Topic
-			for _, p := range topic.Partitions {
-				rp := kmsg.NewOffsetCommitResponseTopicPartition()
-				rp.Partition = p.Partition
-				rp.ErrorCode = kerr.RebalanceInProgress.Code
-				rt.Partitions = append(rt.Partitions, rp)
-			}
-			resp.Topics = append(resp.Topics, rt)
-		}
-		refused.Add(1)
-		return resp, nil, true
-	})
+	var asked atomic.Int64
+	refuseCommits(w.cluster, "rip-group", kerr.RebalanceInProgress.Code, once(&asked))
 	w.produce(t, "credits", amounts(3)...)
 	m := w.startMember(t, "rip-group", "credits", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
 	waitFor(t, "the three records applied", func() bool { rows, _ := w.credits(t); return rows == 3 })
@@ -61,6 +40,6 @@ func TestCommitRefusedDuringARebalanceIsTriedAgain(t *testing.T) {
 	}
 	committed := w.committed(t, "rip-group", "credits")
 	m.stop()
-	require.EqualValues(t, 1, refused.Load(), "one commit refused")
+	require.Greater(t, asked.Load(), int64(1), "the refused commit was tried again")
 	require.EqualValues(t, 3, committed, "the offsets are committed after the refusal")
 }
