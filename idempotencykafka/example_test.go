@@ -96,3 +96,32 @@ func ExampleConsumer() {
 	// context canceled
 	// credits: 1
 }
+
+// Once the cause of the dead letters is fixed (the handler, or the data it
+// needed), an operator's tool reads the dead-letter topic and redrives each
+// record with the consumer that dead-lettered it: each is applied once,
+// however often the tool runs.
+func ExampleConsumer_Redrive() {
+	var (
+		ctx     context.Context
+		brokers []string
+		c       *idempotencykafka.Consumer // the group's consumer, as in Example
+	)
+	dead, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics("payments.dead-letter"),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer dead.Close()
+	for {
+		fetches := dead.PollFetches(ctx)
+		if err := fetches.Err0(); err != nil {
+			log.Fatal(err)
+		}
+		fetches.EachRecord(func(dl *kgo.Record) {
+			if err := c.Redrive(ctx, dl); err != nil {
+				log.Printf("not redriven: %v", err) // applied already, another scope's, or without its value
+			}
+		})
+	}
+}
