@@ -45,9 +45,11 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -75,6 +77,8 @@ type Consumer struct {
 
 	mu       sync.Mutex
 	inFlight map[topicPartition]context.CancelCauseFunc // see OnPartitionsLost
+	lost     map[topicPartition]bool                    // since the poll began
+	inCommit map[topicPartition]context.CancelFunc      // commits under way
 	ret      retention
 }
 
@@ -134,7 +138,7 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 			return nil, fmt.Errorf("idempotencykafka: WithDeadLetterTopic: %.60q, the dead-letter topic of %.40q, is not a valid topic name (1 to %d of a-z, A-Z, 0-9, '.', '_', '-')", dl, topic, maxTopicLen)
 		}
 	}
-	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}}
+	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}, lost: map[topicPartition]bool{}, inCommit: map[topicPartition]context.CancelFunc{}}
 	c.ret.ttl = map[string]time.Duration{}
 	register(c)
 	return c, nil
@@ -201,8 +205,12 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 			partitions = append(partitions, p)
 		}
 	})
+	c.newPoll()
 	results := make(chan finished, len(partitions))
-	running := len(partitions)
+	var running atomic.Int64 // partitions still applying records
+	running.Store(int64(len(partitions)))
+	allDone := func() bool { return running.Load() == 0 }
+	notDone := func() bool { return false }
 	for _, p := range partitions {
 		go func() {
 			pctx, end := c.partitionContext(ctx, p)
@@ -212,8 +220,9 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 				// Lost: its offsets are not the member's to commit.
 				last, err = nil, context.Cause(pctx)
 			}
+			running.Add(-1)
 			if last != nil && c.o.commitPerPartition {
-				err = errors.Join(err, c.commit(ctx, false, last))
+				err = errors.Join(err, c.commit(ctx, notDone, last))
 				last = nil
 			}
 			results <- finished{last, err}
@@ -230,15 +239,15 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 	)
 	commit := func() {
 		if len(pending) > 0 {
-			errs = append(errs, c.commit(ctx, running == 0, pending...))
+			errs = append(errs, c.commit(ctx, allDone, pending...))
 			pending = nil
 		}
 		flush = nil
 	}
-	for running > 0 {
+	for received := 0; received < len(partitions); {
 		select {
 		case f := <-results:
-			running--
+			received++
 			if f.err != nil {
 				errs = append(errs, f.err)
 			}
@@ -278,7 +287,7 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 		}
 		last = r
 		if (i+1)%c.o.commitEvery == 0 && i+1 < len(records) {
-			if err := c.commit(ctx, false, last); err != nil {
+			if err := c.commit(ctx, func() bool { return false }, last); err != nil {
 				return nil, err
 			}
 			last = nil
@@ -299,20 +308,30 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 // within the commit timeout failed. A rebalance in progress is waited
 // for; allDone says every record of the poll is done, so that the
 // rebalance may go ahead.
-func (c *Consumer) commit(ctx context.Context, allDone bool, rs ...*kgo.Record) error {
+func (c *Consumer) commit(ctx context.Context, allDone func() bool, rs ...*kgo.Record) error {
+	var moved error
 	for wait := uint(0); ; wait++ {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.o.commitTimeout)
+		if kept := c.notLost(rs); len(kept) < len(rs) {
+			moved = fmt.Errorf("idempotencykafka: the offsets of lost partitions are not committed: %s", positions(lostOnes(rs, kept)))
+			if rs = kept; len(rs) == 0 {
+				return moved
+			}
+		}
+		cctx, cancel := c.commitContext(ctx, rs)
 		err := c.client.CommitRecords(cctx, rs...)
 		cancel()
 		if err == nil {
-			return nil
+			return moved
+		}
+		if len(c.notLost(rs)) < len(rs) {
+			continue // a partition was lost during the commit (franz-go's own retries cut): without it
 		}
 		err = fmt.Errorf("idempotencykafka: commit offsets %s: %w", positions(rs), err)
 		if ctx.Err() != nil || partitionMoved(err) {
-			return err
+			return errors.Join(moved, err)
 		}
 		c.o.onError(fmt.Errorf("%w; trying again", err))
-		if errors.Is(err, kerr.RebalanceInProgress) && allDone {
+		if errors.Is(err, kerr.RebalanceInProgress) && allDone() {
 			// The group is rebalancing; the member may keep the partitions
 			// (cooperative-sticky) and then commits in its next generation.
 			// Every record of the poll is done: the rebalance need not
@@ -320,9 +339,20 @@ func (c *Consumer) commit(ctx context.Context, allDone bool, rs ...*kgo.Record) 
 			c.client.AllowRebalance()
 		}
 		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
-			return fmt.Errorf("idempotencykafka: commit offsets %s: stopped before it succeeded", positions(rs))
+			return errors.Join(moved, fmt.Errorf("idempotencykafka: commit offsets %s: stopped before it succeeded", positions(rs)))
 		}
 	}
+}
+
+// lostOnes is rs without kept, which notLost kept of rs.
+func lostOnes(rs, kept []*kgo.Record) []*kgo.Record {
+	var out []*kgo.Record
+	for _, r := range rs {
+		if !slices.Contains(kept, r) {
+			out = append(out, r)
+		}
+	}
+	return out
 }
 
 // positions names the offsets after rs: "topic/partition@offset, ...".
