@@ -139,7 +139,7 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 		}
 	}
 	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}, lost: map[topicPartition]bool{}, inCommit: map[topicPartition]context.CancelFunc{}}
-	c.ret.ttl = map[string]time.Duration{}
+	c.ret.topics = map[string]*topicTTL{}
 	register(c)
 	return c, nil
 }
@@ -157,8 +157,20 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // backoff, until it succeeds or the group moved the partition (whose new
 // owner reads the records again and replays them).
 func (c *Consumer) Run(ctx context.Context) error {
-	if err := c.CheckRetention(ctx); err != nil {
-		return err
+	for wait := uint(0); ; wait++ {
+		err := c.CheckRetention(ctx)
+		if err == nil {
+			break
+		}
+		if c.permanent(err) || ctx.Err() != nil {
+			return err
+		}
+		// The configs could not be read, for a reason that may pass (a
+		// timeout, the brokers starting): read them again.
+		c.o.onError(fmt.Errorf("%w; trying again", err))
+		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
+			return err
+		}
 	}
 	for {
 		fetches := c.client.PollRecords(ctx, c.o.maxPollRecords)
@@ -380,8 +392,9 @@ func partitionMoved(err error) bool {
 
 // processRecord applies r until it is done, or ctx is done.
 func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
-	if c.ownDeadLetter(r) {
-		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d is a dead letter of this consumer's own: it is not applied (Consumer.Redrive applies it)", r.Topic, r.Partition, r.Offset))
+	if _, omitted := lastHeader(r, HeaderValueOmitted); omitted && isDeadLetter(r) {
+		// A pointer to a record, not the record: never applied.
+		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d is a dead letter without its record's value: it is not applied", r.Topic, r.Partition, r.Offset))
 		return nil
 	}
 	m, err := c.Message(ctx, r)
@@ -469,11 +482,12 @@ func transient(err error) bool {
 // consumer gives this Message to Store.ProcessMessage, so that the two
 // never both apply it.
 func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Message, error) {
-	ttl, err := c.ttlOf(ctx, r.Topic)
+	topic, pos := origin(r)
+	ttl, err := c.ttlOf(ctx, topic)
 	if err != nil {
 		return idempotency.Message{}, err
 	}
-	return idempotency.Message{Scope: c.o.scope(r.Topic), ID: c.messageID(r), Body: body(r), TTL: ttl}, nil
+	return idempotency.Message{Scope: c.o.scope(topic), ID: c.idOf(r.Headers, pos), Body: body(r), TTL: ttl}, nil
 }
 
 // messageID is the producer's ID header, or the record's position (hashed
@@ -490,14 +504,17 @@ func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Mess
 // every group that reads the copy takes it for the original, whatever ID
 // header it reads.
 func (c *Consumer) messageID(r *kgo.Record) string {
-	for _, h := range r.Headers {
+	_, pos := origin(r)
+	return c.idOf(r.Headers, pos)
+}
+
+// idOf is the ID of a record with headers, at (or taken for the record at)
+// position pos.
+func (c *Consumer) idOf(headers []kgo.RecordHeader, pos string) string {
+	for _, h := range headers {
 		if h.Key == c.o.idHeader && len(h.Value) > 0 {
 			return producerID(string(h.Value))
 		}
-	}
-	pos := r.Topic + "/" + strconv.FormatInt(int64(r.Partition), 10) + "/" + strconv.FormatInt(r.Offset, 10)
-	if from, ok := lastHeader(r, HeaderRedrivenFrom); ok && redrivenFrom(from) {
-		pos = from
 	}
 	if len(pos) > idempotency.MaxKeyLen {
 		sum := sha256.Sum256([]byte(pos))
@@ -506,17 +523,72 @@ func (c *Consumer) messageID(r *kgo.Record) string {
 	return pos
 }
 
-// redrivenFrom reports whether a HeaderRedrivenFrom value is a position:
-// a valid topic name, a partition and an offset.
-func redrivenFrom(v string) bool {
+// origin is the topic and the position ("topic/partition/offset") of the
+// record r stands for: a dead letter's original (a dead letter is its
+// record, read from elsewhere: a group that applied the record, or gave it
+// up, never applies its dead letter again); a redriven copy's original
+// ([HeaderRedrivenFrom]); else r itself. A redriven-from header that no
+// Redrive could have set (another topic, or not before the copy in its
+// partition) is not taken.
+func origin(r *kgo.Record) (topic, pos string) {
+	topic, pos = r.Topic, position(r.Topic, int64(r.Partition), r.Offset)
+	if isDeadLetter(r) {
+		t, _ := lastHeader(r, HeaderTopic)
+		p, _ := lastHeader(r, HeaderPartition)
+		o, _ := lastHeader(r, HeaderOffset)
+		if dl, ok := parsePosition(t + "/" + p + "/" + o); ok {
+			topic, pos = t, dl.String()
+			if from, ok := redrivenFromOf(r, dl); ok {
+				pos = from
+			}
+		}
+		return topic, pos
+	}
+	if from, ok := redrivenFromOf(r, recordPosition{r.Topic, r.Partition, r.Offset}); ok {
+		pos = from
+	}
+	return topic, pos
+}
+
+// redrivenFromOf is the original's position r's last HeaderRedrivenFrom
+// names, if a Redrive could have set it on a copy at at.
+func redrivenFromOf(r *kgo.Record, at recordPosition) (string, bool) {
+	v, ok := lastHeader(r, HeaderRedrivenFrom)
+	if !ok {
+		return "", false
+	}
+	from, ok := parsePosition(v)
+	if !ok || from.topic != at.topic || from.partition == at.partition && from.offset >= at.offset {
+		return "", false
+	}
+	return from.String(), true
+}
+
+type recordPosition struct {
+	topic     string
+	partition int32
+	offset    int64
+}
+
+func (p recordPosition) String() string { return position(p.topic, int64(p.partition), p.offset) }
+
+func position(topic string, partition, offset int64) string {
+	return topic + "/" + strconv.FormatInt(partition, 10) + "/" + strconv.FormatInt(offset, 10)
+}
+
+// parsePosition parses "topic/partition/offset" of a valid topic.
+func parsePosition(v string) (recordPosition, bool) {
 	i := strings.LastIndexByte(v, '/')
 	j := strings.LastIndexByte(v[:max(i, 0)], '/')
 	if i < 0 || j < 0 || !validTopic(v[:j]) {
-		return false
+		return recordPosition{}, false
 	}
-	_, err1 := strconv.ParseInt(v[j+1:i], 10, 32)
-	_, err2 := strconv.ParseInt(v[i+1:], 10, 64)
-	return err1 == nil && err2 == nil
+	p, err1 := strconv.ParseInt(v[j+1:i], 10, 32)
+	o, err2 := strconv.ParseInt(v[i+1:], 10, 64)
+	if err1 != nil || err2 != nil || p < 0 || o < 0 {
+		return recordPosition{}, false
+	}
+	return recordPosition{v[:j], int32(p), o}, true
 }
 
 // lastHeader is the value of r's last header named key: the dead-letter
@@ -777,27 +849,25 @@ func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 	if h(HeaderOutcome) == idempotency.OutcomeKeyReused.String() {
 		return fmt.Errorf("idempotencykafka: redrive %s: its message ID %q was taken by another record first; produce it again with a new %s header", where, id, c.o.idHeader)
 	}
-	from := topic + "/" + h(HeaderPartition) + "/" + h(HeaderOffset)
-	if !redrivenFrom(from) {
+	if _, err := parsePosition(topic + "/" + h(HeaderPartition) + "/" + h(HeaderOffset)); !err {
 		return fmt.Errorf("idempotencykafka: redrive %s/%d@%d: the dead letter's %s, %s or %s header is missing or invalid", dl.Topic, dl.Partition, dl.Offset, HeaderTopic, HeaderPartition, HeaderOffset)
 	}
 	if scope != c.o.scope(topic) {
 		return fmt.Errorf("idempotencykafka: redrive %s: the dead letter is of scope %q, this consumer's is %q: redrive it with the consumer that dead-lettered it", where, scope, c.o.scope(topic))
 	}
+	// The copy: the original's headers, and the position of the record the
+	// dead letter stands for (the original's, when it was a copy itself),
+	// which every consumer identifies the copy by as it identified the
+	// dead letter and the original.
+	_, from := origin(dl)
 	again := &kgo.Record{Topic: topic, Key: dl.Key, Value: dl.Value}
 	for _, hd := range dl.Headers {
-		switch {
-		case hd.Key == HeaderRedrivenFrom:
-			// The dead letter of a copy: the copy names the original.
-			if redrivenFrom(string(hd.Value)) {
-				from = string(hd.Value)
-			}
-		case !strings.HasPrefix(hd.Key, "idempotency-dead-letter-"):
+		if hd.Key != HeaderRedrivenFrom && !strings.HasPrefix(hd.Key, "idempotency-dead-letter-") {
 			again.Headers = append(again.Headers, hd)
 		}
 	}
 	again.Headers = append(again.Headers, kgo.RecordHeader{Key: HeaderRedrivenFrom, Value: []byte(from)})
-	if got := c.messageID(again); got != id {
+	if got := c.idOf(again.Headers, from); got != id {
 		return fmt.Errorf("idempotencykafka: redrive %s: this consumer identifies the record as %q, the dead letter names %q (another ID header?): redrive it with the consumer that dead-lettered it", where, got, id)
 	}
 	switch err := c.store.ForgetFailed(ctx, scope, "message "+id); {
@@ -813,19 +883,6 @@ func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 		return fmt.Errorf("idempotencykafka: redrive %s: produce it to %s (its failure is forgotten: redrive it again): %w", where, topic, err)
 	}
 	return nil
-}
-
-// ownDeadLetter reports whether r is a dead letter of an ID in this
-// consumer's scope, read back (by a consumer subscribed to its own
-// dead-letter topic): it is never applied, since its record was given up,
-// and Redrive applies it.
-func (c *Consumer) ownDeadLetter(r *kgo.Record) bool {
-	if !isDeadLetter(r) {
-		return false
-	}
-	scope, ok := lastHeader(r, HeaderScope)
-	topic, _ := lastHeader(r, HeaderTopic)
-	return ok && scope == c.o.scope(topic)
 }
 
 // isDeadLetter reports whether r carries the headers this package gives a

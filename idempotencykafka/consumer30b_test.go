@@ -371,3 +371,34 @@ func TestLongHandlerErrorsAreCutInDeadLetters(t *testing.T) {
 	require.NoError(t, err)
 	require.LessOrEqual(t, len(rec.Status.Message()), 8<<10, "the stored give-up is cut too")
 }
+
+// A DescribeConfigs that fails once, for a reason that may pass (a
+// timeout), does not stop Run without WithTTL (as it did), nor lets it go
+// on with a TTL it did not read: Run reads the configs again, and the
+// records' IDs are kept for the topic's retention and the offsets'.
+func TestRunReadsTheConfigsAgainAfterATransientFailure(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	var failed atomic.Bool
+	w.cluster.ControlKey(kmsg.DescribeConfigs.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		w.cluster.KeepControl()
+		if !failed.CompareAndSwap(false, true) {
+			return nil, nil, false
+		}
+		dc := req.(*kmsg.DescribeConfigsRequest)
+		resp := dc.ResponseKind().(*kmsg.DescribeConfigsResponse)
+		for _, r := range dc.Resources {
+			rr := kmsg.NewDescribeConfigsResponseResource()
+			rr.ResourceType, rr.ResourceName = r.ResourceType, r.ResourceName
+			rr.ErrorCode = kerr.RequestTimedOut.Code
+			resp.Resources = append(resp.Resources, rr)
+		}
+		return resp, nil, true
+	})
+	w.produce(t, "credits", amounts(3)...)
+	m := w.startMember(t, "configs-again", "credits", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "configs-again", "credits") == 3 })
+	m.stop()
+	require.True(t, failed.Load())
+	require.Equal(t, 3, w.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE expires_at > now() + interval '13 days'`))
+}

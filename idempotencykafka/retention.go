@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
@@ -18,8 +19,16 @@ import (
 // topic's records again: the TTL each topic's IDs are kept for.
 type retention struct {
 	mu      sync.Mutex
-	offsets time.Duration            // the brokers' offsets.retention.minutes, 0 until read
-	ttl     map[string]time.Duration // by topic
+	offsets time.Duration        // the brokers' offsets.retention.minutes, 0 until read
+	topics  map[string]*topicTTL // by topic
+}
+
+// topicTTL is one topic's TTL, read once; its lock is held while it is
+// read, so that one topic's slow read holds up that topic's records only.
+type topicTTL struct {
+	mu    sync.Mutex
+	ttl   time.Duration
+	known bool
 }
 
 // CheckRetention makes sure that the IDs of every topic the client
@@ -52,36 +61,64 @@ func (c *Consumer) CheckRetention(ctx context.Context) error {
 }
 
 // ttlOf returns how long the IDs of topic's records are kept, reading the
-// topic's and the brokers' configs the first time.
+// topic's and the brokers' configs the first time. An error is the
+// operator's to fix (a TTL too short, configs the client may not read
+// without WithTTL), or a failure to read them that may pass: nothing is
+// kept of it, and the next call reads them again.
 func (c *Consumer) ttlOf(ctx context.Context, topic string) (time.Duration, error) {
 	c.ret.mu.Lock()
-	defer c.ret.mu.Unlock()
-	if ttl, ok := c.ret.ttl[topic]; ok {
-		return ttl, nil
+	e := c.ret.topics[topic]
+	if e == nil {
+		e = &topicTTL{}
+		c.ret.topics[topic] = e
+	}
+	c.ret.mu.Unlock()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.known {
+		return e.ttl, nil
 	}
 	ttl, err := c.readTTL(ctx, topic)
 	if err != nil {
-		if !c.o.ttlSet || errors.Is(err, errRefused) {
+		if !c.o.ttlSet || !notAuthorized(err) {
 			return 0, err
 		}
+		// The client may not read the configs, for good: the operator's
+		// WithTTL is the TTL.
 		c.o.onError(fmt.Errorf("%w; going on with WithTTL(%v)", err, c.o.ttl))
 		ttl = c.o.ttl
 	}
-	c.ret.ttl[topic] = ttl
+	e.ttl, e.known = ttl, true
 	return ttl, nil
 }
 
 // errRefused marks a TTL the configs show to be too short.
 var errRefused = errors.New("idempotencykafka: the TTL of message IDs is too short")
 
+// permanent reports whether a TTL error is the operator's to fix: no retry
+// of the read helps.
+func (c *Consumer) permanent(err error) bool {
+	return errors.Is(err, errRefused) || notAuthorized(err)
+}
+
+// notAuthorized reports whether err says the client may not read configs.
+func notAuthorized(err error) bool {
+	return errors.Is(err, kerr.ClusterAuthorizationFailed) || errors.Is(err, kerr.TopicAuthorizationFailed)
+}
+
 func (c *Consumer) readTTL(ctx context.Context, topic string) (time.Duration, error) {
 	adm := kadm.NewClient(c.client)
-	if c.ret.offsets == 0 {
-		offsets, err := brokersOffsetsRetention(ctx, adm)
-		if err != nil {
+	c.ret.mu.Lock()
+	offsets := c.ret.offsets
+	c.ret.mu.Unlock()
+	if offsets == 0 {
+		var err error
+		if offsets, err = brokersOffsetsRetention(ctx, adm); err != nil {
 			return 0, c.retentionUnknown(err)
 		}
+		c.ret.mu.Lock()
 		c.ret.offsets = offsets
+		c.ret.mu.Unlock()
 	}
 	rcs, err := adm.DescribeTopicConfigs(ctx, topic)
 	if err == nil {
@@ -96,7 +133,7 @@ func (c *Consumer) readTTL(ctx context.Context, topic string) (time.Duration, er
 	}
 	policy := configValue(rcs, "cleanup.policy")
 	forever := retention < 0 || strings.Contains(policy, "compact") && !strings.Contains(policy, "delete")
-	need := retention + c.ret.offsets
+	need := retention + offsets
 	switch {
 	case forever && !c.o.ttlSet:
 		return 0, fmt.Errorf("%w: topic %s keeps its records forever (retention.ms %v, cleanup.policy %q): no TTL of message IDs outlasts it; "+
@@ -108,7 +145,7 @@ func (c *Consumer) readTTL(ctx context.Context, topic string) (time.Duration, er
 	case c.o.ttl < need:
 		return 0, fmt.Errorf("%w: WithTTL(%v) is shorter than topic %s's retention.ms (%v) plus the brokers' offsets.retention.minutes (%v): "+
 			"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set at least %v",
-			errRefused, c.o.ttl, topic, retention, c.ret.offsets, need)
+			errRefused, c.o.ttl, topic, retention, offsets, need)
 	}
 	return c.o.ttl, nil
 }
@@ -146,11 +183,10 @@ func firstErr(rcs kadm.ResourceConfigs) error {
 	return nil
 }
 
-// retentionUnknown is the error of a retention that cannot be read: fatal
-// without an explicit TTL, since the default could then be too short.
+// retentionUnknown is the error of a retention that cannot be read.
 func (c *Consumer) retentionUnknown(err error) error {
 	return fmt.Errorf("idempotencykafka: the topics' retention.ms and the brokers' offsets.retention.minutes cannot be read (%w): "+
-		"grant the client DescribeConfigs, or set WithTTL longer than both together", err)
+		"if the client may not (DescribeConfigs), grant it, or set WithTTL longer than both together", err)
 }
 
 // configValue returns a config's value, "" when absent.

@@ -24,11 +24,11 @@ import (
 // invalid: B identifies the original by its own position, payments/0/0.
 // Redrive keeps the last *valid* one: the copy names payments/0/77.
 //
-// Now: A gives R up, the cause is fixed, A's Redrive succeeds (A's ID
+// Before the fix: A gives R up, the cause is fixed, A's Redrive succeeds (A's ID
 // matches), and B takes the copy for payments/0/77, an ID it never saw:
 // B, which applied R already, applies it a second time.
 //
-// Should: every group takes the copy for the original (B replays it), or
+// Now: every group takes the copy for the original (B replays it), or
 // Redrive refuses a dead letter whose copy some group would identify
 // differently.
 func TestRedriveOfARecordWithDuplicateRedrivenFromHeadersIsReplayedByEveryGroup(t *testing.T) {

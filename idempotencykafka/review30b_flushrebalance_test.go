@@ -21,13 +21,13 @@ import (
 // REBALANCE_IN_PROGRESS: a second member is joining. Then partition 1's
 // record is done too: every record of the poll is done.
 //
-// Now: the flush's commit was started while a partition still worked, so
+// Before the fix: the flush's commit was started while a partition still worked, so
 // it retries with allDone false and never allows the rebalance; the loop
 // that would see partition 1 finish is the one blocked in that retry. The
 // group's rebalance waits for the first member until its rebalance
 // timeout (60 s here), and the joining member gets nothing.
 //
-// Should: once the poll's records are all done, the rebalance is allowed
+// Now: once the poll's records are all done, the rebalance is allowed
 // (as it is when the commit that meets REBALANCE_IN_PROGRESS is the
 // poll's last one), and the second member gets its partitions.
 func TestRebalanceIsAllowedOnceAllDoneWhileTheFlushCommitIsRetried(t *testing.T) {

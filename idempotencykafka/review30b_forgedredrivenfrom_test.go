@@ -17,12 +17,12 @@ import (
 // in the original's topic. Y, a record of its own, is then produced at
 // payments/0/1.
 //
-// Now: X is taken for the record at payments/0/1 and applied under that
+// Before the fix: X is taken for the record at payments/0/1 and applied under that
 // ID; Y, under its own position, finds that ID taken by another body and
 // is dead-lettered as key_reused: a record no one redrove is never
 // applied.
 //
-// Should: a redriven-from header that cannot be a Redrive's (another
+// Now: a redriven-from header that cannot be a Redrive's (another
 // topic, or a position not before the record's own) is not an ID: X and Y
 // are applied once each.
 func TestForgedRedrivenFromNeverTakesAnotherRecordsID(t *testing.T) {

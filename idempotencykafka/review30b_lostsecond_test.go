@@ -20,11 +20,11 @@ import (
 // on the same client for Redrive (an operator's tool, a second handler).
 // The member is fenced while the first consumer retries a record.
 //
-// Now: the package registry maps the client to the Consumer made last, so
+// Before the fix: the package registry maps the client to the Consumer made last, so
 // OnPartitionsLost cancels nothing of the consumer doing the work: it goes
 // on applying the lost partition's record, forever.
 //
-// Should: the work of every Consumer of the client on the lost partitions
+// Now: the work of every Consumer of the client on the lost partitions
 // stops at once (ProcessFetches returns the "was lost" error).
 func TestLostPartitionsWorkStopsWithTwoConsumersOnOneClient(t *testing.T) {
 	t.Parallel()

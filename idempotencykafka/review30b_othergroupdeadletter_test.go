@@ -20,12 +20,12 @@ import (
 // dead-letter topic is payments.dead-letter. Group A cannot apply R (a
 // final error of its own handler) and dead-letters it; group B applies R.
 //
-// Now: B reads A's dead letter of R back from payments.dead-letter. Its
+// Before the fix: B reads A's dead letter of R back from payments.dead-letter. Its
 // scope header is A's, so B does not take it for a dead letter of its own
 // and applies it as a record of the topic payments.dead-letter, under a
 // scope where R's ID is unknown: B applies R's effect twice.
 //
-// Should: each group applies each record once; B never applies a dead
+// Now: each group applies each record once; B never applies a dead
 // letter (of any group) as a new record.
 func TestAnotherGroupsDeadLetterIsNotAppliedAgain(t *testing.T) {
 	t.Parallel()
