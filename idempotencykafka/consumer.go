@@ -662,9 +662,10 @@ const (
 	// headers, and says why; the original is at the position the other
 	// headers name, for as long as the topic keeps it.
 	HeaderValueOmitted = "idempotency-dead-letter-value-omitted"
-	// HeaderScope is the scope the record's ID lives in: a consumer of
-	// that scope that reads the dead letter back (subscribed to its own
-	// dead-letter topic) never applies it; Redrive does.
+	// HeaderScope is the scope the record's ID lives in, which Redrive
+	// checks. (A dead letter read back, by a consumer subscribed to its
+	// dead-letter topics, is identified as its record: a group that
+	// applied the record, or gave it up, never applies it again.)
 	HeaderScope     = "idempotency-dead-letter-scope"
 	HeaderOutcome   = "idempotency-dead-letter-outcome"
 	HeaderMessageID = "idempotency-dead-letter-message-id"

@@ -44,7 +44,10 @@ type topicTTL struct {
 // from the start). Without [WithTTL] that sum is the TTL of the topic's
 // IDs; with it, a shorter TTL is refused, naming both. A topic that keeps
 // its records forever (retention.ms -1, or cleanup.policy compact without
-// delete) needs an explicit TTL, the operator's decision.
+// delete) needs an explicit TTL, the operator's decision. Configs the
+// client is not authorized to read are an error without WithTTL, and
+// WithTTL's value with it; a read that fails for another reason is tried
+// again (Run waits for it, and a record waits for its topic's).
 func (c *Consumer) CheckRetention(ctx context.Context) error {
 	topics := c.client.GetConsumeTopics()
 	if regex, _ := c.client.OptValue(kgo.ConsumeRegex).(bool); !regex {
