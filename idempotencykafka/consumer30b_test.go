@@ -9,6 +9,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -401,4 +402,20 @@ func TestRunReadsTheConfigsAgainAfterATransientFailure(t *testing.T) {
 	m.stop()
 	require.True(t, failed.Load())
 	require.Equal(t, 3, w.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE expires_at > now() + interval '13 days'`))
+}
+
+// A topic's dead letters are its records: read back from a dead-letter
+// topic that keeps them 30 days, they must find their IDs, so the IDs of
+// the topic's records outlast the dead-letter topic's retention too.
+func TestIDsOutlastTheDeadLetterTopicsRetention(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter")
+	ms := "2592000000"
+	_, err := w.admin.AlterTopicConfigs(context.Background(), []kadm.AlterConfig{{Name: "retention.ms", Value: &ms}}, "payments.dead-letter")
+	require.NoError(t, err)
+	w.produce(t, "payments", amounts(3)...)
+	m := w.startMember(t, "dlt-retention", "payments")
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "dlt-retention", "payments") == 3 })
+	m.stop()
+	require.Equal(t, 3, w.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE expires_at > now() + interval '36 days'`))
 }

@@ -44,7 +44,10 @@ type topicTTL struct {
 // from the start). Without [WithTTL] that sum is the TTL of the topic's
 // IDs; with it, a shorter TTL is refused, naming both. A topic that keeps
 // its records forever (retention.ms -1, or cleanup.policy compact without
-// delete) needs an explicit TTL, the operator's decision. Configs the
+// delete) needs an explicit TTL, the operator's decision. A topic's dead
+// letters are its records (read back, they are identified as such), so its
+// IDs outlast its dead-letter topic's retention too, when that topic
+// exists at the first read. Configs the
 // client is not authorized to read are an error without WithTTL, and
 // WithTTL's value with it; a read that fails for another reason is tried
 // again (Run waits for it, and a record waits for its topic's).
@@ -123,18 +126,46 @@ func (c *Consumer) readTTL(ctx context.Context, topic string) (time.Duration, er
 		c.ret.offsets = offsets
 		c.ret.mu.Unlock()
 	}
-	rcs, err := adm.DescribeTopicConfigs(ctx, topic)
+	// The topic's dead letters are its records too (a consumer of the
+	// dead-letter topic identifies them as such): their IDs outlast the
+	// dead-letter topic's retention as well, when it exists.
+	topics := []string{topic}
+	if dlt := c.o.deadLetterTopic(topic); validTopic(dlt) && dlt != topic {
+		topics = append(topics, dlt)
+	}
+	rcs, err := adm.DescribeTopicConfigs(ctx, topics...)
 	if err == nil {
-		err = firstErr(rcs)
+		if own, onErr := rcs.On(topic, nil); onErr != nil {
+			err = onErr
+		} else {
+			err = firstErr(kadm.ResourceConfigs{own})
+		}
 	}
 	if err != nil {
 		return 0, c.retentionUnknown(err)
 	}
-	retention, ok := configMillis(rcs, "retention.ms", time.Millisecond)
+	var ttl time.Duration
+	for _, rc := range rcs {
+		if rc.Err != nil && rc.Name != topic {
+			continue // no dead-letter topic (yet)
+		}
+		d, err := c.ttlFor(kadm.ResourceConfigs{rc}, offsets)
+		if err != nil {
+			return 0, err
+		}
+		ttl = max(ttl, d)
+	}
+	return ttl, nil
+}
+
+// ttlFor is the TTL of the IDs of one topic, of configs rc.
+func (c *Consumer) ttlFor(rc kadm.ResourceConfigs, offsets time.Duration) (time.Duration, error) {
+	topic := rc[0].Name
+	retention, ok := configMillis(rc, "retention.ms", time.Millisecond)
 	if !ok {
 		retention = 7 * 24 * time.Hour // Kafka's default
 	}
-	policy := configValue(rcs, "cleanup.policy")
+	policy := configValue(rc, "cleanup.policy")
 	forever := retention < 0 || strings.Contains(policy, "compact") && !strings.Contains(policy, "delete")
 	need := retention + offsets
 	switch {
