@@ -173,6 +173,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 	}
 	for {
+		c.newPoll()
 		fetches := c.client.PollRecords(ctx, c.o.maxPollRecords)
 		if fetches.IsClientClosed() {
 			return nil
@@ -184,7 +185,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		fetches.EachError(func(topic string, partition int32, err error) {
 			c.o.onError(fmt.Errorf("idempotencykafka: fetch %s/%d: %w", topic, partition, err))
 		})
-		err := c.ProcessFetches(ctx, fetches)
+		err := c.processFetches(ctx, fetches)
 		c.client.AllowRebalance()
 		if err != nil {
 			if ctx.Err() != nil {
@@ -207,6 +208,15 @@ func (c *Consumer) Run(ctx context.Context) error {
 // still work (and a partition's every [WithCommitEvery] records on the
 // way). The error joins the failed offset commits and ctx's error.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
+	// A partition lost before this call (between the caller's poll and
+	// it, without kgo.BlockRebalanceOnPoll) is lost to it: its offsets are
+	// not committed. Losses are forgotten once the poll is done; Run,
+	// which knows when it polls, forgets them before each poll.
+	defer c.newPoll()
+	return c.processFetches(ctx, fetches)
+}
+
+func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) error {
 	type finished struct {
 		last *kgo.Record // done, its offset not committed yet
 		err  error
@@ -217,7 +227,6 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 			partitions = append(partitions, p)
 		}
 	})
-	c.newPoll()
 	results := make(chan finished, len(partitions))
 	var running atomic.Int64 // partitions still applying records
 	running.Store(int64(len(partitions)))
@@ -482,8 +491,14 @@ func transient(err error) bool {
 // consumer gives this Message to Store.ProcessMessage, so that the two
 // never both apply it.
 func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Message, error) {
-	topic, pos := origin(r)
+	topic, pos := c.origin(r)
 	ttl, err := c.ttlOf(ctx, topic)
+	if errors.Is(err, kerr.UnknownTopicOrPartition) && topic != r.Topic {
+		// A dead letter of a topic deleted since: its records are never
+		// read again there, and the dead letter's own topic is what can
+		// deliver it again.
+		ttl, err = c.ttlOf(ctx, r.Topic)
+	}
 	if err != nil {
 		return idempotency.Message{}, err
 	}
@@ -504,7 +519,7 @@ func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Mess
 // every group that reads the copy takes it for the original, whatever ID
 // header it reads.
 func (c *Consumer) messageID(r *kgo.Record) string {
-	_, pos := origin(r)
+	_, pos := c.origin(r)
 	return c.idOf(r.Headers, pos)
 }
 
@@ -527,13 +542,14 @@ func (c *Consumer) idOf(headers []kgo.RecordHeader, pos string) string {
 // record r stands for: a dead letter's original (a dead letter is its
 // record, read from elsewhere: a group that applied the record, or gave it
 // up, never applies its dead letter again); a redriven copy's original
-// ([HeaderRedrivenFrom]); else r itself. A redriven-from header that no
-// Redrive could have set (another topic, or not before the copy in its
-// partition) is not taken.
-func origin(r *kgo.Record) (topic, pos string) {
+// ([HeaderRedrivenFrom]); else r itself. Headers no dead-lettering or
+// Redrive could have set are not taken: dead-letter headers on a record
+// outside the dead-letter topic of the topic they name, a redriven-from
+// header naming another topic or a position not before the copy in its
+// partition.
+func (c *Consumer) origin(r *kgo.Record) (topic, pos string) {
 	topic, pos = r.Topic, position(r.Topic, int64(r.Partition), r.Offset)
-	if isDeadLetter(r) {
-		t, _ := lastHeader(r, HeaderTopic)
+	if t, _ := lastHeader(r, HeaderTopic); isDeadLetter(r) && t != r.Topic && c.o.deadLetterTopic(t) == r.Topic {
 		p, _ := lastHeader(r, HeaderPartition)
 		o, _ := lastHeader(r, HeaderOffset)
 		if dl, ok := parsePosition(t + "/" + p + "/" + o); ok {
@@ -828,7 +844,11 @@ func neverProduced(err error) bool {
 // The effect stays once: the ID's record is forgotten only when it failed
 // ([idempotency.Store.ForgetFailed]), so a Redrive repeated, or of a
 // record that was applied after all, produces a copy that is replayed, or
-// refuses. Redrive a dead letter with the consumer that dead-lettered it
+// refuses. Another group keeps its ID of the original for its TTL from
+// when it applied it: a copy it reads after that (it lags, or re-reads the
+// topic, past the TTL) is a new record to it, so redrive soon after the
+// cause is fixed, and give groups that share a topic a TTL with room for
+// it. Redrive a dead letter with the consumer that dead-lettered it
 // (its scope and ID header); another refuses it. It refuses a record
 // whose ID another record took first (the dead letter's outcome
 // key_reused: produce it again under a new ID), and a dead letter without
@@ -860,7 +880,7 @@ func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 	// dead letter stands for (the original's, when it was a copy itself),
 	// which every consumer identifies the copy by as it identified the
 	// dead letter and the original.
-	_, from := origin(dl)
+	_, from := c.origin(dl)
 	again := &kgo.Record{Topic: topic, Key: dl.Key, Value: dl.Value}
 	for _, hd := range dl.Headers {
 		if hd.Key != HeaderRedrivenFrom && !strings.HasPrefix(hd.Key, "idempotency-dead-letter-") {

@@ -174,9 +174,9 @@ func TestTTLShorterThanRetentionIsRefused(t *testing.T) {
 		return c.Run(ctx)
 	}
 	err = run("credits", idempotencykafka.WithTTL(time.Hour))
-	require.ErrorContains(t, err, "WithTTL(1h0m0s) is shorter than topic credits's retention.ms (168h0m0s) plus the brokers' offsets.retention.minutes (168h0m0s)")
-	require.ErrorContains(t, err, "set at least 336h0m0s")
-	require.ErrorIs(t, run("credits", idempotencykafka.WithTTL(15*24*time.Hour)), context.DeadlineExceeded, "a long enough TTL runs")
+	require.ErrorContains(t, err, "WithTTL(1h0m0s) is shorter than topic credits's retention.ms (168h0m0s) and segment.ms (168h0m0s) plus the brokers' offsets.retention.minutes (168h0m0s)")
+	require.ErrorContains(t, err, "set at least 504h0m0s")
+	require.ErrorIs(t, run("credits", idempotencykafka.WithTTL(22*24*time.Hour)), context.DeadlineExceeded, "a long enough TTL runs")
 	require.ErrorContains(t, run("forever"), "keeps its records forever")
 	require.ErrorIs(t, run("forever", idempotencykafka.WithTTL(30*24*time.Hour)), context.DeadlineExceeded, "an explicit TTL is the operator's decision")
 }

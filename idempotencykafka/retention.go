@@ -39,9 +39,10 @@ type topicTTL struct {
 // client) are checked when their first records arrive, before any is
 // applied, and by [Consumer.Message].
 //
-// A topic's records may come again for its retention.ms plus the brokers'
-// offsets.retention.minutes (a group whose offsets expire reads its topics
-// from the start). Without [WithTTL] that sum is the TTL of the topic's
+// A topic's records may come again for its retention.ms and segment.ms (a
+// segment is deleted once its newest record is past retention) plus the
+// brokers' offsets.retention.minutes (a group whose offsets expire reads
+// its topics from the start). Without [WithTTL] that sum is the TTL of the topic's
 // IDs; with it, a shorter TTL is refused, naming both. A topic that keeps
 // its records forever (retention.ms -1, or cleanup.policy compact without
 // delete) needs an explicit TTL, the operator's decision. A topic's dead
@@ -165,9 +166,15 @@ func (c *Consumer) ttlFor(rc kadm.ResourceConfigs, offsets time.Duration) (time.
 	if !ok {
 		retention = 7 * 24 * time.Hour // Kafka's default
 	}
+	// Kafka deletes a segment once its newest record is past retention.ms:
+	// a segment's oldest record is there for up to segment.ms longer.
+	segment, ok := configMillis(rc, "segment.ms", time.Millisecond)
+	if !ok || segment < 0 {
+		segment = 7 * 24 * time.Hour // Kafka's default
+	}
 	policy := configValue(rc, "cleanup.policy")
 	forever := retention < 0 || strings.Contains(policy, "compact") && !strings.Contains(policy, "delete")
-	need := retention + offsets
+	need := retention + segment + offsets
 	switch {
 	case forever && !c.o.ttlSet:
 		return 0, fmt.Errorf("%w: topic %s keeps its records forever (retention.ms %v, cleanup.policy %q): no TTL of message IDs outlasts it; "+
@@ -177,9 +184,9 @@ func (c *Consumer) ttlFor(rc kadm.ResourceConfigs, offsets time.Duration) (time.
 	case !c.o.ttlSet:
 		return need, nil
 	case c.o.ttl < need:
-		return 0, fmt.Errorf("%w: WithTTL(%v) is shorter than topic %s's retention.ms (%v) plus the brokers' offsets.retention.minutes (%v): "+
+		return 0, fmt.Errorf("%w: WithTTL(%v) is shorter than topic %s's retention.ms (%v) and segment.ms (%v) plus the brokers' offsets.retention.minutes (%v): "+
 			"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set at least %v",
-			errRefused, c.o.ttl, topic, retention, offsets, need)
+			errRefused, c.o.ttl, topic, retention, segment, offsets, need)
 	}
 	return c.o.ttl, nil
 }

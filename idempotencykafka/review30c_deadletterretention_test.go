@@ -36,14 +36,14 @@ func (w *world) passDays(t *testing.T, days int) {
 // after the brokers' 7 days) B starts again and reads its topics from the
 // start: payments.dead-letter still has the dead letter, for 15 more days.
 //
-// Now: the dead letter's ID is given the TTL of its original's topic,
+// Before the fix: the dead letter's ID is given the TTL of its original's topic,
 // payments (7 days of retention and 7 of offsets: 14 days), and B's ID of
 // R was stored with that TTL when B applied R; nothing accounts for the
 // dead-letter topic, where a record standing for R is kept 30 days (and 37
 // before a group whose offsets expired stops reading it). B finds R's ID
 // forgotten and applies R's effect a second time.
 //
-// Should: every group applies R at most once, whatever record stands for
+// Now: every group applies R at most once, whatever record stands for
 // it: an ID outlasts every record it identifies, the dead letters read by
 // regex included (or a record standing for an ID that may have been
 // forgotten is not applied).

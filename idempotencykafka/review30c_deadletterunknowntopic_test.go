@@ -16,14 +16,14 @@ import (
 // group that reads a dead-letter topic, the dead letter of a topic deleted
 // since. Behind it in the partition is a good record.
 //
-// Now: the record is identified as a record of the named topic, whose
+// Before the fix: the record is identified as a record of the named topic, whose
 // retention is read for its ID's TTL; DescribeConfigs answers
 // UNKNOWN_TOPIC_OR_PARTITION, taken for a failure that may pass, and the
 // record waits for it, tried again forever: neither it nor the good record
 // behind it is ever applied or committed (one record's headers stop the
 // partition).
 //
-// Should: a record whose named original topic does not exist never blocks
+// Now: a record whose named original topic does not exist never blocks
 // its partition: it is applied (as itself), dead-lettered, or skipped
 // with an error, and the good record behind it is applied: both offsets
 // are committed.

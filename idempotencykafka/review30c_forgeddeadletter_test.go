@@ -30,12 +30,12 @@ func forgedDeadLetter(value, topic, partition, offset string) *kgo.Record {
 // was fixed for this case, TestForgedRedrivenFromNeverTakesAnotherRecordsID;
 // the dead-letter headers take the same path to another record's ID.)
 //
-// Now: X is taken for the record at payments/0/1 and applied under that
+// Before the fix: X is taken for the record at payments/0/1 and applied under that
 // ID; Y, under its own position, finds that ID taken by another body and
 // is dead-lettered as key_reused: a record no one dead-lettered is never
 // applied (and Redrive refuses its dead letter, key_reused).
 //
-// Should: dead-letter headers that cannot be a dead letter's (naming the
+// Now: dead-letter headers that cannot be a dead letter's (naming the
 // record's own topic at a position not before it) are not an ID: X and Y
 // are applied once each, nothing dead-lettered.
 func TestForgedDeadLetterHeadersNeverTakeALaterRecordsID(t *testing.T) {

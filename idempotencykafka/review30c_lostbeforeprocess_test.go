@@ -21,11 +21,11 @@ import (
 // real loss, with the member's next generation, over the new owner's
 // offsets).
 //
-// Now: ProcessFetches begins with newPoll, which clears the partitions
+// Before the fix: ProcessFetches begins with newPoll, which clears the partitions
 // marked lost, so the loss is forgotten: the lost partition's record is
 // applied and its offset committed.
 //
-// Should: no offset of a partition lost after its records were polled is
+// Now: no offset of a partition lost after its records were polled is
 // committed (OnPartitionsLost: "no offset of a lost partition is
 // committed").
 func TestPartitionLostBeforeProcessFetchesIsNotCommitted(t *testing.T) {

@@ -19,11 +19,11 @@ import (
 // that re-reads the topic (its offsets expired after a day without a
 // member, reset, a group recreated) reads it for all that time.
 //
-// Now: the TTL is retention.ms plus offsets.retention.minutes, 8 days, and
+// Before the fix: the TTL is retention.ms plus offsets.retention.minutes, 8 days, and
 // segment.ms is never read: a record re-read between its 8th and its 14th
 // day finds its ID forgotten and is applied again.
 //
-// Should: the IDs of a topic's records outlast what Kafka may still
+// Now: the IDs of a topic's records outlast what Kafka may still
 // deliver of it, at least retention.ms plus segment.ms (14 days here).
 func TestTTLOutlastsTheTopicsSegmentsToo(t *testing.T) {
 	t.Parallel()
