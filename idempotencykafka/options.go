@@ -179,7 +179,7 @@ func WithRetryBackoff(base, max time.Duration) Option {
 // after its ID was forgotten is applied again, and a group re-reads its
 // topics from the start when its offsets go (expired after the broker's
 // offsets.retention.minutes, reset, the group recreated): so the TTL must
-// outlast each topic's retention.ms plus the offsets' retention, and a
+// outlast each topic's retention.ms and segment.ms plus the offsets' retention, and a
 // shorter one is refused (see [Consumer.CheckRetention]). Without WithTTL
 // each topic's IDs are kept for that sum, read from the brokers; a topic
 // that keeps its records forever (retention.ms -1, or compacted without
