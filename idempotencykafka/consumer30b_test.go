@@ -48,6 +48,44 @@ func refuseCommits(cluster *kfake.Cluster, group string, code int16, refuse func
 // commit, and counts the commits asked about in n.
 func once(n *atomic.Int64) func() bool { return func() bool { return n.Add(1) == 1 } }
 
+// fenceHeartbeats makes the broker answer the group's heartbeats with
+// UNKNOWN_MEMBER_ID while fenced is set: franz-go then reports the
+// member's partitions lost.
+func fenceHeartbeats(cluster *kfake.Cluster, group string, fenced *atomic.Bool) {
+	cluster.ControlKey(kmsg.Heartbeat.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		hb := req.(*kmsg.HeartbeatRequest)
+		if hb.Group != group || !fenced.Load() {
+			return nil, nil, false
+		}
+		resp := hb.ResponseKind().(*kmsg.HeartbeatResponse)
+		resp.ErrorCode = kerr.UnknownMemberID.Code
+		return resp, nil, true
+	})
+}
+
+// failDescribeConfigsOnce makes the broker time out the first
+// DescribeConfigs request; failed says it did.
+func failDescribeConfigsOnce(cluster *kfake.Cluster) (failed *atomic.Bool) {
+	failed = new(atomic.Bool)
+	cluster.ControlKey(kmsg.DescribeConfigs.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		cluster.KeepControl()
+		if !failed.CompareAndSwap(false, true) {
+			return nil, nil, false
+		}
+		dc := req.(*kmsg.DescribeConfigsRequest)
+		resp := dc.ResponseKind().(*kmsg.DescribeConfigsResponse)
+		for _, r := range dc.Resources {
+			rr := kmsg.NewDescribeConfigsResponseResource()
+			rr.ResourceType, rr.ResourceName = r.ResourceType, r.ResourceName
+			rr.ErrorCode = kerr.RequestTimedOut.Code
+			resp.Resources = append(resp.Resources, rr)
+		}
+		return resp, nil, true
+	})
+	return failed
+}
+
 // end is the end offset of topic's partition 0.
 func (w *world) end(t testing.TB, topic string) int64 {
 	t.Helper()
@@ -283,16 +321,7 @@ func TestLostPartitionsWorkStops(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments")
 	var fenced atomic.Bool
-	w.cluster.ControlKey(kmsg.Heartbeat.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		w.cluster.KeepControl()
-		hb := req.(*kmsg.HeartbeatRequest)
-		if hb.Group != "lost-group" || !fenced.Load() {
-			return nil, nil, false
-		}
-		resp := hb.ResponseKind().(*kmsg.HeartbeatResponse)
-		resp.ErrorCode = kerr.UnknownMemberID.Code
-		return resp, nil, true
-	})
+	fenceHeartbeats(w.cluster, "lost-group", &fenced)
 	w.produce(t, "payments", rec("r", "acct-1", "ref:never"))
 	client, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("lost-group"), kgo.ConsumeTopics("payments"),
 		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords(),
@@ -380,22 +409,7 @@ func TestLongHandlerErrorsAreCutInDeadLetters(t *testing.T) {
 func TestRunReadsTheConfigsAgainAfterATransientFailure(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "credits")
-	var failed atomic.Bool
-	w.cluster.ControlKey(kmsg.DescribeConfigs.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		w.cluster.KeepControl()
-		if !failed.CompareAndSwap(false, true) {
-			return nil, nil, false
-		}
-		dc := req.(*kmsg.DescribeConfigsRequest)
-		resp := dc.ResponseKind().(*kmsg.DescribeConfigsResponse)
-		for _, r := range dc.Resources {
-			rr := kmsg.NewDescribeConfigsResponseResource()
-			rr.ResourceType, rr.ResourceName = r.ResourceType, r.ResourceName
-			rr.ErrorCode = kerr.RequestTimedOut.Code
-			resp.Resources = append(resp.Resources, rr)
-		}
-		return resp, nil, true
-	})
+	failed := failDescribeConfigsOnce(w.cluster)
 	w.produce(t, "credits", amounts(3)...)
 	m := w.startMember(t, "configs-again", "credits", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
 	waitFor(t, "every offset committed", func() bool { return w.committed(t, "configs-again", "credits") == 3 })

@@ -8,9 +8,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/idempotencykafka"
@@ -30,16 +28,7 @@ func TestLostPartitionsWorkStopsWithTwoConsumersOnOneClient(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments")
 	var fenced atomic.Bool
-	w.cluster.ControlKey(kmsg.Heartbeat.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		w.cluster.KeepControl()
-		hb := req.(*kmsg.HeartbeatRequest)
-		if hb.Group != "lost-two" || !fenced.Load() {
-			return nil, nil, false
-		}
-		resp := hb.ResponseKind().(*kmsg.HeartbeatResponse)
-		resp.ErrorCode = kerr.UnknownMemberID.Code
-		return resp, nil, true
-	})
+	fenceHeartbeats(w.cluster, "lost-two", &fenced)
 	w.produce(t, "payments", rec("r", "acct-1", "ref:never"))
 	client, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("lost-two"), kgo.ConsumeTopics("payments"),
 		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords(),

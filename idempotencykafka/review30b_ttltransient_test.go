@@ -2,14 +2,11 @@ package idempotencykafka_test
 
 import (
 	"context"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
@@ -32,22 +29,7 @@ import (
 func TestShortTTLIsRefusedAfterATransientDescribeConfigsFailure(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "credits")
-	var failed atomic.Bool
-	w.cluster.ControlKey(kmsg.DescribeConfigs.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		w.cluster.KeepControl()
-		if !failed.CompareAndSwap(false, true) {
-			return nil, nil, false
-		}
-		dc := req.(*kmsg.DescribeConfigsRequest)
-		resp := dc.ResponseKind().(*kmsg.DescribeConfigsResponse)
-		for _, r := range dc.Resources {
-			rr := kmsg.NewDescribeConfigsResponseResource()
-			rr.ResourceType, rr.ResourceName = r.ResourceType, r.ResourceName
-			rr.ErrorCode = kerr.RequestTimedOut.Code
-			resp.Resources = append(resp.Resources, rr)
-		}
-		return resp, nil, true
-	})
+	failed := failDescribeConfigsOnce(w.cluster)
 	w.produce(t, "credits", amounts(3)...)
 	client, err := kgo.NewClient(consumerOpts(w.brokers, "ttl-transient", "credits")...)
 	require.NoError(t, err)
