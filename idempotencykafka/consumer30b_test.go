@@ -433,3 +433,40 @@ func TestIDsOutlastTheDeadLetterTopicsRetention(t *testing.T) {
 	m.stop()
 	require.Equal(t, 3, w.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE expires_at > now() + interval '36 days'`))
 }
+
+// A group keeps the ID of a record it applied until at least the record's
+// time plus its TTL, no longer. A dead letter or a redriven copy of a
+// record older than that may stand for a record a group applied and has
+// forgotten since: it was applied again (a late redrive, a dead-letter
+// topic read late). Such a record is never applied: Redrive refuses it,
+// and a consumer of the dead-letter topic gives it up.
+func TestDeadLettersAndCopiesOfRecordsOlderThanTheTTLAreNeverApplied(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "payments", "payments.dead-letter", "payments.dead-letter.dead-letter")
+	old := rec("r", "acct-1", "ref:later")
+	old.Timestamp = time.Now().Add(-30 * 24 * time.Hour)
+	w.produce(t, "payments", old)
+	m := w.startMember(t, "old-group", "payments", idempotencykafka.WithMaxAttempts(1))
+	waitFor(t, "R dead-lettered", func() bool { return w.committed(t, "old-group", "payments") == 1 })
+	dl := w.readAll(t, "payments.dead-letter", 1)[0]
+	require.NotEmpty(t, header(dl, idempotencykafka.HeaderRecordTime))
+	_, err := w.db.Pool.Exec(context.Background(), `INSERT INTO refs VALUES ('later')`)
+	require.NoError(t, err)
+	require.ErrorContains(t, m.consumer.Redrive(context.Background(), dl), "older than the 504h0m0s this consumer remembers IDs")
+	m.stop()
+
+	// A group that reads the dead-letter topic, a record of 30 days
+	// whose original it may have applied: not applied.
+	var gaveUp atomic.Int64
+	reader := w.startMember(t, "dlt-reader", "payments.dead-letter", idempotencykafka.WithDeadLetterHandler(func(_ *kgo.Record, cause string) {
+		if strings.Contains(cause, "whether it was applied cannot be told") {
+			gaveUp.Add(1)
+		}
+	}))
+	waitFor(t, "the dead letter read", func() bool { return w.committed(t, "dlt-reader", "payments.dead-letter") == 1 })
+	reader.stop()
+	require.EqualValues(t, 1, gaveUp.Load())
+	rows, _ := w.credits(t)
+	require.Zero(t, rows, "R is never applied")
+	require.Zero(t, w.end(t, "payments.dead-letter.dead-letter"))
+}
