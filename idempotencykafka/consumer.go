@@ -419,9 +419,6 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 	}
 	id := m.ID
 	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handle(ctx, tx, r) }
-	if err := c.tooOld(r, m.TTL); err != nil {
-		fn = func(context.Context, pgx.Tx) error { return idempotency.Final(err) }
-	}
 	failures, givingUp := 0, false
 	for wait := uint(0); ; wait++ {
 		outcome, err := c.apply(ctx, m, fn)
@@ -610,36 +607,6 @@ func parsePosition(v string) (recordPosition, bool) {
 	return recordPosition{v[:j], int32(p), o}, true
 }
 
-// tooOld is the error of a dead letter or a redriven copy whose record is
-// older than the consumer remembers IDs (ttl, less an hour for clocks): a
-// group that applied the record has its ID until at least the record's
-// time plus the TTL, and may have forgotten it since.
-func (c *Consumer) tooOld(r *kgo.Record, ttl time.Duration) error {
-	if _, pos := c.origin(r); pos == position(r.Topic, int64(r.Partition), r.Offset) {
-		return nil // the record itself
-	}
-	if ttl <= 0 {
-		ttl = idempotency.DefaultTTL
-	}
-	at := recordTime(r)
-	if age := time.Since(at); age >= ttl-time.Hour {
-		return fmt.Errorf("a dead letter or redriven copy of a record of %s, %v old, older than the %v this consumer remembers IDs: "+
-			"whether it was applied cannot be told; check, and apply it by hand if it was not", at.UTC().Format(time.RFC3339), age.Round(time.Minute), ttl)
-	}
-	return nil
-}
-
-// recordTime is the time of the record r stands for (HeaderRecordTime), or
-// r's own.
-func recordTime(r *kgo.Record) time.Time {
-	if v, ok := lastHeader(r, HeaderRecordTime); ok {
-		if ms, err := strconv.ParseInt(v, 10, 64); err == nil {
-			return time.UnixMilli(ms)
-		}
-	}
-	return r.Timestamp
-}
-
 // lastHeader is the value of r's last header named key: the dead-letter
 // headers follow the record's own, so a record's own header of that name
 // never stands in for them.
@@ -696,14 +663,6 @@ func body(r *kgo.Record) []byte {
 	b := binary.AppendUvarint(make([]byte, 0, binary.MaxVarintLen64+len(r.Key)+len(r.Value)), uint64(len(r.Key)))
 	return append(append(b, r.Key...), r.Value...)
 }
-
-// HeaderRecordTime is on a dead letter, and on the copy Redrive produces
-// of it: the time of the record they stand for (Unix milliseconds). A
-// consumer never applies a dead letter or a copy whose record is older
-// than it remembers IDs: a group that applied the record may have
-// forgotten it, and whether it did cannot be told. Such a record is
-// given up, reported, for an operator to check.
-const HeaderRecordTime = "idempotency-record-time"
 
 // HeaderRedrivenFrom is on a record [Consumer.Redrive] produced: the
 // position ("topic/partition/offset") of the record it applies again,
@@ -763,9 +722,6 @@ func (c *Consumer) deadLetter(ctx context.Context, r *kgo.Record, id string, out
 			kgo.RecordHeader{Key: HeaderPartition, Value: []byte(strconv.FormatInt(int64(r.Partition), 10))},
 			kgo.RecordHeader{Key: HeaderOffset, Value: []byte(strconv.FormatInt(r.Offset, 10))},
 		),
-	}
-	if _, ok := lastHeader(r, HeaderRecordTime); !ok {
-		dl.Headers = append(dl.Headers, kgo.RecordHeader{Key: HeaderRecordTime, Value: []byte(strconv.FormatInt(r.Timestamp.UnixMilli(), 10))})
 	}
 	if !validTopic(dl.Topic) {
 		// A name no broker accepts (WithDeadLetterTopic's function for a
@@ -888,10 +844,11 @@ func neverProduced(err error) bool {
 // The effect stays once: the ID's record is forgotten only when it failed
 // ([idempotency.Store.ForgetFailed]), so a Redrive repeated, or of a
 // record that was applied after all, produces a copy that is replayed, or
-// refuses. A group keeps its ID of the original for its TTL from when it
-// applied it, no longer: a copy of a record older than the TTL is never
-// applied ([HeaderRecordTime]), and Redrive refuses it. Redrive a dead
-// letter with the consumer that dead-lettered it
+// refuses. Another group keeps its ID of the original for its TTL from
+// when it applied it: a copy it reads after that (it lags, or re-reads the
+// topic, past the TTL) is a new record to it, so redrive soon after the
+// cause is fixed, and give groups that share a topic a TTL with room for
+// it. Redrive a dead letter with the consumer that dead-lettered it
 // (its scope and ID header); another refuses it. It refuses a record
 // whose ID another record took first (the dead letter's outcome
 // key_reused: produce it again under a new ID), and a dead letter without
@@ -931,11 +888,6 @@ func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 		}
 	}
 	again.Headers = append(again.Headers, kgo.RecordHeader{Key: HeaderRedrivenFrom, Value: []byte(from)})
-	if ttl, err := c.ttlOf(ctx, topic); err != nil {
-		return fmt.Errorf("idempotencykafka: redrive %s: %w", where, err)
-	} else if err := c.tooOld(dl, ttl); err != nil {
-		return fmt.Errorf("idempotencykafka: redrive %s: %w", where, err)
-	}
 	if got := c.idOf(again.Headers, from); got != id {
 		return fmt.Errorf("idempotencykafka: redrive %s: this consumer identifies the record as %q, the dead letter names %q (another ID header?): redrive it with the consumer that dead-lettered it", where, got, id)
 	}

@@ -39,8 +39,8 @@ import (
 // for as long as the copy can be read (or it is not applied by a group
 // whose ID of the original may have been forgotten).
 func TestRedrivenCopyReadAfterTheOriginalsTTLIsNeverAppliedAgain(t *testing.T) {
-	t.Skip("time passes here by moving the keys' expiry back while the records stay new; a copy whose record is older than the TTL " +
-		"is never applied (HeaderRecordTime), which TestDeadLettersAndCopiesOfRecordsOlderThanTheTTLAreNeverApplied shows with records that are old")
+	t.Skip("known limit, documented on Consumer.Redrive: another group keeps its ID of the original for its TTL from when it applied it; " +
+		"a copy redriven late and read after that is taken for a new record")
 	t.Parallel()
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
 	ctx := context.Background()
