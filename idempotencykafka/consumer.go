@@ -37,6 +37,7 @@
 package idempotencykafka
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/binary"
@@ -206,7 +207,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 // of the poll's last records are committed in one request once every
 // partition is done, or a second after the first was done while others
 // still work (and a partition's every [WithCommitEvery] records on the
-// way). The error joins the failed offset commits and ctx's error.
+// way). A partition whose records it left undone (lost, moved, stopping)
+// is set back to the first of them, so that the client, if it keeps the
+// partition, delivers them again rather than the records after them. The
+// error joins the failed offset commits and ctx's error.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
 	// A partition lost before this call (between the caller's poll and
 	// it, without kgo.BlockRebalanceOnPoll) is lost to it: its offsets are
@@ -221,12 +225,7 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 		last *kgo.Record // done, its offset not committed yet
 		err  error
 	}
-	var partitions []kgo.FetchTopicPartition
-	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
-		if len(p.Records) > 0 {
-			partitions = append(partitions, p)
-		}
-	})
+	partitions := byPartition(fetches)
 	results := make(chan finished, len(partitions))
 	var running atomic.Int64 // partitions still applying records
 	running.Store(int64(len(partitions)))
@@ -236,10 +235,13 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 		go func() {
 			pctx, end := c.partitionContext(ctx, p)
 			defer end()
-			last, err := c.processPartition(pctx, p.Records)
+			last, undone, err := c.processPartition(pctx, p.Records)
 			if ctx.Err() == nil && pctx.Err() != nil {
 				// Lost: its offsets are not the member's to commit.
 				last, err = nil, context.Cause(pctx)
+			}
+			if undone != nil {
+				c.rewind(undone)
 			}
 			running.Add(-1)
 			if last != nil && c.o.commitPerPartition {
@@ -292,9 +294,9 @@ const pollCommitWait = time.Second
 
 // processPartition applies records in order, committing the offset after
 // every commitEvery records done; it returns the last record done whose
-// offset is not committed yet.
-func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) (*kgo.Record, error) {
-	var last *kgo.Record
+// offset is not committed yet, and, when it stopped early, the first
+// record not done.
+func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) (last, undone *kgo.Record, err error) {
 	for i, r := range records {
 		if r.Attrs.IsControl() {
 			// A transaction's commit or abort marker: nothing to apply, but
@@ -304,17 +306,55 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 			continue
 		}
 		if err := c.processRecord(ctx, r); err != nil {
-			return last, err
+			return last, r, err
 		}
 		last = r
 		if (i+1)%c.o.commitEvery == 0 && i+1 < len(records) {
 			if err := c.commit(ctx, func() bool { return false }, last); err != nil {
-				return nil, err
+				return nil, records[i+1], err
 			}
 			last = nil
 		}
 	}
-	return last, nil
+	return last, nil, nil
+}
+
+// byPartition is the poll's records, one entry per partition in offset
+// order: a poll can hold several fetches of one partition, and a
+// partition's records are applied by one goroutine, in order.
+func byPartition(fetches kgo.Fetches) []kgo.FetchTopicPartition {
+	var out []kgo.FetchTopicPartition
+	at := map[topicPartition]int{}
+	fetches.EachPartition(func(p kgo.FetchTopicPartition) {
+		if len(p.Records) == 0 {
+			return
+		}
+		tp := topicPartition{p.Topic, p.Partition}
+		i, seen := at[tp]
+		if !seen {
+			at[tp] = len(out)
+			p.Records = slices.Clone(p.Records)
+			out = append(out, p)
+			return
+		}
+		out[i].Records = append(out[i].Records, p.Records...)
+	})
+	for _, p := range out {
+		slices.SortStableFunc(p.Records, func(a, b *kgo.Record) int { return cmp.Compare(a.Offset, b.Offset) })
+	}
+	return out
+}
+
+// rewind sets the client's position in r's partition back to r, which the
+// poll left undone (the partition was lost or moved, a commit failed for
+// good, the consumer is stopping). The client has fetched past it; were
+// the member to keep the partition, or get it back, its next poll would
+// deliver the records after r, and their offsets, committed, would skip
+// r and the ones after it that nobody applied. A partition the client no
+// longer consumes is left alone: its next owner starts at the committed
+// offset. Called before the poll allows a rebalance.
+func (c *Consumer) rewind(r *kgo.Record) {
+	c.client.SetOffsets(map[string]map[int32]kgo.EpochOffset{r.Topic: {r.Partition: {Epoch: r.LeaderEpoch, Offset: r.Offset}}})
 }
 
 // commit commits the offsets after rs (one per partition), on a context

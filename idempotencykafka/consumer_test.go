@@ -337,10 +337,6 @@ func (w *world) startMemberWith(t *testing.T, cfg memberConfig, group, topic str
 // partitions to the second member, which is delivered those records again
 // and replays them. Each of 2,000 records' effects commits once.
 func TestEachRecordOnceAcrossARebalance(t *testing.T) {
-	t.Skip("OPEN DEFECT (issue 30 stays open on it): under load, about one run in five, offsets 200-249 of every partition " +
-		"(the first half's last records) are committed and applied by no member: 1,800 effects for 2,000 records. " +
-		"Seen since one commit per poll and the poll bound; cause not found yet. Run it with: go test -race -count=20 -run 'TestEachRecordOnceAcrossARebalance$' " +
-		"(three at once to load the machine)")
 	t.Parallel()
 	const n = 2000
 	w := newWorld(t, 4, "credits")
