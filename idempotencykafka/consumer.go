@@ -153,10 +153,14 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // database down, its ID held elsewhere, the dead-letter topic missing)
 // stops only with ctx, and with kgo.BlockRebalanceOnPoll the client's
 // Close waits for Run to allow the rebalance. A client closed under Run
-// with CloseAllowingRebalance ends it (nil) at its next poll. A failed
-// offset commit is reported to WithErrorHandler and tried again, with
-// backoff, until it succeeds or the group moved the partition (whose new
-// owner reads the records again and replays them).
+// with CloseAllowingRebalance ends it (nil) at its next poll; a Run
+// stopped with records polled sets the client back to them, so that a Run
+// started again on the client is delivered them. A failed offset commit is
+// reported to WithErrorHandler and tried again, with backoff, until it
+// succeeds or the group moved the partition (whose new owner reads the
+// records again and replays them); one refused for a rebalance in progress
+// once the poll's records are all done is given up, so that the rebalance
+// goes ahead, and the records are delivered again (see ProcessFetches).
 func (c *Consumer) Run(ctx context.Context) error {
 	for wait := uint(0); ; wait++ {
 		err := c.CheckRetention(ctx)
@@ -173,13 +177,19 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return err
 		}
 	}
-	for {
+	for failed := uint(0); ; {
 		c.newPoll()
 		fetches := c.client.PollRecords(ctx, c.o.maxPollRecords)
 		if fetches.IsClientClosed() {
 			return nil
 		}
 		if ctx.Err() != nil {
+			// Stopping with records polled and none applied: the client
+			// has fetched past them, and a Run started again on it would
+			// be delivered the records after them.
+			for _, p := range byPartition(fetches) {
+				c.rewind(p.Records[0])
+			}
 			c.client.AllowRebalance()
 			return ctx.Err()
 		}
@@ -188,12 +198,21 @@ func (c *Consumer) Run(ctx context.Context) error {
 		})
 		err := c.processFetches(ctx, fetches)
 		c.client.AllowRebalance()
-		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
-			c.o.onError(err)
+		if err == nil {
+			failed = 0
+			continue
 		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		c.o.onError(err)
+		// A commit given up (a rebalance, say) delivers the poll's
+		// records again: replayed at once, they would meet the same
+		// refusal as fast as the broker answers.
+		if err := sleep(ctx, c.o.backoff(failed, nil)); err != nil {
+			return err
+		}
+		failed++
 	}
 }
 
@@ -207,9 +226,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 // of the poll's last records are committed in one request once every
 // partition is done, or a second after the first was done while others
 // still work (and a partition's every [WithCommitEvery] records on the
-// way). A partition whose records it left undone (lost, moved, stopping)
-// is set back to the first of them, so that the client, if it keeps the
-// partition, delivers them again rather than the records after them. The
+// way). A partition whose records it left undone (moved, stopping), or
+// whose offsets it could not commit (a commit given up for a rebalance), is
+// set back to the first of them, so that the client, if it keeps the
+// partition, delivers them again rather than the records after them (they
+// are replayed). Without kgo.BlockRebalanceOnPoll a partition can be
+// revoked in the middle of the poll: the effects stay once each (its new
+// owner replays them), but this member's commit of its offsets may then
+// land after the new owner's and set them back until the next commit. The
 // error joins the failed offset commits and ctx's error.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
 	// A partition lost before this call (between the caller's poll and
@@ -222,7 +246,7 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 
 func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) error {
 	type finished struct {
-		last *kgo.Record // done, its offset not committed yet
+		done partitionDone
 		err  error
 	}
 	partitions := byPartition(fetches)
@@ -230,25 +254,22 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 	var running atomic.Int64 // partitions still applying records
 	running.Store(int64(len(partitions)))
 	allDone := func() bool { return running.Load() == 0 }
-	notDone := func() bool { return false }
 	for _, p := range partitions {
 		go func() {
 			pctx, end := c.partitionContext(ctx, p)
 			defer end()
-			last, undone, err := c.processPartition(pctx, p.Records)
+			done, err := c.processPartition(pctx, p.Records)
 			if ctx.Err() == nil && pctx.Err() != nil {
-				// Lost: its offsets are not the member's to commit.
-				last, err = nil, context.Cause(pctx)
-			}
-			if undone != nil {
-				c.rewind(undone)
+				// Lost: its offsets are not the member's to commit, nor its
+				// position to set.
+				done, err = partitionDone{}, context.Cause(pctx)
 			}
 			running.Add(-1)
-			if last != nil && c.o.commitPerPartition {
-				err = errors.Join(err, c.commit(ctx, notDone, last))
-				last = nil
+			if done.last == nil || c.o.commitPerPartition {
+				err = errors.Join(err, c.settle(ctx, allDone, done))
+				done = partitionDone{}
 			}
-			results <- finished{last, err}
+			results <- finished{done, err}
 		}()
 	}
 	// The offsets of partitions done go in one commit: at the end of the
@@ -257,12 +278,12 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 	// so that a partition's lag shows what is applied.
 	var (
 		errs    []error
-		pending []*kgo.Record
+		pending []partitionDone
 		flush   <-chan time.Time
 	)
 	commit := func() {
 		if len(pending) > 0 {
-			errs = append(errs, c.commit(ctx, allDone, pending...))
+			errs = append(errs, c.settle(ctx, allDone, pending...))
 			pending = nil
 		}
 		flush = nil
@@ -274,8 +295,8 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 			if f.err != nil {
 				errs = append(errs, f.err)
 			}
-			if f.last != nil {
-				pending = append(pending, f.last)
+			if f.done.last != nil {
+				pending = append(pending, f.done)
 				if flush == nil {
 					flush = time.After(pollCommitWait)
 				}
@@ -292,31 +313,73 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 // done wait for the others, to be committed with theirs in one request.
 const pollCommitWait = time.Second
 
+// partitionDone is how far a poll got in one partition.
+type partitionDone struct {
+	// from is the first of the partition's records whose offset the poll
+	// has not committed; last is the last record done whose offset is not
+	// committed yet (nil: none); undone is the first record not done, when
+	// the poll stopped before the end (nil: none).
+	from, last, undone *kgo.Record
+}
+
 // processPartition applies records in order, committing the offset after
-// every commitEvery records done; it returns the last record done whose
-// offset is not committed yet, and, when it stopped early, the first
-// record not done.
-func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) (last, undone *kgo.Record, err error) {
+// every commitEvery records done.
+func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) (partitionDone, error) {
+	d := partitionDone{from: records[0]}
 	for i, r := range records {
 		if r.Attrs.IsControl() {
 			// A transaction's commit or abort marker: nothing to apply, but
 			// an offset to commit past (Kafka's consumers do), or the
 			// partition's lag would stay at 1.
-			last = r
+			d.last = r
 			continue
 		}
 		if err := c.processRecord(ctx, r); err != nil {
-			return last, r, err
+			d.undone = r
+			return d, err
 		}
-		last = r
+		d.last = r
 		if (i+1)%c.o.commitEvery == 0 && i+1 < len(records) {
-			if err := c.commit(ctx, func() bool { return false }, last); err != nil {
-				return nil, records[i+1], err
+			// In the middle of the partition's records: no rebalance can
+			// take it before they are done (kgo.BlockRebalanceOnPoll).
+			if _, err := c.commit(ctx, func() bool { return false }, d.last); err != nil {
+				// Applied, not committed: a later offset's commit covers
+				// them. The records after them are delivered again.
+				return partitionDone{from: records[i+1], undone: records[i+1]}, err
 			}
-			last = nil
+			d = partitionDone{from: records[i+1]}
 		}
 	}
-	return last, nil, nil
+	return d, nil
+}
+
+// settle commits the offsets after each of ds's last records, in one
+// request, and sets each partition back where its records are to be
+// delivered again: to the first record not done when the commit went
+// through (or there was nothing to commit), to the first record whose
+// offset is not committed when it did not. A record is so never skipped
+// by the client that keeps, or gets back, its partition. Called before the
+// poll allows a rebalance.
+func (c *Consumer) settle(ctx context.Context, allDone func() bool, ds ...partitionDone) error {
+	var rs []*kgo.Record
+	for _, d := range ds {
+		if d.last != nil {
+			rs = append(rs, d.last)
+		}
+	}
+	committed, err := true, error(nil)
+	if len(rs) > 0 {
+		committed, err = c.commit(ctx, allDone, rs...)
+	}
+	for _, d := range ds {
+		switch {
+		case !committed && d.last != nil:
+			c.rewind(d.from)
+		case d.undone != nil:
+			c.rewind(d.undone)
+		}
+	}
+	return err
 }
 
 // byPartition is the poll's records, one entry per partition in offset
@@ -346,61 +409,72 @@ func byPartition(fetches kgo.Fetches) []kgo.FetchTopicPartition {
 }
 
 // rewind sets the client's position in r's partition back to r, which the
-// poll left undone (the partition was lost or moved, a commit failed for
-// good, the consumer is stopping). The client has fetched past it; were
-// the member to keep the partition, or get it back, its next poll would
-// deliver the records after r, and their offsets, committed, would skip
-// r and the ones after it that nobody applied. A partition the client no
-// longer consumes is left alone: its next owner starts at the committed
-// offset. Called before the poll allows a rebalance.
+// poll did not get through (the partition was lost or moved, a commit
+// failed for good or was given up, the consumer is stopping). The client
+// has fetched past it; were the member to keep the partition, or get it
+// back, its next poll would deliver the records after r, and their
+// offsets, committed, would skip r and the ones after it that nobody
+// applied. A partition lost during the poll, or that the client no longer
+// consumes, is left alone: its next owner starts at the committed offset.
+// Called before the poll allows a rebalance.
 func (c *Consumer) rewind(r *kgo.Record) {
+	if len(c.notLost([]*kgo.Record{r})) == 0 {
+		return
+	}
 	c.client.SetOffsets(map[string]map[int32]kgo.EpochOffset{r.Topic: {r.Partition: {Epoch: r.LeaderEpoch, Offset: r.Offset}}})
 }
 
 // commit commits the offsets after rs (one per partition), on a context
 // of its own: what committed in the database should reach Kafka even when
-// the consumer is stopping.
+// the consumer is stopping. committed says the offsets of rs's partitions
+// that are not lost went through; err tells of the ones that did not, and
+// of lost partitions left out.
 //
 // A failed commit is tried again, with backoff, until it succeeds: a
 // committed offset that stays behind means a lag that never clears and
 // records read again at every restart. It stops when the group moved the
 // partition (the member's generation is over: the new owner reads the
 // records again and replays them), or when ctx is done and a last try
-// within the commit timeout failed. A rebalance in progress is waited
-// for; allDone says every record of the poll is done, so that the
-// rebalance may go ahead.
-func (c *Consumer) commit(ctx context.Context, allDone func() bool, rs ...*kgo.Record) error {
+// within the commit timeout failed.
+//
+// A rebalance in progress is waited for while records of the poll are
+// still being applied (no partition can be revoked then, with
+// kgo.BlockRebalanceOnPoll). Once allDone says every record of the poll
+// is done, the commit is given up instead, so that the poll ends and
+// allows the rebalance: no commit of the poll is ever sent after that, as
+// the partitions may be another member's by then, and a commit accepted
+// in the member's next generation would set their offsets back below the
+// new owner's. The records are delivered again (settle) where the member
+// keeps the partition, and replayed; the new owner replays them where it
+// does not.
+func (c *Consumer) commit(ctx context.Context, allDone func() bool, rs ...*kgo.Record) (committed bool, err error) {
 	var moved error
 	for wait := uint(0); ; wait++ {
 		if kept := c.notLost(rs); len(kept) < len(rs) {
 			moved = fmt.Errorf("idempotencykafka: the offsets of lost partitions are not committed: %s", positions(lostOnes(rs, kept)))
 			if rs = kept; len(rs) == 0 {
-				return moved
+				return true, moved
 			}
 		}
 		cctx, cancel := c.commitContext(ctx, rs)
 		err := c.client.CommitRecords(cctx, rs...)
 		cancel()
 		if err == nil {
-			return moved
+			return true, moved
 		}
 		if len(c.notLost(rs)) < len(rs) {
 			continue // a partition was lost during the commit (franz-go's own retries cut): without it
 		}
 		err = fmt.Errorf("idempotencykafka: commit offsets %s: %w", positions(rs), err)
 		if ctx.Err() != nil || partitionMoved(err) {
-			return errors.Join(moved, err)
+			return false, errors.Join(moved, err)
+		}
+		if errors.Is(err, kerr.RebalanceInProgress) && allDone() {
+			return false, errors.Join(moved, fmt.Errorf("%w; given up, so that the rebalance goes ahead: the records are delivered again", err))
 		}
 		c.o.onError(fmt.Errorf("%w; trying again", err))
-		if errors.Is(err, kerr.RebalanceInProgress) && allDone() {
-			// The group is rebalancing; the member may keep the partitions
-			// (cooperative-sticky) and then commits in its next generation.
-			// Every record of the poll is done: the rebalance need not
-			// wait for the poll's end (kgo.BlockRebalanceOnPoll).
-			c.client.AllowRebalance()
-		}
 		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
-			return errors.Join(moved, fmt.Errorf("idempotencykafka: commit offsets %s: stopped before it succeeded", positions(rs)))
+			return false, errors.Join(moved, fmt.Errorf("idempotencykafka: commit offsets %s: stopped before it succeeded", positions(rs)))
 		}
 	}
 }

@@ -22,10 +22,16 @@ import (
 // refuseCommits makes the broker answer the group's offset commits with
 // code while refuse, asked once per commit, says so.
 func refuseCommits(cluster *kfake.Cluster, group string, code int16, refuse func() bool) {
+	refuseCommitsOf(cluster, group, code, func(*kmsg.OffsetCommitRequest) bool { return refuse() })
+}
+
+// refuseCommitsOf is refuseCommits with refuse told which commit it is
+// asked about.
+func refuseCommitsOf(cluster *kfake.Cluster, group string, code int16, refuse func(*kmsg.OffsetCommitRequest) bool) {
 	cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
 		cluster.KeepControl()
 		commit := req.(*kmsg.OffsetCommitRequest)
-		if commit.Group != group || !refuse() {
+		if commit.Group != group || !refuse(commit) {
 			return nil, nil, false
 		}
 		resp := commit.ResponseKind().(*kmsg.OffsetCommitResponse)
@@ -87,12 +93,16 @@ func failDescribeConfigsOnce(cluster *kfake.Cluster) (failed *atomic.Bool) {
 }
 
 // end is the end offset of topic's partition 0.
-func (w *world) end(t testing.TB, topic string) int64 {
+func (w *world) end(t testing.TB, topic string) int64 { return w.ends(t, topic)[0] }
+
+// ends is the end offset of each of topic's partitions.
+func (w *world) ends(t testing.TB, topic string) map[int32]int64 {
 	t.Helper()
 	ends, err := w.admin.ListEndOffsets(context.Background(), topic)
 	require.NoError(t, err)
-	o, _ := ends.Lookup(topic, 0)
-	return o.Offset
+	at := map[int32]int64{}
+	ends.Each(func(o kadm.ListedOffset) { at[o.Partition] = o.Offset })
+	return at
 }
 
 // It failed when giving up on a record was not stored: R failed its

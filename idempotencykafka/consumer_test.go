@@ -212,10 +212,14 @@ func rec(id, key, value string) *kgo.Record {
 	return &kgo.Record{Key: []byte(key), Value: []byte(value), Headers: []kgo.RecordHeader{{Key: idempotencykafka.DefaultIDHeader, Value: []byte(id)}}}
 }
 
-func amounts(n int) []*kgo.Record {
+func amounts(n int) []*kgo.Record { return amountsFrom(0, n) }
+
+// amountsFrom is n records of amounts, with the message IDs from m-<from>.
+func amountsFrom(from, n int) []*kgo.Record {
 	rs := make([]*kgo.Record, n)
 	for i := range rs {
-		rs[i] = rec(fmt.Sprintf("m-%d", i), fmt.Sprintf("acct-%d", i%5), strconv.Itoa(i%100+1))
+		j := from + i
+		rs[i] = rec(fmt.Sprintf("m-%d", j), fmt.Sprintf("acct-%d", j%5), strconv.Itoa(j%100+1))
 	}
 	return rs
 }
@@ -224,17 +228,28 @@ func amounts(n int) []*kgo.Record {
 // partitions: the number of records it will not see again.
 func (w *world) committed(t testing.TB, group, topic string) int64 {
 	t.Helper()
+	var n int64
+	for _, at := range w.committedByPartition(t, group, topic) {
+		n += at
+	}
+	return n
+}
+
+// committedByPartition is the group's committed offset of each of topic's
+// partitions that has one.
+func (w *world) committedByPartition(t testing.TB, group, topic string) map[int32]int64 {
+	t.Helper()
+	at := map[int32]int64{}
 	offsets, err := w.admin.FetchOffsets(context.Background(), group)
 	if err != nil {
-		return 0 // the group's coordinator is not ready yet
+		return at // the group's coordinator is not ready yet
 	}
-	var n int64
 	offsets.Each(func(o kadm.OffsetResponse) {
 		if o.Topic == topic && o.Err == nil {
-			n += o.At
+			at[o.Partition] = o.At
 		}
 	})
-	return n
+	return at
 }
 
 // credits is how many effects committed, and how many distinct records

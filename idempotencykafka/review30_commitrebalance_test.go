@@ -23,9 +23,11 @@ import (
 // is never committed: the group's lag stays at 3 for as long as no new
 // record arrives (and the records are read again at every restart).
 //
-// Now: a commit refused for a rebalance in progress is
-// tried again (after the rebalance, for as long as the member still owns
-// the partition), and the committed offset reaches 3.
+// Now: a commit refused for a rebalance in progress once the poll's
+// records are all done is given up, so that the rebalance may go ahead,
+// and the partition is set back to the records: the member, which kept
+// the partition, is delivered them again, replays them and commits their
+// offsets in its next poll. The committed offset reaches 3.
 func TestCommitRefusedDuringARebalanceIsTriedAgain(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "credits")
