@@ -758,6 +758,15 @@ func decodeHTTPResponse(res result) (*responseRecorder, error) {
 
 // problem writes an RFC 9457 problem+json response and returns its status.
 func problem(w http.ResponseWriter, code int, title, detail string, retryAfter time.Duration) int {
+	return problemWithReason(w, code, title, detail, retryAfter, "")
+}
+
+// problemWithReason is problem with the reason of the library's answer
+// (the gRPC side's ErrorInfo reason, KEY_IN_PROGRESS say) as the
+// extension member "reason", so that a client tells the library's 409 or
+// 422 from a handler's own. The library's answers have one; a handler's
+// never does.
+func problemWithReason(w http.ResponseWriter, code int, title, detail string, retryAfter time.Duration, reason string) int {
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
 	if retryAfter > 0 {
@@ -769,7 +778,8 @@ func problem(w http.ResponseWriter, code int, title, detail string, retryAfter t
 		Title  string `json:"title"`
 		Status int    `json:"status"`
 		Detail string `json:"detail"`
-	}{"about:blank", title, code, detail})
+		Reason string `json:"reason,omitempty"`
+	}{"about:blank", title, code, detail, reason})
 	return code
 }
 
@@ -777,29 +787,35 @@ func problem(w http.ResponseWriter, code int, title, detail string, retryAfter t
 // the middleware, and returns the status sent.
 func writeProblem(w http.ResponseWriter, err error, retryDelay time.Duration) int {
 	st := status.Convert(err)
-	detail := st.Message()
+	var reason string
+	if e := (*Error)(nil); errors.As(err, &e) {
+		reason = e.reason
+	}
+	answer := func(code int, title string, retryAfter time.Duration) int {
+		return problemWithReason(w, code, title, st.Message(), retryAfter, reason)
+	}
 	switch {
 	case IsInProgress(err):
 		d, _ := RetryDelay(err)
-		return problem(w, http.StatusConflict, "A request with this Idempotency-Key is being processed", detail, max(d, time.Second))
+		return answer(http.StatusConflict, "A request with this Idempotency-Key is being processed", max(d, time.Second))
 	case IsKeyReused(err):
-		return problem(w, http.StatusUnprocessableEntity, "Idempotency-Key already used for another request", detail, 0)
+		return answer(http.StatusUnprocessableEntity, "Idempotency-Key already used for another request", 0)
 	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrMissingKey):
-		return problem(w, http.StatusBadRequest, "Invalid or missing Idempotency-Key", detail, 0)
+		return answer(http.StatusBadRequest, "Invalid or missing Idempotency-Key", 0)
 	}
 	switch st.Code() {
 	case codes.Unavailable, codes.Aborted:
-		return problem(w, http.StatusServiceUnavailable, "Service unavailable; retry with the same Idempotency-Key", detail, max(retryDelay, time.Second))
+		return answer(http.StatusServiceUnavailable, "Service unavailable; retry with the same Idempotency-Key", max(retryDelay, time.Second))
 	case codes.InvalidArgument:
-		return problem(w, http.StatusBadRequest, "Bad request", detail, 0)
+		return answer(http.StatusBadRequest, "Bad request", 0)
 	case codes.Unauthenticated:
-		return problem(w, http.StatusUnauthorized, "Unauthenticated", detail, 0)
+		return answer(http.StatusUnauthorized, "Unauthenticated", 0)
 	case codes.PermissionDenied:
-		return problem(w, http.StatusForbidden, "Forbidden", detail, 0)
+		return answer(http.StatusForbidden, "Forbidden", 0)
 	case codes.FailedPrecondition:
-		return problem(w, http.StatusConflict, "Conflict", detail, 0)
+		return answer(http.StatusConflict, "Conflict", 0)
 	case codes.DeadlineExceeded:
-		return problem(w, http.StatusGatewayTimeout, "Timed out; nothing was committed", detail, 0)
+		return answer(http.StatusGatewayTimeout, "Timed out; nothing was committed", 0)
 	}
-	return problem(w, http.StatusInternalServerError, "Internal error", detail, 0)
+	return answer(http.StatusInternalServerError, "Internal error", 0)
 }

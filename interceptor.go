@@ -14,13 +14,13 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-const (
-	// MetadataKey is the gRPC metadata key carrying the idempotency key.
-	MetadataKey = "idempotency-key"
-	// ReplayedTrailer is the response trailer set to "true" when the
-	// response was replayed from the store instead of executed.
-	ReplayedTrailer = "idempotency-replayed"
-)
+// MetadataKey is the gRPC metadata key carrying the idempotency key.
+const MetadataKey = "idempotency-key"
+
+// ReplayedTrailer is the response trailer set to "true" when the response
+// (or final error) was replayed from the store instead of executed: a
+// client reads it with grpc.Trailer. A handler may not set it.
+const ReplayedTrailer = "idempotency-replayed"
 
 // UnaryServerInterceptor returns a server interceptor that runs each call
 // carrying an idempotency key at most once, using store.
