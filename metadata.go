@@ -243,7 +243,6 @@ func decodeEntry(b []byte) (key string, values []string, err error) {
 	return key, values, nil
 }
 
-
 // SetSendCompressor is [grpc.SetSendCompressor] for handlers behind
 // [UnaryServerInterceptor]; call it instead, with the handler's ctx. To
 // hold back and store what a handler sets, the interceptor gives a keyed
