@@ -15,6 +15,11 @@
 //	idempotency.wait.duration    histogram  seconds waited for an in-progress duplicate (calls that waited)
 //	idempotency.cleaner.deleted  counter    expired keys deleted by the cleaner
 //
+// The two histograms have buckets in seconds, from 1 ms to 60 s
+// ([DefaultDurationBuckets]: those of OpenTelemetry's HTTP semantic
+// conventions, with two below for replays and three above for long waits);
+// [WithDurationBuckets] sets others.
+//
 // Each call's metrics carry idempotency.outcome (the [idempotency.Outcome]
 // names: executed, replayed, released, in_progress, key_reused, rejected,
 // unavailable, canceled, misconfigured) and idempotency.transport, and the method: rpc.system,

@@ -39,32 +39,12 @@ var (
 	_ idempotency.CleanerTracer = (*Tracer)(nil)
 )
 
-// Option configures [NewTracer].
-type Option func(*options)
-
-type options struct {
-	meters  metric.MeterProvider
-	tracers trace.TracerProvider
-}
-
-// WithMeterProvider sets where metrics go. Defaults to otel's global
-// provider.
-func WithMeterProvider(mp metric.MeterProvider) Option {
-	return func(o *options) { o.meters = mp }
-}
-
-// WithTracerProvider sets where spans go. Defaults to otel's global
-// provider.
-func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(o *options) { o.tracers = tp }
-}
-
-// NewTracer makes the instruments. It fails only if the meter provider
-// refuses one of them.
+// NewTracer makes the instruments. It fails when an option is invalid or
+// the meter provider refuses an instrument.
 func NewTracer(opts ...Option) (*Tracer, error) {
-	o := options{}
-	for _, opt := range opts {
-		opt(&o)
+	o, err := evaluateOptions(opts)
+	if err != nil {
+		return nil, err
 	}
 	if o.meters == nil {
 		o.meters = otel.GetMeterProvider()
@@ -77,10 +57,11 @@ func NewTracer(opts ...Option) (*Tracer, error) {
 	var errs [4]error
 	t.calls, errs[0] = meter.Int64Counter("idempotency.calls",
 		metric.WithDescription("Calls handled by the idempotency layer, by outcome."), metric.WithUnit("{call}"))
+	buckets := metric.WithExplicitBucketBoundaries(o.buckets...)
 	t.duration, errs[1] = meter.Float64Histogram("idempotency.duration",
-		metric.WithDescription("Duration of a call, as its transport saw it."), metric.WithUnit("s"))
+		metric.WithDescription("Duration of a call, as its transport saw it."), metric.WithUnit("s"), buckets)
 	t.wait, errs[2] = meter.Float64Histogram("idempotency.wait.duration",
-		metric.WithDescription("Time a call waited for another call that held its key."), metric.WithUnit("s"))
+		metric.WithDescription("Time a call waited for another call that held its key."), metric.WithUnit("s"), buckets)
 	t.deleted, errs[3] = meter.Int64Counter("idempotency.cleaner.deleted",
 		metric.WithDescription("Expired keys deleted by the cleaner."), metric.WithUnit("{key}"))
 	if err := errors.Join(errs[:]...); err != nil {
