@@ -50,9 +50,12 @@ const (
 // TraceCallStartData is what is known of a call when it starts.
 type TraceCallStartData struct {
 	Transport Transport
-	// Method is the gRPC full method ("/pkg.Service/Method"), the HTTP
-	// route (the mux pattern that matched, else method and path), the
-	// message's scope, or Call.Method.
+	// Method is the gRPC full method ("/pkg.Service/Method"); for HTTP,
+	// the request method and the route's template ("POST
+	// /v1/orders/{id}"; see [WithHTTPRoute]), or the request method alone
+	// when the route is not known, never the path, so that a label or a
+	// span name taken from it stays bounded; the message's scope; or
+	// Call.Method.
 	Method string
 	// Key is the call's idempotency key, or message ID, as the client sent
 	// it (maybe invalid, maybe empty).
