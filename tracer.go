@@ -54,9 +54,12 @@ type TraceCallStartData struct {
 	// the request method and the route's template ("POST
 	// /v1/orders/{id}"; see [WithHTTPRoute]), or the request method alone
 	// when the route is not known, never the path, so that a label or a
-	// span name taken from it stays bounded; the message's scope; or
-	// Call.Method.
+	// span name taken from it stays bounded; empty for a message (see
+	// Scope); or Call.Method.
 	Method string
+	// Scope is a message's Scope; empty for other transports. It can name
+	// a tenant, one of thousands: keep it off metric labels.
+	Scope string
 	// Key is the call's idempotency key, or message ID, as the client sent
 	// it (maybe invalid, maybe empty).
 	Key string
@@ -204,11 +207,15 @@ type callTrace struct {
 // when the store has no tracer, or its TraceCallStart panicked. Methods of
 // a nil *callTrace do nothing.
 func (s *Store) startCall(ctx context.Context, transport Transport, method, key string) (context.Context, *callTrace) {
+	return s.startTrace(ctx, TraceCallStartData{Transport: transport, Method: method, Key: key})
+}
+
+// startTrace is startCall with the whole of what is known.
+func (s *Store) startTrace(ctx context.Context, start TraceCallStartData) (context.Context, *callTrace) {
 	g, _ := s.opts.tracer.(*guardedTracer) // WithTracer sets no other
 	if g == nil {
 		return ctx, nil
 	}
-	start := TraceCallStartData{Transport: transport, Method: method, Key: key}
 	traced, ok := g.start(ctx, start)
 	if !ok {
 		return ctx, nil

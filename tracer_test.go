@@ -127,6 +127,11 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 		if c.Outcome == idempotency.OutcomeExecuted {
 			byKey[c.Key] = c
 		}
+		if c.Transport == idempotency.TransportMessage {
+			require.Equal(t, "orders", c.Scope, "the message's scope, apart from its method")
+		} else {
+			require.Empty(t, c.Scope)
+		}
 		require.Positive(t, c.Duration, "%v", c)
 		require.GreaterOrEqual(t, c.Duration, c.Claim+c.Wait+c.Handler+c.Commit, "%v", c)
 	}
@@ -137,7 +142,7 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 		{idempotency.TransportGRPC, methodCharge, "bad key", idempotency.OutcomeRejected},
 		{idempotency.TransportGRPC, methodCharge, "slow", idempotency.OutcomeExecuted},
 		{idempotency.TransportGRPC, methodCharge, "slow", idempotency.OutcomeInProgress},
-		{idempotency.TransportMessage, "orders", "m-1", idempotency.OutcomeExecuted},
+		{idempotency.TransportMessage, "", "m-1", idempotency.OutcomeExecuted},
 		{idempotency.TransportDirect, "direct", "d-1", idempotency.OutcomeExecuted},
 		{idempotency.TransportHTTP, "POST /v1/things", "h-1", idempotency.OutcomeExecuted},
 	}, got)
