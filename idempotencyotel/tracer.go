@@ -21,6 +21,8 @@ const scopeName = "github.com/exactlyonce/idempotency/idempotencyotel"
 const (
 	OutcomeKey   = attribute.Key("idempotency.outcome")
 	TransportKey = attribute.Key("idempotency.transport")
+	// ScopeKey is a message's scope, on its span; never on metrics.
+	ScopeKey = attribute.Key("idempotency.scope")
 )
 
 // Tracer is an [idempotency.Tracer] and [idempotency.CleanerTracer] that
@@ -72,9 +74,23 @@ func NewTracer(opts ...Option) (*Tracer, error) {
 
 // TraceCallStart starts the call's span, a child of ctx's.
 func (t *Tracer) TraceCallStart(ctx context.Context, data idempotency.TraceCallStartData) context.Context {
-	ctx, _ = t.tracer.Start(ctx, "idempotency "+data.Method, trace.WithSpanKind(trace.SpanKindInternal),
-		trace.WithAttributes(callAttributes(data)...))
+	attrs := callAttributes(data)
+	if data.Scope != "" {
+		// On the span only: a scope can be one of thousands of tenants.
+		attrs = append(attrs, ScopeKey.String(data.Scope))
+	}
+	ctx, _ = t.tracer.Start(ctx, spanName(data), trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(attrs...))
 	return ctx
+}
+
+// spanName is "idempotency " and the call's method: bounded, as
+// TraceCallStartData.Method is; a message's, whose scope may not be, is
+// "idempotency message".
+func spanName(data idempotency.TraceCallStartData) string {
+	if data.Transport == idempotency.TransportMessage || data.Method == "" {
+		return "idempotency " + string(data.Transport)
+	}
+	return "idempotency " + data.Method
 }
 
 // TraceCallEnd records the call's metrics and ends its span.
@@ -106,7 +122,9 @@ func (t *Tracer) TraceCleanerBatch(ctx context.Context, data idempotency.TraceCl
 }
 
 // callAttributes names the call's transport and method in the semantic
-// conventions' terms: rpc.* for gRPC, http.route for HTTP.
+// conventions' terms: rpc.* for gRPC, http.request.method and http.route
+// for HTTP. They label the metrics, so they hold nothing unbounded: a
+// message's scope is left out.
 func callAttributes(data idempotency.TraceCallStartData) []attribute.KeyValue {
 	attrs := []attribute.KeyValue{TransportKey.String(string(data.Transport))}
 	switch data.Transport {
@@ -114,7 +132,14 @@ func callAttributes(data idempotency.TraceCallStartData) []attribute.KeyValue {
 		service, method, _ := strings.Cut(strings.TrimPrefix(data.Method, "/"), "/")
 		attrs = append(attrs, attribute.String("rpc.system", "grpc"), attribute.String("rpc.service", service), attribute.String("rpc.method", method))
 	case idempotency.TransportHTTP:
-		attrs = append(attrs, attribute.String("http.route", data.Method))
+		method, route, _ := strings.Cut(data.Method, " ")
+		attrs = append(attrs, attribute.String("http.request.method", method))
+		// As otelhttp: the route from its path on, without a pattern's
+		// host; none when the route is not known.
+		if i := strings.IndexByte(route, '/'); i >= 0 {
+			attrs = append(attrs, attribute.String("http.route", route[i:]))
+		}
+	case idempotency.TransportMessage:
 	default:
 		attrs = append(attrs, attribute.String("idempotency.method", data.Method))
 	}
