@@ -28,8 +28,8 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 	if err != nil {
 		err = s.dbError(ctx, "delete expired keys", err)
 	}
-	if ct, ok := s.opts.tracer.(CleanerTracer); ok {
-		ct.TraceCleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: time.Since(start), Err: err})
+	if g, ok := s.opts.tracer.(*guardedTracer); ok {
+		g.cleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: time.Since(start), Err: err})
 	}
 	return tag.RowsAffected(), err
 }

@@ -50,8 +50,11 @@ const ReplayedHeader = "Idempotency-Replayed"
 //
 // POST and PATCH are protected by default; other methods pass through, as
 // RFC 9110 makes them idempotent ([WithHTTPMethods] changes that; give a
-// route its own middleware for its own settings). So does a request that
-// is already inside an idempotent call: the middleware mounted twice (on a
+// route its own middleware for its own settings). So does a request the
+// router behind will not route, when the middleware can tell (it wraps an
+// *http.ServeMux, or [WithHTTPRoute] says): the router's 404, 405 or
+// redirect to the canonical path is not stored under a key. So does a
+// request that is already inside an idempotent call: the middleware mounted twice (on a
 // router group and on its route) protects it once, with the outer one's
 // settings. On a protected method:
 //
@@ -101,7 +104,14 @@ func HTTPMiddleware(store *Store, opts ...HTTPOption) func(http.Handler) http.Ha
 				next.ServeHTTP(w, r)
 				return
 			}
-			o.serve(store, next, w, r)
+			route, routed := o.route(next, r)
+			if !routed {
+				// The router answers it (404, 405, a redirect): there is
+				// no call to protect, and no key to keep for a day.
+				next.ServeHTTP(w, r)
+				return
+			}
+			o.serve(store, next, route, w, r)
 		})
 	}
 }
@@ -121,6 +131,7 @@ type httpOptions struct {
 	maxResponse int
 	readTimeout time.Duration
 	isolation   pgx.TxIsoLevel
+	routeOf     func(*http.Request) string // see WithHTTPRoute
 	err         error
 }
 
@@ -312,11 +323,9 @@ func WithHTTPReadTimeout(d time.Duration) HTTPOption {
 // roll back and the key is released, but the response is still sent.
 var errHTTPReleased = errors.New("idempotency: response not stored")
 
-func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWriter, r *http.Request) {
-	route := r.Pattern
-	if route == "" {
-		route = r.Method + " " + r.URL.Path
-	}
+// serve protects one request; route is its traced method (see
+// httpOptions.route).
+func (o *httpOptions) serve(store *Store, next http.Handler, route string, w http.ResponseWriter, r *http.Request) {
 	key, err := keyFromHeader(r.Header)
 	if err == nil && key == "" {
 		if !o.keyRequired {
