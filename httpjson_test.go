@@ -264,6 +264,7 @@ func BenchmarkJSONDigest(b *testing.B) {
 			return fmt.Sprintf(`{"id":"ch_%08d","account_id":"acct-%d","amount_cents":%d,"currency":"EUR","tags":["a","b"],"paid":true}`, i, i%97, i*7)
 		}, "[", ", ", "]")},
 		{"flat_object_tiny_members", fill(func(i int) string { return fmt.Sprintf(`"%x":0`, i) }, "{", ",", "}")},
+		{"flat_object_smallest_members", fill(func(int) string { return `"":0` }, "{", ",", "}")}, // the most members a body holds
 		{"array_of_small_numbers", fill(func(int) string { return "0" }, "[", ",", "]")},
 		{"array_of_empty_objects", fill(func(int) string { return "{}" }, "[", ",", "]")},
 		{"long_string", []byte(`"` + strings.Repeat("é", (size-2)/2) + `"`)},
