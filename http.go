@@ -72,7 +72,9 @@ const ReplayedHeader = "Idempotency-Replayed"
 // The request is the same request when its method, path (with query),
 // host and body are the same: the path and host the client sent
 // (r.RequestURI, r.Host), whatever a router in front (http.StripPrefix)
-// rewrote; the body by its bytes, and a form a middleware in front parsed
+// rewrote; the body by its bytes (JSON, application/json or a +json type,
+// by its value: spacing, member order and string escapes do not count,
+// numbers as written do), and a form a middleware in front parsed
 // (consuming them) by its fields and files, so that a form is one request
 // whether or not something in front parsed it.
 // The scope ([WithHTTPScope]) is asked before the body is read. Trailers go
