@@ -26,8 +26,8 @@
 //		kgo.DisableAutoCommit(),                                 // required: offsets follow the database
 //		kgo.FetchIsolationLevel(kgo.ReadCommitted()),            // required: no record of an aborted transaction
 //		kgo.KeepControlRecords(),                                // required: offsets committed past transaction markers
-//		kgo.BlockRebalanceOnPoll(),                              // recommended: no revocation mid-batch
-//		kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost), // recommended: no work on lost partitions
+//		kgo.BlockRebalanceOnPoll(),                              // required: no partition revoked mid-poll
+//		kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked), // recommended: a rebalance never waits for a record's retries
 //	)
 //	c, err := idempotencykafka.New(store, client, func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
 //		_, err := tx.Exec(ctx, `INSERT INTO credits (account, cents) VALUES ($1, $2)`, r.Key, r.Value)
@@ -80,6 +80,7 @@ type Consumer struct {
 	inFlight map[topicPartition]context.CancelCauseFunc // see OnPartitionsLost
 	lost     map[topicPartition]bool                    // since the poll began
 	inCommit map[topicPartition]context.CancelFunc      // commits under way
+	hurried  chan struct{}                              // closed when a rebalance waits for this poll (OnPartitionsCallbackBlocked)
 	ret      retention
 }
 
@@ -89,11 +90,12 @@ type Consumer struct {
 // (kgo.FetchIsolationLevel(kgo.ReadCommitted())), so that no record of an
 // aborted transaction is applied, and keep transaction markers
 // (kgo.KeepControlRecords), so that offsets are committed past them and a
-// transactional partition's lag reaches 0; kgo.BlockRebalanceOnPoll is
-// recommended, so that a partition is not revoked while its records are
-// being applied (if it is, its new owner waits for the record's key and
-// replays it: the effect stays once). The client is the caller's to close,
-// after Run returned.
+// transactional partition's lag reaches 0, and block rebalances while a
+// poll's records are applied (kgo.BlockRebalanceOnPoll), so that no commit
+// of offsets lands on a partition that has moved since the poll; its
+// kgo.OnPartitionsCallbackBlocked is best [OnPartitionsCallbackBlocked],
+// so that a rebalance never waits for a record that waits. The client is
+// the caller's to close, after Run returned; one Run polls it at a time.
 func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...Option) (*Consumer, error) {
 	if store == nil || client == nil || handle == nil {
 		return nil, errors.New("idempotencykafka: New needs a store, a client and a handler")
@@ -108,6 +110,10 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 	if !readsCommitted(client) {
 		return nil, errors.New("idempotencykafka: the client reads the records of aborted transactions (franz-go's default), which would be applied as if produced: " +
 			"set kgo.FetchIsolationLevel(kgo.ReadCommitted())")
+	}
+	if blocks, _ := client.OptValue(kgo.BlockRebalanceOnPoll).(bool); !blocks {
+		return nil, errors.New("idempotencykafka: the client lets the group revoke partitions while a poll's records are being applied, after which this member's commit of their offsets can land over their new owner's and set them back: " +
+			"set kgo.BlockRebalanceOnPoll() (and kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked), so that a poll a rebalance waits for ends soon)")
 	}
 	if keeps, _ := client.OptValue(kgo.KeepControlRecords).(bool); !keeps {
 		return nil, errors.New("idempotencykafka: the client hides transaction markers, so no offset can be committed past one and a transactional partition's lag never reaches 0: " +
@@ -139,7 +145,7 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 			return nil, fmt.Errorf("idempotencykafka: WithDeadLetterTopic: %.60q, the dead-letter topic of %.40q, is not a valid topic name (1 to %d of a-z, A-Z, 0-9, '.', '_', '-')", dl, topic, maxTopicLen)
 		}
 	}
-	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}, lost: map[topicPartition]bool{}, inCommit: map[topicPartition]context.CancelFunc{}}
+	c := &Consumer{store: store, client: client, handle: handle, o: o, inFlight: map[topicPartition]context.CancelCauseFunc{}, lost: map[topicPartition]bool{}, inCommit: map[topicPartition]context.CancelFunc{}, hurried: make(chan struct{})}
 	c.ret.topics = map[string]*topicTTL{}
 	register(c)
 	return c, nil
@@ -151,8 +157,11 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // the next rebalance, until ctx is done; it then returns ctx.Err(). Stop it
 // by cancelling ctx, then close the client: a record being retried (the
 // database down, its ID held elsewhere, the dead-letter topic missing)
-// stops only with ctx, and with kgo.BlockRebalanceOnPoll the client's
-// Close waits for Run to allow the rebalance. A client closed under Run
+// stops only with ctx or a rebalance ([OnPartitionsCallbackBlocked]), and
+// the client's Close waits for Run to allow the rebalance (with
+// kgo.BlockRebalanceOnPoll). Run refuses to start while another Run polls
+// the same client: each would commit offsets past records the other has
+// not applied yet. A client closed under Run
 // with CloseAllowingRebalance ends it (nil) at its next poll; a Run
 // stopped with records polled sets the client back to them, so that a Run
 // started again on the client is delivered them. A failed offset commit is
@@ -162,6 +171,11 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // once the poll's records are all done is given up, so that the rebalance
 // goes ahead, and the records are delivered again (see ProcessFetches).
 func (c *Consumer) Run(ctx context.Context) error {
+	if !polling.take(c.client) {
+		return errors.New("idempotencykafka: Run: another Run polls this client: the records of one client are polled by one Run at a time " +
+			"(two would each commit offsets past records the other has not applied yet); give each Run a client of its own")
+	}
+	defer polling.release(c.client)
 	for wait := uint(0); ; wait++ {
 		err := c.CheckRetention(ctx)
 		if err == nil {
@@ -217,8 +231,8 @@ func (c *Consumer) Run(ctx context.Context) error {
 }
 
 // ProcessFetches applies the records of one poll and commits the offsets
-// of those done, for a poll loop of the caller's own (which then calls
-// AllowRebalance when it uses kgo.BlockRebalanceOnPoll). It returns when
+// of those done, for a poll loop of the caller's own (one at a time per
+// client; it calls AllowRebalance once ProcessFetches returned). It returns when
 // every record is done or ctx is done; a record is done when its effect
 // committed, now or before, or it was produced to the dead-letter topic. A
 // record is never skipped: while the database is down, or another member
@@ -230,15 +244,13 @@ func (c *Consumer) Run(ctx context.Context) error {
 // whose offsets it could not commit (a commit given up for a rebalance), is
 // set back to the first of them, so that the client, if it keeps the
 // partition, delivers them again rather than the records after them (they
-// are replayed). Without kgo.BlockRebalanceOnPoll a partition can be
-// revoked in the middle of the poll: the effects stay once each (its new
-// owner replays them), but this member's commit of its offsets may then
-// land after the new owner's and set them back until the next commit. The
-// error joins the failed offset commits and ctx's error.
+// are replayed). Once a rebalance waits for the poll
+// ([OnPartitionsCallbackBlocked]), records stop waiting and are left
+// undone. The error joins the failed offset commits and ctx's error.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
 	// A partition lost before this call (between the caller's poll and
-	// it, without kgo.BlockRebalanceOnPoll) is lost to it: its offsets are
-	// not committed. Losses are forgotten once the poll is done; Run,
+	// it, a loop that allowed the rebalance early) is lost to it: its
+	// offsets are not committed. Losses are forgotten once the poll is done; Run,
 	// which knows when it polls, forgets them before each poll.
 	defer c.newPoll()
 	return c.processFetches(ctx, fetches)
@@ -254,11 +266,26 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 	var running atomic.Int64 // partitions still applying records
 	running.Store(int64(len(partitions)))
 	allDone := func() bool { return running.Load() == 0 }
+	// waits ends every wait of the poll (a record tried again, a commit
+	// retried) once a rebalance waits for the poll: see
+	// OnPartitionsCallbackBlocked.
+	waits, stopWaits := context.WithCancelCause(ctx)
+	defer stopWaits(nil)
+	go func() {
+		select {
+		case <-c.hurry():
+			stopWaits(errHurried)
+		case <-waits.Done():
+		}
+	}()
 	for _, p := range partitions {
 		go func() {
 			pctx, end := c.partitionContext(ctx, p)
 			defer end()
-			done, err := c.processPartition(pctx, p.Records)
+			pwaits, stop := context.WithCancelCause(waits)
+			defer stop(nil)
+			defer context.AfterFunc(pctx, func() { stop(context.Cause(pctx)) })()
+			done, err := c.processPartition(pctx, pwaits, p.Records)
 			if ctx.Err() == nil && pctx.Err() != nil {
 				// Lost: its offsets are not the member's to commit, nor its
 				// position to set.
@@ -266,7 +293,7 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 			}
 			running.Add(-1)
 			if done.last == nil || c.o.commitPerPartition {
-				err = errors.Join(err, c.settle(ctx, allDone, done))
+				err = errors.Join(err, c.settle(ctx, waits, allDone, done))
 				done = partitionDone{}
 			}
 			results <- finished{done, err}
@@ -283,7 +310,7 @@ func (c *Consumer) processFetches(ctx context.Context, fetches kgo.Fetches) erro
 	)
 	commit := func() {
 		if len(pending) > 0 {
-			errs = append(errs, c.settle(ctx, allDone, pending...))
+			errs = append(errs, c.settle(ctx, waits, allDone, pending...))
 			pending = nil
 		}
 		flush = nil
@@ -323,8 +350,9 @@ type partitionDone struct {
 }
 
 // processPartition applies records in order, committing the offset after
-// every commitEvery records done.
-func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) (partitionDone, error) {
+// every commitEvery records done. A record waiting to be tried again stops
+// with waits.
+func (c *Consumer) processPartition(ctx, waits context.Context, records []*kgo.Record) (partitionDone, error) {
 	d := partitionDone{from: records[0]}
 	for i, r := range records {
 		if r.Attrs.IsControl() {
@@ -334,7 +362,7 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 			d.last = r
 			continue
 		}
-		if err := c.processRecord(ctx, r); err != nil {
+		if err := c.processRecord(ctx, waits, r); err != nil {
 			d.undone = r
 			return d, err
 		}
@@ -342,7 +370,7 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 		if (i+1)%c.o.commitEvery == 0 && i+1 < len(records) {
 			// In the middle of the partition's records: no rebalance can
 			// take it before they are done (kgo.BlockRebalanceOnPoll).
-			if _, err := c.commit(ctx, func() bool { return false }, d.last); err != nil {
+			if _, err := c.commit(ctx, waits, func() bool { return false }, d.last); err != nil {
 				// Applied, not committed: a later offset's commit covers
 				// them. The records after them are delivered again.
 				return partitionDone{from: records[i+1], undone: records[i+1]}, err
@@ -360,7 +388,7 @@ func (c *Consumer) processPartition(ctx context.Context, records []*kgo.Record) 
 // offset is not committed when it did not. A record is so never skipped
 // by the client that keeps, or gets back, its partition. Called before the
 // poll allows a rebalance.
-func (c *Consumer) settle(ctx context.Context, allDone func() bool, ds ...partitionDone) error {
+func (c *Consumer) settle(ctx, waits context.Context, allDone func() bool, ds ...partitionDone) error {
 	var rs []*kgo.Record
 	for _, d := range ds {
 		if d.last != nil {
@@ -369,7 +397,7 @@ func (c *Consumer) settle(ctx context.Context, allDone func() bool, ds ...partit
 	}
 	committed, err := true, error(nil)
 	if len(rs) > 0 {
-		committed, err = c.commit(ctx, allDone, rs...)
+		committed, err = c.commit(ctx, waits, allDone, rs...)
 	}
 	for _, d := range ds {
 		switch {
@@ -434,8 +462,9 @@ func (c *Consumer) rewind(r *kgo.Record) {
 // committed offset that stays behind means a lag that never clears and
 // records read again at every restart. It stops when the group moved the
 // partition (the member's generation is over: the new owner reads the
-// records again and replays them), or when ctx is done and a last try
-// within the commit timeout failed.
+// records again and replays them), when ctx is done and a last try
+// within the commit timeout failed, or when waits ends (a rebalance waits
+// for the poll).
 //
 // A rebalance in progress is waited for while records of the poll are
 // still being applied (no partition can be revoked then, with
@@ -447,7 +476,7 @@ func (c *Consumer) rewind(r *kgo.Record) {
 // new owner's. The records are delivered again (settle) where the member
 // keeps the partition, and replayed; the new owner replays them where it
 // does not.
-func (c *Consumer) commit(ctx context.Context, allDone func() bool, rs ...*kgo.Record) (committed bool, err error) {
+func (c *Consumer) commit(ctx, waits context.Context, allDone func() bool, rs ...*kgo.Record) (committed bool, err error) {
 	var moved error
 	for wait := uint(0); ; wait++ {
 		if kept := c.notLost(rs); len(kept) < len(rs) {
@@ -473,8 +502,8 @@ func (c *Consumer) commit(ctx context.Context, allDone func() bool, rs ...*kgo.R
 			return false, errors.Join(moved, fmt.Errorf("%w; given up, so that the rebalance goes ahead: the records are delivered again", err))
 		}
 		c.o.onError(fmt.Errorf("%w; trying again", err))
-		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
-			return false, errors.Join(moved, fmt.Errorf("idempotencykafka: commit offsets %s: stopped before it succeeded", positions(rs)))
+		if err := sleep(waits, c.o.backoff(wait, nil)); err != nil {
+			return false, errors.Join(moved, fmt.Errorf("idempotencykafka: commit offsets %s: given up before it succeeded (%w): the records are delivered again", positions(rs), err))
 		}
 	}
 }
@@ -513,23 +542,26 @@ func partitionMoved(err error) bool {
 	return false
 }
 
-// processRecord applies r until it is done, or ctx is done.
-func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
+// processRecord applies r until it is done, or ctx is done (an attempt
+// under way is cut), or waits is done (a rebalance waits for the poll: an
+// attempt under way ends, no other begins). A record not done is
+// delivered again.
+func (c *Consumer) processRecord(ctx, waits context.Context, r *kgo.Record) error {
 	if _, omitted := lastHeader(r, HeaderValueOmitted); omitted && isDeadLetter(r) {
 		// A pointer to a record, not the record: never applied.
 		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d is a dead letter without its record's value: it is not applied", r.Topic, r.Partition, r.Offset))
 		return nil
 	}
-	m, err := c.Message(ctx, r)
+	m, err := c.Message(waits, r)
 	for wait := uint(0); err != nil; wait++ {
 		// The topic's retention cannot be read, or is longer than WithTTL
 		// (a topic a regex matched since Run started): the record waits,
 		// never applied with an ID that could be forgotten too soon.
 		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d waits: %w", r.Topic, r.Partition, r.Offset, err))
-		if err := sleep(ctx, c.o.backoff(wait, nil)); err != nil {
-			return err
+		if err := sleep(waits, c.o.backoff(wait, nil)); err != nil {
+			return context.Cause(waits)
 		}
-		m, err = c.Message(ctx, r)
+		m, err = c.Message(waits, r)
 	}
 	id := m.ID
 	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handle(ctx, tx, r) }
@@ -547,7 +579,7 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 		case idempotency.Ack:
 			return nil
 		case idempotency.DeadLetter:
-			return c.deadLetter(ctx, r, id, outcome, err.Error())
+			return c.deadLetter(waits, r, id, outcome, err.Error())
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
@@ -569,8 +601,8 @@ func (c *Consumer) processRecord(ctx context.Context, r *kgo.Record) error {
 				continue
 			}
 		}
-		if err := sleep(ctx, c.o.backoff(wait, err)); err != nil {
-			return err
+		if err := sleep(waits, c.o.backoff(wait, err)); err != nil {
+			return context.Cause(waits)
 		}
 	}
 }

@@ -213,7 +213,7 @@ func TestTransactionalPartitionsLagReachesZero(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "credits")
 	hides, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("g"), kgo.ConsumeTopics("credits"), kgo.DisableAutoCommit(),
-		kgo.FetchIsolationLevel(kgo.ReadCommitted()))
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.BlockRebalanceOnPoll())
 	require.NoError(t, err)
 	_, err = idempotencykafka.New(w.store, hides, credit)
 	hides.Close()
@@ -322,21 +322,29 @@ func TestOnePollOneCommit(t *testing.T) {
 	require.Equal(t, 400, rows)
 }
 
-// Without the callback, a partition the member lost (its heartbeat
+// Without the callbacks, a partition the member lost (its heartbeat
 // refused: fenced) was worked on for as long as its record waited, here
-// forever: ProcessFetches never returned. With kgo.OnPartitionsLost(
-// idempotencykafka.OnPartitionsLost), the lost partition's work stops at
-// once, its offset is not committed, and ProcessFetches returns saying so.
+// forever: ProcessFetches never returned. With kgo.BlockRebalanceOnPoll,
+// franz-go reports the loss only once the poll allows it; with
+// kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked)
+// the poll is told that a rebalance waits for it: the record stops
+// waiting, no offset is committed, ProcessFetches returns saying so, and
+// once the poll allows the rebalance the loss is reported.
 func TestLostPartitionsWorkStops(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments")
 	var fenced atomic.Bool
 	fenceHeartbeats(w.cluster, "lost-group", &fenced)
 	w.produce(t, "payments", rec("r", "acct-1", "ref:never"))
+	var lost atomic.Bool
 	client, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("lost-group"), kgo.ConsumeTopics("payments"),
-		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords(),
+		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords(), kgo.BlockRebalanceOnPoll(),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.HeartbeatInterval(100*time.Millisecond),
-		kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost))
+		kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked),
+		kgo.OnPartitionsLost(func(ctx context.Context, cl *kgo.Client, ps map[string][]int32) {
+			idempotencykafka.OnPartitionsLost(ctx, cl, ps)
+			lost.Store(true)
+		}))
 	require.NoError(t, err)
 	defer client.Close()
 	var tries atomic.Int64
@@ -356,10 +364,13 @@ func TestLostPartitionsWorkStops(t *testing.T) {
 	fenced.Store(true)
 	select {
 	case err := <-done:
-		require.ErrorContains(t, err, "partition payments/0 was lost")
+		require.ErrorContains(t, err, "a rebalance waits for the poll")
 	case <-time.After(time.Minute):
 		t.Fatal("ProcessFetches still works on the lost partition")
 	}
+	require.False(t, lost.Load(), "the loss waited for the poll")
+	client.AllowRebalance()
+	waitFor(t, "the loss reported once the poll allowed it", lost.Load)
 	require.Zero(t, w.committed(t, "lost-group", "payments"))
 }
 

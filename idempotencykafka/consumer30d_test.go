@@ -2,15 +2,20 @@ package idempotencykafka_test
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
 
@@ -127,4 +132,125 @@ func TestARefusedCommitNeverLandsOnAPartitionThatMoved(t *testing.T) {
 	rows, distinct := w.credits(t)
 	require.Equal(t, n+more, rows, "one effect per record")
 	require.Equal(t, n+more, distinct)
+}
+
+// Two Consumers of one client, as an application with a second handler
+// might make them, both Run. Each Run's poll takes the next records of the
+// partition, and each commits the offset after its own: past records the
+// other has not applied yet. Stopped then, the group restarts after
+// records nobody applied (an outside review: 15 of 20 applied after a
+// restart). The second Run is refused while the first polls; once the
+// first has returned, the second runs.
+func TestASecondRunOnAClientIsRefused(t *testing.T) {
+	t.Parallel()
+	const n = 20
+	w := newWorld(t, 1, "credits")
+	w.produce(t, "credits", amounts(n)...)
+	client, err := kgo.NewClient(consumerOpts(w.brokers, "two-runs", "credits")...)
+	require.NoError(t, err)
+	first, err := idempotencykafka.New(w.store, client, credit)
+	require.NoError(t, err)
+	second, err := idempotencykafka.New(w.store, client, credit)
+	require.NoError(t, err)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- first.Run(ctx) }()
+	waitFor(t, "the first Run applied every record", func() bool { rows, _ := w.credits(t); return rows == n })
+	err = second.Run(context.Background())
+	require.ErrorContains(t, err, "another Run polls this client", "the second Run is refused at once")
+	cancel()
+	require.ErrorIs(t, <-done, context.Canceled)
+
+	w.produce(t, "credits", amountsFrom(n, n)...)
+	restarted := runCustomConsumer(t, client, second)
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "two-runs", "credits") == 2*n })
+	restarted()
+	rows, distinct := w.credits(t)
+	require.Equal(t, 2*n, rows)
+	require.Equal(t, 2*n, distinct)
+}
+
+// runCustomConsumer runs c on client until the returned function stops
+// it and closes the client.
+func runCustomConsumer(t *testing.T, client *kgo.Client, c *idempotencykafka.Consumer) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+				t.Errorf("Run: %v", err)
+			}
+			client.Close()
+		})
+	}
+	t.Cleanup(stop)
+	return stop
+}
+
+// A client that does not block rebalances during a poll lets the group
+// revoke a partition while its records are being applied; the member's
+// commit of their offsets, accepted in its next generation, then lands
+// over the new owner's and sets them back for as long as the group is
+// quiet (an outside review: committed 20 of 30, for good). New refuses such
+// a client, saying what to set.
+func TestNewRefusesAClientThatLetsPartitionsGoMidPoll(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	client, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("no-block"), kgo.ConsumeTopics("credits"),
+		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords())
+	require.NoError(t, err)
+	defer client.Close()
+	_, err = idempotencykafka.New(w.store, client, credit)
+	require.ErrorContains(t, err, "set kgo.BlockRebalanceOnPoll()")
+}
+
+// Member A's record of partition 0 waits to be tried again (a handler
+// error WithRetryable names: a downstream service is down) while B joins
+// the group. With kgo.BlockRebalanceOnPoll the rebalance waits for A's
+// poll, here for as long as the record waits: A's rebalance timeout is 10
+// minutes, and B gets nothing in the meantime.
+//
+// With kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked)
+// A's poll is told that a rebalance waits: the record stops waiting and is
+// left undone, the poll's done records are committed, the rebalance goes
+// ahead and B gets partitions. Once the downstream service is back, the
+// record is applied, once.
+func TestARebalanceWaitingForAPollEndsItsWaits(t *testing.T) {
+	t.Parallel()
+	const group = "hurried"
+	w := newWorld(t, 2, "credits")
+	var down atomic.Bool
+	down.Store(true)
+	downstream := errors.New("the ledger service is down")
+	handle := func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
+		if header(r, idempotencykafka.DefaultIDHeader) == "m-0" && down.Load() {
+			return downstream
+		}
+		return credit(ctx, tx, r)
+	}
+	retryable := idempotencykafka.WithRetryable(func(err error) bool { return errors.Is(err, downstream) })
+	w.produce(t, "credits", amounts(10)...)
+	var tries atomic.Int64
+	a := w.startCustom(t, w.store, group, "credits", handle, []kgo.Opt{kgo.RebalanceTimeout(10 * time.Minute)}, retryable,
+		idempotencykafka.WithOutcomeHandler(func(r *kgo.Record, _ idempotency.Outcome, _ error) {
+			if r.Offset == 0 && r.Partition == 0 {
+				tries.Add(1)
+			}
+		}))
+	waitFor(t, "the waiting record tried", func() bool { return tries.Load() >= 3 })
+
+	b := w.startMember(t, group, "credits")
+	waitFor(t, "B got a partition while the record still waits", func() bool { return b.assigned.Load() > 0 })
+	down.Store(false)
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, group, "credits") == 10 })
+	a.stop()
+	b.stop()
+	rows, distinct := w.credits(t)
+	require.Equal(t, 10, rows, "one effect per record")
+	require.Equal(t, 10, distinct)
 }

@@ -110,6 +110,7 @@ func consumerOpts(brokers []string, group, topic string, extra ...kgo.Opt) []kgo
 		kgo.FetchMaxWait(100 * time.Millisecond),
 		kgo.FetchIsolationLevel(kgo.ReadCommitted()),
 		kgo.KeepControlRecords(),
+		kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked),
 	}, extra...)
 }
 

@@ -53,11 +53,11 @@ func ExampleConsumer() {
 		kgo.ConsumerGroup("credits"),
 		kgo.ConsumeTopics("payments"),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
-		kgo.DisableAutoCommit(),                                 // required: offsets follow the database
-		kgo.FetchIsolationLevel(kgo.ReadCommitted()),            // required: no record of an aborted transaction
-		kgo.KeepControlRecords(),                                // required: offsets committed past transaction markers
-		kgo.BlockRebalanceOnPoll(),                              // recommended: no revocation mid-batch
-		kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost), // recommended: no work on lost partitions
+		kgo.DisableAutoCommit(),                                                       // required: offsets follow the database
+		kgo.FetchIsolationLevel(kgo.ReadCommitted()),                                  // required: no record of an aborted transaction
+		kgo.KeepControlRecords(),                                                      // required: offsets committed past transaction markers
+		kgo.BlockRebalanceOnPoll(),                                                    // required: no partition revoked mid-poll
+		kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked), // recommended: a rebalance never waits for retries
 	)
 	if err != nil {
 		log.Fatal(err)

@@ -2,6 +2,7 @@ package idempotencykafka
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"weak"
@@ -20,8 +21,10 @@ import (
 //
 //	kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost)
 //
-// With kgo.BlockRebalanceOnPoll franz-go calls it only between polls, when
-// no record is in flight; without it, it can come in the middle of one.
+// With kgo.BlockRebalanceOnPoll, which New requires, franz-go calls it only
+// once the poll allowed the rebalance: Run's work has ended by then
+// ([OnPartitionsCallbackBlocked] ends it early). It matters to a poll loop
+// of one's own that allows the rebalance before ProcessFetches returned.
 func OnPartitionsLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
 	for _, c := range consumersOf(cl) {
 		c.lose(lost)
@@ -86,13 +89,56 @@ func (c *Consumer) notLost(rs []*kgo.Record) []*kgo.Record {
 	return kept
 }
 
-// newPoll forgets the partitions lost before: a poll's records are of the
-// member's assignment when it polled.
+// newPoll forgets the partitions lost before, and a rebalance that waited
+// for the poll before: a poll's records are of the member's assignment
+// when it polled.
 func (c *Consumer) newPoll() {
 	c.mu.Lock()
 	clear(c.lost)
+	select {
+	case <-c.hurried:
+		c.hurried = make(chan struct{})
+	default:
+	}
 	c.mu.Unlock()
 }
+
+// OnPartitionsCallbackBlocked is a kgo.OnPartitionsCallbackBlocked
+// callback that ends the poll a rebalance waits for: with
+// kgo.BlockRebalanceOnPoll, which New requires, a member's partitions are
+// neither revoked nor reported lost while a poll's records are being
+// applied, and a record that waits to be tried again (the database down,
+// its ID held by another member, a handler's error WithRetryable names, a
+// missing dead-letter topic) could hold the group's rebalance until the
+// member is dropped from the group. Told that a rebalance waits, every
+// consumer of the client stops waiting: an attempt under way ends (its
+// effect committed or rolled back), no other begins, the offsets of the
+// records done are committed, the records left undone are delivered again
+// (the member may keep their partitions), and the poll lets the rebalance
+// go ahead. Give it to the client of every consumer:
+//
+//	kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked)
+func OnPartitionsCallbackBlocked(_ context.Context, cl *kgo.Client) {
+	for _, c := range consumersOf(cl) {
+		c.mu.Lock()
+		select {
+		case <-c.hurried:
+		default:
+			close(c.hurried)
+		}
+		c.mu.Unlock()
+	}
+}
+
+// hurry is closed once a rebalance waits for the current poll.
+func (c *Consumer) hurry() <-chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.hurried
+}
+
+// errHurried ends the waits of a poll a rebalance waits for.
+var errHurried = errors.New("idempotencykafka: a rebalance waits for the poll: the records left undone are delivered again")
 
 type topicPartition struct {
 	topic     string
@@ -122,6 +168,31 @@ var consumers = struct {
 	sync.Mutex
 	m map[*kgo.Client][]weak.Pointer[Consumer]
 }{m: map[*kgo.Client][]weak.Pointer[Consumer]{}}
+
+// polling holds the clients a Run polls: one Run per client.
+var polling = pollers{m: map[*kgo.Client]bool{}}
+
+type pollers struct {
+	sync.Mutex
+	m map[*kgo.Client]bool
+}
+
+// take marks cl as polled by a Run; false if another Run polls it.
+func (p *pollers) take(cl *kgo.Client) bool {
+	p.Lock()
+	defer p.Unlock()
+	if p.m[cl] {
+		return false
+	}
+	p.m[cl] = true
+	return true
+}
+
+func (p *pollers) release(cl *kgo.Client) {
+	p.Lock()
+	defer p.Unlock()
+	delete(p.m, cl)
+}
 
 func register(c *Consumer) {
 	consumers.Lock()

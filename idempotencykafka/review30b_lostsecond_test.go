@@ -19,11 +19,12 @@ import (
 // The member is fenced while the first consumer retries a record.
 //
 // Before the fix: the package registry maps the client to the Consumer made last, so
-// OnPartitionsLost cancels nothing of the consumer doing the work: it goes
-// on applying the lost partition's record, forever.
+// the callbacks reach nothing of the consumer doing the work: it goes on
+// applying the lost partition's record, forever.
 //
-// Now: the work of every Consumer of the client on the lost partitions
-// stops at once (ProcessFetches returns the "was lost" error).
+// Now: the work of every Consumer of the client stops once a rebalance
+// waits for the poll (the loss, with kgo.BlockRebalanceOnPoll, waits for
+// it): ProcessFetches returns saying so.
 func TestLostPartitionsWorkStopsWithTwoConsumersOnOneClient(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments")
@@ -31,11 +32,13 @@ func TestLostPartitionsWorkStopsWithTwoConsumersOnOneClient(t *testing.T) {
 	fenceHeartbeats(w.cluster, "lost-two", &fenced)
 	w.produce(t, "payments", rec("r", "acct-1", "ref:never"))
 	client, err := kgo.NewClient(kgo.SeedBrokers(w.brokers...), kgo.ConsumerGroup("lost-two"), kgo.ConsumeTopics("payments"),
-		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords(),
+		kgo.DisableAutoCommit(), kgo.FetchIsolationLevel(kgo.ReadCommitted()), kgo.KeepControlRecords(), kgo.BlockRebalanceOnPoll(),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()), kgo.HeartbeatInterval(100*time.Millisecond),
+		kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked),
 		kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost))
 	require.NoError(t, err)
 	defer client.Close()
+	defer client.AllowRebalance() // kgo.BlockRebalanceOnPoll: Close waits for it
 	var tries atomic.Int64
 	c, err := idempotencykafka.New(w.store, client, credit, idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond),
 		idempotencykafka.WithRetryable(func(error) bool { return true }),
@@ -58,7 +61,7 @@ func TestLostPartitionsWorkStopsWithTwoConsumersOnOneClient(t *testing.T) {
 	fenced.Store(true)
 	select {
 	case err := <-done:
-		require.ErrorContains(t, err, "partition payments/0 was lost")
+		require.ErrorContains(t, err, "a rebalance waits for the poll")
 	case <-time.After(30 * time.Second):
 		t.Fatal("ProcessFetches still works on the lost partition: OnPartitionsLost found the client's other Consumer")
 	}

@@ -1,0 +1,74 @@
+package idempotencykafka_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/exactlyonce/idempotency/idempotencykafka"
+)
+
+// Run is cancelled at random moments (in a poll, in the middle of a
+// poll's records, in a mid-poll commit, in the poll's commit) and started
+// again on the same client, 150 times, while 8 partitions' records
+// arrive. Every record's effect commits once and every partition is
+// committed to its end: no stop leaves the client past a record nobody
+// applied.
+func TestRunCancelledAtRandomAndRestartedOnTheSameClient(t *testing.T) {
+	t.Parallel()
+	const group, topic, n = "restarts", "credits", 2400
+	w := newWorld(t, 8, topic)
+	client, err := kgo.NewClient(consumerOpts(w.brokers, group, topic, kgo.OnPartitionsLost(idempotencykafka.OnPartitionsLost))...)
+	require.NoError(t, err)
+	defer client.Close()
+	handle := func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
+		if rand.IntN(10) == 0 {
+			time.Sleep(time.Duration(rand.IntN(3)) * time.Millisecond)
+		}
+		return credit(ctx, tx, r)
+	}
+	c, err := idempotencykafka.New(w.store, client, handle, idempotencykafka.WithMaxPollRecords(30), idempotencykafka.WithCommitEvery(5),
+		idempotencykafka.WithRetryBackoff(time.Millisecond, 20*time.Millisecond))
+	require.NoError(t, err)
+
+	produced := make(chan struct{})
+	go func() {
+		defer close(produced)
+		for i := 0; i < n; i += 200 {
+			w.produce(t, topic, amountsFrom(i, 200)...)
+			time.Sleep(150 * time.Millisecond)
+		}
+	}()
+	began := time.Now()
+	restarts := 0
+	for ; restarts < 150; restarts++ {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Duration(rand.IntN(150000))*time.Microsecond)
+		err := c.Run(ctx)
+		cancel()
+		require.True(t, errors.Is(err, context.DeadlineExceeded), "Run: %v", err)
+	}
+	<-produced
+	before, _ := w.credits(t)
+	t.Logf("applied before the last Run: %d", before)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	t.Logf("restarts took %v", time.Since(began))
+	last := time.Now()
+	waitFor(t, "every partition committed to its end", func() bool { return w.committed(t, group, topic) == n })
+	t.Logf("the last Run committed everything in %v", time.Since(last))
+	time.Sleep(time.Second)
+	cancel()
+	<-done
+	rows, distinct := w.credits(t)
+	t.Logf("%d restarts; %d effects, %d distinct", restarts, rows, distinct)
+	require.Equal(t, w.ends(t, topic), w.committedByPartition(t, group, topic))
+	require.Equal(t, n, rows)
+	require.Equal(t, n, distinct)
+}
