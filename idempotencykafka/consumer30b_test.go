@@ -28,10 +28,26 @@ func refuseCommits(cluster *kfake.Cluster, group string, code int16, refuse func
 // refuseCommitsOf is refuseCommits with refuse told which commit it is
 // asked about.
 func refuseCommitsOf(cluster *kfake.Cluster, group string, code int16, refuse func(*kmsg.OffsetCommitRequest) bool) {
+	answerCommits(cluster, group, func(req *kmsg.OffsetCommitRequest) int16 {
+		if refuse(req) {
+			return code
+		}
+		return 0
+	})
+}
+
+// answerCommits makes the broker answer each of the group's offset
+// commits with the error code answer gives it, for every partition; 0
+// lets the broker handle the commit.
+func answerCommits(cluster *kfake.Cluster, group string, answer func(*kmsg.OffsetCommitRequest) int16) {
 	cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
 		cluster.KeepControl()
 		commit := req.(*kmsg.OffsetCommitRequest)
-		if commit.Group != group || !refuse(commit) {
+		if commit.Group != group {
+			return nil, nil, false
+		}
+		code := answer(commit)
+		if code == 0 {
 			return nil, nil, false
 		}
 		resp := commit.ResponseKind().(*kmsg.OffsetCommitResponse)

@@ -10,7 +10,6 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
@@ -36,26 +35,12 @@ func TestRebalanceIsAllowedOnceAllDoneWhileTheFlushCommitIsRetried(t *testing.T)
 	var refuse atomic.Bool
 	var refused atomic.Int64
 	refuse.Store(true)
-	w.cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		w.cluster.KeepControl()
-		commit := req.(*kmsg.OffsetCommitRequest)
-		if commit.Group != "flush-rip" || !refuse.Load() {
-			return nil, nil, false
-		}
-		resp := commit.ResponseKind().(*kmsg.OffsetCommitResponse)
-		for _, topic := range commit.Topics {
-			rt := kmsg.NewOffsetCommitResponseTopic()
-			rt.Topic = topic.Topic
-			for _, p := range topic.Partitions {
-				rp := kmsg.NewOffsetCommitResponseTopicPartition()
-				rp.Partition = p.Partition
-				rp.ErrorCode = kerr.RebalanceInProgress.Code
-				rt.Partitions = append(rt.Partitions, rp)
-			}
-			resp.Topics = append(resp.Topics, rt)
+	refuseCommits(w.cluster, "flush-rip", kerr.RebalanceInProgress.Code, func() bool {
+		if !refuse.Load() {
+			return false
 		}
 		refused.Add(1)
-		return resp, nil, true
+		return true
 	})
 	defer refuse.Store(false)
 	// Round robin: "fast" on partition 0, "slow" on partition 1.

@@ -34,39 +34,22 @@ func TestRandomlyRefusedCommitsNeverSkipARecord(t *testing.T) {
 	var refusedRIP, refusedMoved atomic.Int64
 	var rngMu sync.Mutex
 	rng := rand.New(rand.NewPCG(1, 2))
-	w.cluster.ControlKey(kmsg.OffsetCommit.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
-		w.cluster.KeepControl()
-		commit := req.(*kmsg.OffsetCommitRequest)
-		if commit.Group != group || !refusing.Load() {
-			return nil, nil, false
+	answerCommits(w.cluster, group, func(*kmsg.OffsetCommitRequest) int16 {
+		if !refusing.Load() {
+			return 0
 		}
 		rngMu.Lock()
 		roll := rng.IntN(6)
 		rngMu.Unlock()
-		var code int16
 		switch roll {
 		case 0:
-			code = kerr.RebalanceInProgress.Code
 			refusedRIP.Add(1)
+			return kerr.RebalanceInProgress.Code
 		case 1:
-			code = kerr.UnknownMemberID.Code
 			refusedMoved.Add(1)
-		default:
-			return nil, nil, false
+			return kerr.UnknownMemberID.Code
 		}
-		resp := commit.ResponseKind().(*kmsg.OffsetCommitResponse)
-		for _, tp := range commit.Topics {
-			rt := kmsg.NewOffsetCommitResponseTopic()
-			rt.Topic = tp.Topic
-			for _, p := range tp.Partitions {
-				rp := kmsg.NewOffsetCommitResponseTopicPartition()
-				rp.Partition = p.Partition
-				rp.ErrorCode = code
-				rt.Partitions = append(rt.Partitions, rp)
-			}
-			resp.Topics = append(resp.Topics, rt)
-		}
-		return resp, nil, true
+		return 0
 	})
 	m := w.startMemberWith(t, memberConfig{store: w.store, client: []kgo.Opt{kgo.FetchMaxPartitionBytes(2 << 10)}}, group, topic,
 		idempotencykafka.WithMaxPollRecords(25),
