@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"strings"
 	"time"
@@ -58,10 +59,13 @@ type Record struct {
 }
 
 // HTTPResponse returns the response an HTTP request's record holds: its
-// status, the headers stored with it (those a replay carries) and its body.
-// ok is false for a record of another transport, or one without a response
-// (an error the engine stored, such as a handler that ended the
-// transaction; Status has it).
+// status, the headers a replay of it can send, and its body. Set-Cookie,
+// Authorization and the other headers no replay ever sends are left out,
+// though the middleware's first version stored them; of the others a
+// record of that version holds (Date, say), a replay sends only those its
+// middleware's WithHTTPReplayedHeaders allows. ok is false for a record of
+// another transport, or one without a response (an error the engine
+// stored, such as a handler that ended the transaction; Status has it).
 func (r Record) HTTPResponse() (status int, header http.Header, body []byte, ok bool) {
 	rr := r.httpResponse()
 	if rr == nil {
@@ -71,8 +75,8 @@ func (r Record) HTTPResponse() (status int, header http.Header, body []byte, ok 
 }
 
 // HTTPTrailer returns the trailers stored with an HTTP request's response
-// (those a replay carries), nil when there are none or the record is not
-// an HTTP response.
+// that a replay can send (as HTTPResponse's headers), nil when there are
+// none or the record is not an HTTP response.
 func (r Record) HTTPTrailer() http.Header {
 	if rr := r.httpResponse(); rr != nil && len(rr.trailer) > 0 {
 		return rr.trailer
@@ -80,7 +84,8 @@ func (r Record) HTTPTrailer() http.Header {
 	return nil
 }
 
-// httpResponse decodes the HTTP response the record holds, nil for none.
+// httpResponse decodes the HTTP response the record holds, nil for none,
+// without the headers and trailers no replay sends.
 func (r Record) httpResponse() *responseRecorder {
 	if r.Transport != TransportHTTP || r.ResponseType != string(httpBodyType.Descriptor().FullName()) {
 		return nil
@@ -92,6 +97,9 @@ func (r Record) httpResponse() *responseRecorder {
 	rr, err := decodeHTTPResponse(result{Result: Result{Response: m}, metadata: r.Metadata})
 	if err != nil {
 		return nil
+	}
+	for _, h := range []http.Header{rr.sent, rr.trailer} {
+		maps.DeleteFunc(h, func(name string, _ []string) bool { return !replayable(name) })
 	}
 	return rr
 }
