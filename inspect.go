@@ -395,7 +395,9 @@ const listPageRows = 1000
 // thousand rows a statement, and applies the filters to the rows it
 // reads: its cost is the rows it examines, never the table's size, and at
 // most f.Examine of them. With a scope, it reads only that scope's keys.
-// Records of calls still running are not listed (they are not committed).
+// A call in progress has no committed row yet, and is not listed. Each
+// statement reads the table as it is then: a key written or deleted while
+// a listing goes on may or may not be in it.
 func (s *Store) List(ctx context.Context, f ListFilter) (ListPage, error) {
 	var page ListPage
 	if err := f.withDefaults(); err != nil {
@@ -448,6 +450,7 @@ ORDER BY ` + order
 		n := min(listPageRows, f.Examine-page.Examined)
 		var read int
 		var full bool
+		var decodeErr error
 		err := s.readCommitted(ctx, func(tx pgx.Tx) error {
 			rows, err := tx.Query(ctx, q, afterScope, afterKey, n, exact, prefix, state, newer, older)
 			if err != nil {
@@ -469,7 +472,8 @@ ORDER BY ` + order
 				if match {
 					rec, err := raw.record(scope)
 					if err != nil {
-						return fmt.Errorf("a stored record does not decode: %w", err)
+						decodeErr = fmt.Errorf("idempotency: list keys: the record of key %q of scope %q: %w", key, scope, err)
+						return decodeErr
 					}
 					page.Records = append(page.Records, rec)
 				}
@@ -477,6 +481,9 @@ ORDER BY ` + order
 			return rows.Err()
 		})
 		page.Examined += read
+		if decodeErr != nil {
+			return ListPage{}, decodeErr
+		}
 		if err != nil {
 			return ListPage{}, s.dbError(ctx, "list keys", err)
 		}

@@ -234,7 +234,7 @@ func listFlags(args []string, stderr io.Writer) (idempotency.ListFilter, int) {
 	fs.DurationVar(&f.NewerThan, "newer-than", 0, "only keys created less than this long ago (e.g. 30m, 48h)")
 	fs.DurationVar(&f.OlderThan, "older-than", 0, "only keys created more than this long ago")
 	fs.IntVar(&f.Limit, "limit", 100, "at most this many keys (up to 10000)")
-	fs.IntVar(&f.Examine, "examine", 10000, "look at most at this many keys, matching or not, so that a rare filter never reads much of the table at once; -after the output's \"next\" goes on")
+	fs.IntVar(&f.Examine, "examine", 10000, "look at most at this many keys, matching or not, so that a filter few keys match never reads much of the table at once (-after the output's \"next\" goes on)")
 	fs.StringVar(&f.After, "after", "", "go on after the page whose \"next\" this is")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
