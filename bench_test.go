@@ -59,10 +59,10 @@ func BenchmarkValidateKey(b *testing.B) {
 func BenchmarkKeyFromIncoming(b *testing.B) {
 	for _, bc := range []struct{ name, key string }{{"key", benchKey}, {"no-key", ""}} {
 		b.Run(bc.name, func(b *testing.B) {
-			ctx := incoming(bc.key)
+			md, _ := metadata.FromIncomingContext(incoming(bc.key))
 			b.ReportAllocs()
 			for b.Loop() {
-				if _, _, err := keyFromIncoming(ctx); err != nil {
+				if _, _, err := keyFromIncoming(md); err != nil {
 					b.Fatal(err)
 				}
 			}

@@ -40,8 +40,8 @@ func (s *Store) deleteBatch(ctx context.Context, limit int, paced bool) (deleted
 	if paced && err == nil && tag.RowsAffected() >= int64(limit) {
 		pause = max(9*took, time.Microsecond) // never zero: zero says the round is over
 	}
-	if ct, ok := s.opts.tracer.(CleanerTracer); ok {
-		ct.TraceCleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: took, Pause: pause, Err: err})
+	if g, ok := s.opts.tracer.(*guardedTracer); ok {
+		g.cleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: took, Pause: pause, Err: err})
 	}
 	return tag.RowsAffected(), pause, err
 }

@@ -73,7 +73,9 @@ func (s *Store) ProcessMessage(ctx context.Context, m Message, fn func(ctx conte
 	// commitFailed).
 	tp := &transport{kind: TransportMessage, namespace: namespaceMessage, finalCode: func(c codes.Code) bool { return c == codes.FailedPrecondition }}
 	if s.opts.tracer != nil {
-		ctx, tp.trace = s.startCall(ctx, TransportMessage, m.Scope, m.ID)
+		// The scope apart from the method: it may name a tenant, one of
+		// thousands, and a method is what metrics are labelled with.
+		ctx, tp.trace = s.startTrace(ctx, TraceCallStartData{Transport: TransportMessage, Scope: m.Scope, Key: m.ID})
 		defer tp.trace.endDeferred(ctx, &outcome, &err)
 	}
 	if err := ValidateKey(m.ID); err != nil {

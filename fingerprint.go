@@ -34,7 +34,8 @@ import (
 //
 // Two version 2 fingerprints are compared only when their schema agrees.
 //
-// Version 4 (HTTP requests): see httpfingerprint.go.
+// Versions 4 and 5 (HTTP requests; 5 compares JSON bodies by value): see
+// httpfingerprint.go.
 //
 // Version 3 (proto requests) has a part per field present, and says once
 // per message type which fields its schema knows, so that two releases of

@@ -50,8 +50,11 @@ const ReplayedHeader = "Idempotency-Replayed"
 //
 // POST and PATCH are protected by default; other methods pass through, as
 // RFC 9110 makes them idempotent ([WithHTTPMethods] changes that; give a
-// route its own middleware for its own settings). So does a request that
-// is already inside an idempotent call: the middleware mounted twice (on a
+// route its own middleware for its own settings). So does a request the
+// router behind will not route, when the middleware can tell (it wraps an
+// *http.ServeMux, or [WithHTTPRoute] says): the router's 404, 405 or
+// redirect to the canonical path is not stored under a key. So does a
+// request that is already inside an idempotent call: the middleware mounted twice (on a
 // router group and on its route) protects it once, with the outer one's
 // settings. On a protected method:
 //
@@ -69,7 +72,9 @@ const ReplayedHeader = "Idempotency-Replayed"
 // The request is the same request when its method, path (with query),
 // host and body are the same: the path and host the client sent
 // (r.RequestURI, r.Host), whatever a router in front (http.StripPrefix)
-// rewrote; the body by its bytes, and a form a middleware in front parsed
+// rewrote; the body by its bytes (JSON, application/json or a +json type,
+// by its value: spacing, member order and string escapes do not count,
+// numbers as written do), and a form a middleware in front parsed
 // (consuming them) by its fields and files, so that a form is one request
 // whether or not something in front parsed it.
 // The scope ([WithHTTPScope]) is asked before the body is read. Trailers go
@@ -101,7 +106,14 @@ func HTTPMiddleware(store *Store, opts ...HTTPOption) func(http.Handler) http.Ha
 				next.ServeHTTP(w, r)
 				return
 			}
-			o.serve(store, next, w, r)
+			route, routed := o.route(next, r)
+			if !routed {
+				// The router answers it (404, 405, a redirect): there is
+				// no call to protect, and no key to keep for a day.
+				next.ServeHTTP(w, r)
+				return
+			}
+			o.serve(store, next, route, w, r)
 		})
 	}
 }
@@ -121,6 +133,7 @@ type httpOptions struct {
 	maxResponse int
 	readTimeout time.Duration
 	isolation   pgx.TxIsoLevel
+	routeOf     func(*http.Request) string // see WithHTTPRoute
 	err         error
 }
 
@@ -319,11 +332,9 @@ func WithHTTPReadTimeout(d time.Duration) HTTPOption {
 // roll back and the key is released, but the response is still sent.
 var errHTTPReleased = errors.New("idempotency: response not stored")
 
-func (o *httpOptions) serve(store *Store, next http.Handler, w http.ResponseWriter, r *http.Request) {
-	route := r.Pattern
-	if route == "" {
-		route = r.Method + " " + r.URL.Path
-	}
+// serve protects one request; route is its traced method (see
+// httpOptions.route).
+func (o *httpOptions) serve(store *Store, next http.Handler, route string, w http.ResponseWriter, r *http.Request) {
 	key, err := keyFromHeader(r.Header)
 	if err == nil && key == "" {
 		if !o.keyRequired {
@@ -765,6 +776,15 @@ func decodeHTTPResponse(res result) (*responseRecorder, error) {
 
 // problem writes an RFC 9457 problem+json response and returns its status.
 func problem(w http.ResponseWriter, code int, title, detail string, retryAfter time.Duration) int {
+	return problemWithReason(w, code, title, detail, retryAfter, "")
+}
+
+// problemWithReason is problem with the reason of the library's answer
+// (the gRPC side's ErrorInfo reason, KEY_IN_PROGRESS say) as the
+// extension member "reason", so that a client tells the library's 409 or
+// 422 from a handler's own. The library's answers have one; a handler's
+// never does.
+func problemWithReason(w http.ResponseWriter, code int, title, detail string, retryAfter time.Duration, reason string) int {
 	h := w.Header()
 	h.Set("Content-Type", "application/problem+json")
 	if retryAfter > 0 {
@@ -776,7 +796,8 @@ func problem(w http.ResponseWriter, code int, title, detail string, retryAfter t
 		Title  string `json:"title"`
 		Status int    `json:"status"`
 		Detail string `json:"detail"`
-	}{"about:blank", title, code, detail})
+		Reason string `json:"reason,omitempty"`
+	}{"about:blank", title, code, detail, reason})
 	return code
 }
 
@@ -784,29 +805,35 @@ func problem(w http.ResponseWriter, code int, title, detail string, retryAfter t
 // the middleware, and returns the status sent.
 func writeProblem(w http.ResponseWriter, err error, retryDelay time.Duration) int {
 	st := status.Convert(err)
-	detail := st.Message()
+	var reason string
+	if e := (*Error)(nil); errors.As(err, &e) {
+		reason = e.reason
+	}
+	answer := func(code int, title string, retryAfter time.Duration) int {
+		return problemWithReason(w, code, title, st.Message(), retryAfter, reason)
+	}
 	switch {
 	case IsInProgress(err):
 		d, _ := RetryDelay(err)
-		return problem(w, http.StatusConflict, "A request with this Idempotency-Key is being processed", detail, max(d, time.Second))
+		return answer(http.StatusConflict, "A request with this Idempotency-Key is being processed", max(d, time.Second))
 	case IsKeyReused(err):
-		return problem(w, http.StatusUnprocessableEntity, "Idempotency-Key already used for another request", detail, 0)
+		return answer(http.StatusUnprocessableEntity, "Idempotency-Key already used for another request", 0)
 	case errors.Is(err, ErrInvalidKey), errors.Is(err, ErrMissingKey):
-		return problem(w, http.StatusBadRequest, "Invalid or missing Idempotency-Key", detail, 0)
+		return answer(http.StatusBadRequest, "Invalid or missing Idempotency-Key", 0)
 	}
 	switch st.Code() {
 	case codes.Unavailable, codes.Aborted:
-		return problem(w, http.StatusServiceUnavailable, "Service unavailable; retry with the same Idempotency-Key", detail, max(retryDelay, time.Second))
+		return answer(http.StatusServiceUnavailable, "Service unavailable; retry with the same Idempotency-Key", max(retryDelay, time.Second))
 	case codes.InvalidArgument:
-		return problem(w, http.StatusBadRequest, "Bad request", detail, 0)
+		return answer(http.StatusBadRequest, "Bad request", 0)
 	case codes.Unauthenticated:
-		return problem(w, http.StatusUnauthorized, "Unauthenticated", detail, 0)
+		return answer(http.StatusUnauthorized, "Unauthenticated", 0)
 	case codes.PermissionDenied:
-		return problem(w, http.StatusForbidden, "Forbidden", detail, 0)
+		return answer(http.StatusForbidden, "Forbidden", 0)
 	case codes.FailedPrecondition:
-		return problem(w, http.StatusConflict, "Conflict", detail, 0)
+		return answer(http.StatusConflict, "Conflict", 0)
 	case codes.DeadlineExceeded:
-		return problem(w, http.StatusGatewayTimeout, "Timed out; nothing was committed", detail, 0)
+		return answer(http.StatusGatewayTimeout, "Timed out; nothing was committed", 0)
 	}
-	return problem(w, http.StatusInternalServerError, "Internal error", detail, 0)
+	return answer(http.StatusInternalServerError, "Internal error", 0)
 }

@@ -153,23 +153,24 @@ func TestHTTPErrorsAreProblemDetails(t *testing.T) {
 	for _, tc := range []struct {
 		name, key, body string
 		status          int
-		title           string
+		title, reason   string
 	}{
-		{"same key, another body", "k", "charge 999", http.StatusUnprocessableEntity, "Idempotency-Key already used for another request"},
-		{"no key", "", "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key"},
-		{"invalid key", "has space", "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key"},
-		{"bad structured string", `"unterminated`, "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key"},
+		{"same key, another body", "k", "charge 999", http.StatusUnprocessableEntity, "Idempotency-Key already used for another request", "KEY_REUSED"},
+		{"no key", "", "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key", "MISSING_KEY"},
+		{"invalid key", "has space", "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key", "INVALID_KEY"},
+		{"bad structured string", `"unterminated`, "charge 1", http.StatusBadRequest, "Invalid or missing Idempotency-Key", "INVALID_KEY"},
 	} {
 		r := e.post(tc.key, tc.body)
 		require.Equal(t, tc.status, r.status, tc.name)
 		require.Equal(t, "application/problem+json", r.header.Get("Content-Type"), tc.name)
 		var p struct {
-			Type, Title, Detail string
-			Status              int
+			Type, Title, Detail, Reason string
+			Status                      int
 		}
 		require.NoError(t, json.Unmarshal([]byte(r.body), &p), tc.name)
 		require.Equal(t, tc.status, p.Status, tc.name)
 		require.Equal(t, tc.title, p.Title, tc.name)
+		require.Equal(t, tc.reason, p.Reason, "%s: the library's answer says which it is", tc.name)
 		require.NotEmpty(t, p.Detail, tc.name)
 	}
 	require.EqualValues(t, 1, e.runs.Load(), "none of them reached the handler")
@@ -228,6 +229,7 @@ func TestHTTPConcurrentDuplicates(t *testing.T) {
 					conflicts++
 					require.Equal(t, "2", r.header.Get("Retry-After"), "the retry delay, in whole seconds rounded up")
 					require.Equal(t, "application/problem+json", r.header.Get("Content-Type"))
+					require.Contains(t, r.body, `"reason":"KEY_IN_PROGRESS"`, "the library's 409, not a handler's")
 				default:
 					t.Fatalf("unexpected reply %d: %s", r.status, r.body)
 				}

@@ -16,36 +16,52 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// Version 4 of the fingerprint format (see fingerprint.go) identifies an
+// Version 5 of the fingerprint format (see fingerprint.go) identifies an
 // HTTP request:
 //
 //	request    32 bytes: SHA-256 of the method, the target and the host the
 //	           client sent (lower case), and the Content-Type (its media
 //	           type and parameters but a multipart boundary), each
 //	           length-prefixed
-//	flags      1 byte: 1 the form's digest follows, 2 the body's
+//	flags      1 byte: 1 the form's digest follows, 2 the body's, 4 (with
+//	           2) the body's digest is of its canonical JSON
 //	form       32 bytes: SHA-256 of the form's fields (url.Values.Encode:
 //	           names sorted, values in order) and, for a multipart form,
 //	           each file in field order: field, name, type, SHA-256 of the
 //	           content
-//	body       32 bytes: SHA-256 of the body's bytes
+//	body       32 bytes: SHA-256 of the body's bytes; with flag 4, of its
+//	           canonical JSON (see jsonDigest)
 //
 // A body has a form digest when net/http would parse it as a form (its
 // Content-Type, read as ParseForm reads it; a multipart body that does not
 // parse has the digest of one that does not), and a body digest when its
 // bytes were there to read: a middleware in front that parsed the form
 // (r.ParseForm, r.PostFormValue, r.ParseMultipartForm; CSRF middleware
-// does, on some requests and not on others) consumed them. Two requests
-// are the same when their requests agree and, when both have a body
-// digest, their bodies; else their forms. So a form is the same request
-// parsed in front or not, while two bodies the handler could read
+// does, on some requests and not on others) consumed them. A body whose
+// media type is JSON (isJSONType) and that is one JSON value is digested
+// as its canonical JSON, so that whitespace, the order of an object's keys
+// and the escaping of a string do not count; any other body, and a JSON
+// one that does not parse, by its bytes. Two requests are the same when
+// their requests agree and, when both have a body digest, their bodies (of
+// one kind: under one Content-Type, a body that parses as JSON is never
+// the same as one that does not); else their forms. So a form is the same
+// request parsed in front or not, while two bodies the handler could read
 // differently (JSON sent as a form, "a+b" and "a b") are never one.
+//
+// Version 4, the release before, is version 5 without flag 4: a JSON body
+// was digested by its bytes. A row it stored is not compared with a
+// version 5 fingerprint (as across any change of version: see
+// fingerprint.go), so a retry across the upgrade replays the stored
+// response; one that does not parse as version 4 is still the same request
+// as nothing (malformedHTTP).
 const (
-	httpVersion   = 4
+	httpVersion   = 5
+	httpVersion4  = 4 // read only, to tell a damaged row
 	httpHeadLen   = len(fingerprintMagic) + 1 + sha256.Size + 1
 	httpHasForm   = 1
 	httpHasBody   = 2
-	httpFlagsMask = httpHasForm | httpHasBody
+	httpJSONBody  = 4
+	httpFlagsMask = httpHasForm | httpHasBody | httpJSONBody
 )
 
 // httpFingerprint returns the fingerprint of r, whose target is as the
@@ -90,10 +106,25 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	}
 	if !consumed {
 		out[flags] |= httpHasBody
-		sum := sha256.Sum256(body)
+		sum, canonical := bodyDigest(mediaType, body)
+		if canonical {
+			out[flags] |= httpJSONBody
+		}
 		out = append(out, sum[:]...)
 	}
 	return out, 0, nil
+}
+
+// bodyDigest is the digest of a body read whole: of its canonical JSON when
+// its media type is JSON and it is one JSON value (canonical), else of its
+// bytes.
+func bodyDigest(mediaType string, body []byte) (sum [sha256.Size]byte, canonical bool) {
+	if isJSONType(mediaType) {
+		if sum, ok := jsonDigest(body); ok {
+			return sum, true
+		}
+	}
+	return sha256.Sum256(body), false
 }
 
 // contentType is the request's Content-Type as it bears on the body's
@@ -194,29 +225,38 @@ func multipartDigest(form *multipart.Form) (*formSum, error) {
 	return f, nil
 }
 
-// malformedHTTP reports whether fp carries version 4's tag but not its
-// form: a damaged row, which is the same request as nothing.
+// malformedHTTP reports whether fp carries the tag of version 5 or 4 but
+// not its form: a damaged row, which is the same request as nothing.
 func malformedHTTP(fp []byte) bool {
 	tag := len(fingerprintMagic) + 1
-	return len(fp) >= tag && string(fp[:tag]) == fingerprintMagic+string(rune(httpVersion)) && !validHTTP(fp)
+	if len(fp) < tag || string(fp[:len(fingerprintMagic)]) != fingerprintMagic {
+		return false
+	}
+	v := fp[tag-1]
+	return (v == httpVersion || v == httpVersion4) && !validHTTP(fp)
 }
 
-// validHTTP reports whether fp is a well-formed version 4 fingerprint.
+// validHTTP reports whether fp is a well-formed fingerprint of version 5,
+// or of version 4 (which has no flag 4).
 func validHTTP(fp []byte) bool {
 	if len(fp) < httpHeadLen {
 		return false
 	}
-	flags := fp[httpHeadLen-1]
+	flags, known := fp[httpHeadLen-1], byte(httpFlagsMask)
+	if fp[len(fingerprintMagic)] == httpVersion4 {
+		known = httpHasForm | httpHasBody
+	}
 	n := 0
 	for _, f := range []byte{httpHasForm, httpHasBody} {
 		if flags&f != 0 {
 			n++
 		}
 	}
-	return flags&^httpFlagsMask == 0 && len(fp) == httpHeadLen+n*sha256.Size
+	jsonWithoutBody := flags&httpJSONBody != 0 && flags&httpHasBody == 0
+	return flags&^known == 0 && !jsonWithoutBody && len(fp) == httpHeadLen+n*sha256.Size
 }
 
-// sameHTTP compares two version 4 fingerprints (see above).
+// sameHTTP compares two version 5 fingerprints (see above).
 func sameHTTP(stored, current []byte) bool {
 	if !bytes.Equal(stored[:httpHeadLen-1], current[:httpHeadLen-1]) {
 		return false
@@ -232,7 +272,8 @@ func sameHTTP(stored, current []byte) bool {
 		return rest[:sha256.Size]
 	}
 	if a, b := part(stored, httpHasBody), part(current, httpHasBody); a != nil && b != nil {
-		return bytes.Equal(a, b)
+		// A digest of canonical JSON is never one of bytes.
+		return (stored[httpHeadLen-1]^current[httpHeadLen-1])&httpJSONBody == 0 && bytes.Equal(a, b)
 	}
 	a, b := part(stored, httpHasForm), part(current, httpHasForm)
 	return a != nil && b != nil && bytes.Equal(a, b)

@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
-	"github.com/jackc/pgx/v5"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -14,13 +13,13 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-const (
-	// MetadataKey is the gRPC metadata key carrying the idempotency key.
-	MetadataKey = "idempotency-key"
-	// ReplayedTrailer is the response trailer set to "true" when the
-	// response was replayed from the store instead of executed.
-	ReplayedTrailer = "idempotency-replayed"
-)
+// MetadataKey is the gRPC metadata key carrying the idempotency key.
+const MetadataKey = "idempotency-key"
+
+// ReplayedTrailer is the response trailer set to "true" when the response
+// (or final error) was replayed from the store instead of executed: a
+// client reads it with grpc.Trailer. A handler may not set it.
+const ReplayedTrailer = "idempotency-replayed"
 
 // UnaryServerInterceptor returns a server interceptor that runs each call
 // carrying an idempotency key at most once, using store.
@@ -44,53 +43,55 @@ const (
 // It panics if store is nil or an option is invalid, as those are
 // programming errors found at startup.
 func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServerInterceptor {
-	o := mustServerOptions("UnaryServerInterceptor", store, opts)
-	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (_ any, err error) {
-		pol := policyForRequest(info.FullMethod, req)
-		_, inCall := TxFromContext(ctx)
-		if (pol.mode == modePassThrough && pol.err == nil) || inCall {
-			// The interceptor chained twice protects a call once.
+	s := &UnaryServer{store: store, o: mustServerOptions("UnaryServerInterceptor", store, opts)}
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		msg, isProto := req.(proto.Message)
+		md, _ := metadata.FromIncomingContext(ctx)
+		call := UnaryCall{Method: info.FullMethod, Request: msg, Metadata: md}
+		p, err := s.prepare(ctx, call)
+		if err == nil && p.passThrough {
 			return handler(ctx, req)
 		}
-		key, err := o.callKey(ctx, pol, req)
-		if err == nil && key == "" {
-			if pol.mode == modeOptional || (pol.mode == modeDefault && !o.requireKey) {
-				return handler(ctx, req)
+		if err == nil && !isProto {
+			err = status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
+		}
+		// The handler's headers and trailers are held back until the
+		// call's answer is known, and stored with it.
+		hctx, rec := recordMetadata(ctx)
+		reply, err := s.protect(hctx, call, p, err, func(ctx context.Context) (proto.Message, ResponseMetadata, error) {
+			if rec != nil {
+				rec.reset()
 			}
-			err = missingKey(pol)
-		}
-		traceKey := key
-		if vals := metadata.ValueFromIncomingContext(ctx, MetadataKey); traceKey == "" && len(vals) > 0 {
-			traceKey = vals[0]
-		}
-		tp := &transport{kind: TransportGRPC, finalCode: func(c codes.Code) bool { return o.final[c] }}
-		outcome := OutcomeRejected
-		if store.opts.tracer != nil {
-			ctx, tp.trace = store.startCall(ctx, TransportGRPC, info.FullMethod, traceKey)
-			defer tp.trace.endDeferred(ctx, &outcome, &err)
-		}
-		if err != nil {
-			return nil, err
-		}
-		res, rec, err := o.serve(ctx, tp, store, key, pol, req, info, handler)
-		outcome = res.Outcome
+			resp, err := handler(ctx, req)
+			if err != nil {
+				return nil, rec.recorded(), err
+			}
+			m, ok := resp.(proto.Message)
+			if !ok {
+				return nil, ResponseMetadata{}, status.Errorf(codes.Internal, "idempotency: response of %s is %T, not a proto message", info.FullMethod, resp)
+			}
+			return m, rec.recorded(), nil
+		})
 		switch {
-		case res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)):
-			if merr := replayMetadata(ctx, res.metadata); merr != nil {
-				res.Response, err = nil, status.Errorf(codes.Internal, "%v", merr)
+		case reply.Outcome == OutcomeReplayed:
+			if len(reply.Header) > 0 {
+				_ = grpc.SetHeader(ctx, reply.Header) // fails only if the stream is already done
 			}
-		case rec != nil && res.ownAnswer:
-			// This run's answer: its headers and trailers go with it. Any
-			// other (a replay of another call's row, an error of the
-			// engine's) is not this run's, and must not carry what its
-			// rolled-back handler set.
+			if len(reply.Trailer) > 0 {
+				_ = grpc.SetTrailer(ctx, reply.Trailer)
+			}
+		case rec != nil && (len(reply.Header) > 0 || len(reply.Trailer) > 0):
+			// This run's answer: what it set goes with it, less the
+			// headers it sent already.
 			rec.flush()
 		}
-		err = unwrapFinal(err) // the client gets the status the handler returned
 		if err != nil {
 			return nil, err
 		}
-		return exactResponse(res), nil
+		if reply.Response == nil {
+			return nil, nil
+		}
+		return reply.Response, nil
 	}
 }
 
@@ -219,79 +220,6 @@ func WithFinalCodes(cs ...codes.Code) ServerOption {
 	}
 }
 
-// callKey returns the key of a call: from the metadata, else from the
-// method's key field; "" when it has none.
-func (o *serverOptions) callKey(ctx context.Context, pol methodPolicy, req any) (string, error) {
-	if pol.err != nil {
-		return "", status.Errorf(codes.Internal, "idempotency: misconfigured: %v", pol.err)
-	}
-	key, ok, err := keyFromIncoming(ctx)
-	if err != nil || ok || pol.keyField == nil {
-		return key, err
-	}
-	msg, isProto := req.(proto.Message)
-	if !isProto {
-		return "", status.Errorf(codes.Internal, "idempotency: request is %T, not a proto message", req)
-	}
-	key = pol.keyFromField(msg)
-	if key == "" {
-		return "", invalidKey(pol.keyPath, fmt.Sprintf("request field %s is empty and the call has no %s metadata", pol.keyPath, MetadataKey))
-	}
-	if err := ValidateKey(key); err != nil {
-		return "", keyError(err, pol.keyPath, "request field "+pol.keyPath)
-	}
-	return key, nil
-}
-
-func (o *serverOptions) serve(ctx context.Context, tp *transport, store *Store, key string, pol methodPolicy, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (result, *recordingStream, error) {
-	rejected := result{Result: Result{Outcome: OutcomeRejected}}
-	msg, ok := req.(proto.Message)
-	if !ok {
-		return rejected, nil, status.Errorf(codes.Internal, "idempotency: request of %s is %T, not a proto message", info.FullMethod, req)
-	}
-	scope, err := o.scope(ctx)
-	if err != nil {
-		if _, ok := status.FromError(err); !ok {
-			err = status.Errorf(codes.Internal, "idempotency: scope: %v", err)
-		}
-		return rejected, nil, err
-	}
-	fp, err := Fingerprint(info.FullMethod, msg)
-	if err != nil {
-		return rejected, nil, status.Errorf(codes.InvalidArgument, "idempotency: %v", err)
-	}
-	ttl := o.ttl
-	if pol.ttl > 0 {
-		ttl = pol.ttl
-	}
-	call := Call{Scope: scope, Key: key, Method: info.FullMethod, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(ctx), Isolation: pol.isolation}
-	tp.responseType = pol.responseType
-	tp.digest, tp.hasDigest = requestDigest(msg), true
-	ctx, rec := recordMetadata(ctx)
-	if rec != nil {
-		tp.metadata = rec.encode
-	}
-	res, err := store.execute(ctx, call, tp, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
-		if rec != nil {
-			rec.reset()
-		}
-		resp, err := handler(ctx, req)
-		if err != nil {
-			err = handlerError(err)
-			if o.final[status.Code(err)] {
-				return nil, Final(err)
-			}
-			return nil, err
-		}
-		m, ok := resp.(proto.Message)
-		if !ok {
-			return nil, status.Errorf(codes.Internal, "idempotency: response of %s is %T, not a proto message", info.FullMethod, resp)
-		}
-		return m, nil
-	})
-	return res, rec, err
-}
-
 // grpcPreviousAttempts is the metadata gRPC's own retry policy adds to a
 // retry attempt.
 const grpcPreviousAttempts = "grpc-previous-rpc-attempts"
@@ -303,8 +231,7 @@ var retryMarkers = []string{retry.AttemptMetadataKey, "x-retry-attempty"}
 
 // isRetryAttempt reports whether the client marked the call as a retry, so
 // the engine looks for a stored result before anything else.
-func isRetryAttempt(ctx context.Context) bool {
-	md, _ := metadata.FromIncomingContext(ctx)
+func isRetryAttempt(md metadata.MD) bool {
 	return len(md.Get(grpcPreviousAttempts)) > 0 || isMarkedRetry(md)
 }
 
@@ -337,13 +264,14 @@ func missingKey(pol methodPolicy) error {
 	return ErrMissingKey.with(fmt.Sprintf("send it in the %s metadata", MetadataKey), nil).about(MetadataKey)
 }
 
-// keyFromIncoming returns the key of an incoming call. ok is false when the
-// call has none; more than one value, or an invalid one, is an error.
-func keyFromIncoming(ctx context.Context) (key string, ok bool, err error) {
-	if len(metadata.ValueFromIncomingContext(ctx, binaryMetadataKey)) > 0 {
+// keyFromIncoming returns the key of an incoming call's metadata. ok is
+// false when the call has none; more than one value, or an invalid one, is
+// an error.
+func keyFromIncoming(md metadata.MD) (key string, ok bool, err error) {
+	if len(md.Get(binaryMetadataKey)) > 0 {
 		return "", false, binaryKey()
 	}
-	vals := metadata.ValueFromIncomingContext(ctx, MetadataKey)
+	vals := md.Get(MetadataKey)
 	switch len(vals) {
 	case 0:
 		return "", false, nil

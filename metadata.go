@@ -3,7 +3,6 @@ package idempotency
 import (
 	"context"
 	"errors"
-	"fmt"
 	"strings"
 	"sync"
 
@@ -122,13 +121,29 @@ func (r *recordingStream) flush() {
 	}
 }
 
-// encode returns the recorded headers and trailers for storage, nil when
-// there are none worth keeping.
-func (r *recordingStream) encode() ([]byte, error) {
+// recorded is what the handler set, for storage; nothing on a nil
+// recorder (no stream to record).
+func (r *recordingStream) recorded() ResponseMetadata {
+	if r == nil {
+		return ResponseMetadata{}
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	b, size := encodeMD(nil, 1, r.header, 0)
-	b, size = encodeMD(b, 2, r.trailer, size)
+	return ResponseMetadata{Header: r.header.Copy(), Trailer: r.trailer.Copy()}
+}
+
+// encodeResponseMetadata returns a handler's headers and trailers in their
+// stored form. A key the handler may not set, or more than
+// MaxStoredMetadata, is an error: the call fails, nothing stored.
+func encodeResponseMetadata(md ResponseMetadata) ([]byte, error) {
+	if err := refuseUnstorable(md.Header); err != nil {
+		return nil, err
+	}
+	if err := refuseUnstorable(md.Trailer); err != nil {
+		return nil, err
+	}
+	b, size := encodeMD(nil, 1, md.Header, 0)
+	b, size = encodeMD(b, 2, md.Trailer, size)
 	if size > MaxStoredMetadata {
 		return nil, status.Errorf(codes.Internal, "idempotency: the handler set %d bytes of headers and trailers; at most %d (MaxStoredMetadata) can be stored for replay", size, MaxStoredMetadata)
 	}
@@ -226,20 +241,6 @@ func decodeEntry(b []byte) (key string, values []string, err error) {
 		}
 	}
 	return key, values, nil
-}
-
-// replayMetadata sets the stored headers and trailers of a replayed call on
-// its stream, with the replay marker.
-func replayMetadata(ctx context.Context, stored []byte) error {
-	header, trailer, err := decodeMD(stored)
-	if err != nil {
-		return fmt.Errorf("idempotency: %w", err)
-	}
-	if len(header) > 0 {
-		_ = grpc.SetHeader(ctx, header) // fails only if the stream is already done
-	}
-	_ = grpc.SetTrailer(ctx, metadata.Join(trailer, metadata.Pairs(ReplayedTrailer, "true")))
-	return nil
 }
 
 // SetSendCompressor is [grpc.SetSendCompressor] for handlers behind

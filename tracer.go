@@ -3,6 +3,9 @@ package idempotency
 import (
 	"context"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"sync/atomic"
 	"time"
 )
 
@@ -15,6 +18,13 @@ import (
 //
 // Every call a transport handles is traced, rejected ones included; calls
 // that pass through (no key where none is needed) are not.
+//
+// A panic in a Tracer's method never reaches the call, nor the cleaner: it
+// is recovered, the call goes on and ends as it would have, and the first
+// panic of a store's tracer is logged with its stack through the default
+// log/slog logger (slog.Default). A call whose TraceCallStart panicked is
+// not traced further (its TraceCallEnd is not called: it would end a span
+// that was never begun).
 type Tracer interface {
 	TraceCallStart(ctx context.Context, data TraceCallStartData) context.Context
 	TraceCallEnd(ctx context.Context, data TraceCallEndData)
@@ -40,10 +50,16 @@ const (
 // TraceCallStartData is what is known of a call when it starts.
 type TraceCallStartData struct {
 	Transport Transport
-	// Method is the gRPC full method ("/pkg.Service/Method"), the HTTP
-	// route (the mux pattern that matched, else method and path), the
-	// message's scope, or Call.Method.
+	// Method is the gRPC full method ("/pkg.Service/Method"); for HTTP,
+	// the request method and the route's template ("POST
+	// /v1/orders/{id}"; see [WithHTTPRoute]), or the request method alone
+	// when the route is not known, never the path, so that a label or a
+	// span name taken from it stays bounded; empty for a message (see
+	// Scope); or Call.Method.
 	Method string
+	// Scope is a message's Scope; empty for other transports. It can name
+	// a tenant, one of thousands: keep it off metric labels.
+	Scope string
 	// Key is the call's idempotency key, or message ID, as the client sent
 	// it (maybe invalid, maybe empty).
 	Key string
@@ -88,16 +104,58 @@ type TraceCleanerBatchData struct {
 	Err error
 }
 
-// WithTracer sets the store's [Tracer]. It must not be nil. Defaults to
-// none.
+// WithTracer sets the store's [Tracer]. It must not be nil. A panic in
+// it is recovered and the first one logged to slog.Default (see
+// [Tracer]). Defaults to none.
 func WithTracer(t Tracer) StoreOption {
 	return func(o *storeOptions) {
 		if t == nil { // nil is how the options say "no tracer"
 			o.err = fmt.Errorf("idempotency: WithTracer: tracer is nil")
 			return
 		}
-		o.tracer = t
+		o.tracer = &guardedTracer{Tracer: t}
 	}
+}
+
+// guardedTracer is the store's tracer as WithTracer keeps it: every call of
+// its methods recovers a panic, so that a bug in metrics code never crashes
+// the server, fails a call or changes its outcome.
+type guardedTracer struct {
+	Tracer
+	logged atomic.Bool // the first panic has been logged
+}
+
+// start calls TraceCallStart; ok is false when it panicked.
+func (g *guardedTracer) start(ctx context.Context, data TraceCallStartData) (traced context.Context, ok bool) {
+	defer g.recover("TraceCallStart")
+	return g.TraceCallStart(ctx, data), true
+}
+
+// end calls TraceCallEnd.
+func (g *guardedTracer) end(ctx context.Context, data TraceCallEndData) {
+	defer g.recover("TraceCallEnd")
+	g.TraceCallEnd(ctx, data)
+}
+
+// cleanerBatch calls TraceCleanerBatch, if the tracer has it.
+func (g *guardedTracer) cleanerBatch(ctx context.Context, data TraceCleanerBatchData) {
+	if ct, ok := g.Tracer.(CleanerTracer); ok {
+		defer g.recover("TraceCleanerBatch")
+		ct.TraceCleanerBatch(ctx, data)
+	}
+}
+
+// recover, deferred, stops a panic of the tracer's method and logs the
+// first. Once is enough for an operator to find the bug, and a tracer that
+// panics on every call would otherwise log on every call.
+func (g *guardedTracer) recover(method string) {
+	p := recover()
+	if p == nil || !g.logged.CompareAndSwap(false, true) {
+		return
+	}
+	slog.Default().Error("idempotency: the store's Tracer panicked in "+method+"; the call went on and ended as it would have, "+
+		"with its tracing cut short. Fix the tracer: later panics of it are recovered without a log",
+		"method", method, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
 }
 
 // TraceCallEndFunc is a [Tracer] that only looks at the end of each call,
@@ -115,6 +173,9 @@ func (f TraceCallEndFunc) TraceCallEnd(ctx context.Context, data TraceCallEndDat
 // JoinTracers returns a [Tracer] that calls each of ts: TraceCallStart in
 // order, each on the context the one before returned, TraceCallEnd in the
 // reverse order, and TraceCleanerBatch of those that are [CleanerTracer]s.
+// A panic in one of them stops the rest of that method's calls: as the
+// store's tracer, a join whose TraceCallStart panicked is not called at the
+// call's end (see [Tracer]).
 func JoinTracers(ts ...Tracer) Tracer { return tracers(ts) }
 
 type tracers []Tracer
@@ -142,20 +203,29 @@ func (ts tracers) TraceCleanerBatch(ctx context.Context, data TraceCleanerBatchD
 
 // callTrace follows one call from its transport's start to its end.
 type callTrace struct {
-	tracer Tracer
+	tracer *guardedTracer
 	start  time.Time
 	data   TraceCallEndData
 }
 
 // startCall starts tracing a call; it returns ctx unchanged and a nil trace
-// when the store has no tracer. Methods of a nil *callTrace do nothing.
+// when the store has no tracer, or its TraceCallStart panicked. Methods of
+// a nil *callTrace do nothing.
 func (s *Store) startCall(ctx context.Context, transport Transport, method, key string) (context.Context, *callTrace) {
-	if s.opts.tracer == nil {
+	return s.startTrace(ctx, TraceCallStartData{Transport: transport, Method: method, Key: key})
+}
+
+// startTrace is startCall with the whole of what is known.
+func (s *Store) startTrace(ctx context.Context, start TraceCallStartData) (context.Context, *callTrace) {
+	g, _ := s.opts.tracer.(*guardedTracer) // WithTracer sets no other
+	if g == nil {
 		return ctx, nil
 	}
-	start := TraceCallStartData{Transport: transport, Method: method, Key: key}
-	ctx = s.opts.tracer.TraceCallStart(ctx, start)
-	return ctx, &callTrace{tracer: s.opts.tracer, start: time.Now(), data: TraceCallEndData{TraceCallStartData: start}}
+	traced, ok := g.start(ctx, start)
+	if !ok {
+		return ctx, nil
+	}
+	return traced, &callTrace{tracer: g, start: time.Now(), data: TraceCallEndData{TraceCallStartData: start}}
 }
 
 // setHTTPStatus records the status an HTTP call answered with.
@@ -182,7 +252,7 @@ func (t *callTrace) end(ctx context.Context, o Outcome, err error) {
 		return
 	}
 	t.data.Outcome, t.data.Err, t.data.Duration = o, err, time.Since(t.start)
-	t.tracer.TraceCallEnd(ctx, t.data)
+	t.tracer.end(ctx, t.data)
 }
 
 // phase is a part of a call whose time is traced.

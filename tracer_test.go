@@ -2,7 +2,10 @@ package idempotency_test
 
 import (
 	"context"
+	"io"
+	"log/slog"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -16,6 +19,7 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // recordingTracer keeps every call and cleaner batch it sees.
@@ -123,6 +127,11 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 		if c.Outcome == idempotency.OutcomeExecuted {
 			byKey[c.Key] = c
 		}
+		if c.Transport == idempotency.TransportMessage {
+			require.Equal(t, "orders", c.Scope, "the message's scope, apart from its method")
+		} else {
+			require.Empty(t, c.Scope)
+		}
 		require.Positive(t, c.Duration, "%v", c)
 		require.GreaterOrEqual(t, c.Duration, c.Claim+c.Wait+c.Handler+c.Commit, "%v", c)
 	}
@@ -133,7 +142,7 @@ func TestTracerSeesEveryTransport(t *testing.T) {
 		{idempotency.TransportGRPC, methodCharge, "bad key", idempotency.OutcomeRejected},
 		{idempotency.TransportGRPC, methodCharge, "slow", idempotency.OutcomeExecuted},
 		{idempotency.TransportGRPC, methodCharge, "slow", idempotency.OutcomeInProgress},
-		{idempotency.TransportMessage, "orders", "m-1", idempotency.OutcomeExecuted},
+		{idempotency.TransportMessage, "", "m-1", idempotency.OutcomeExecuted},
 		{idempotency.TransportDirect, "direct", "d-1", idempotency.OutcomeExecuted},
 		{idempotency.TransportHTTP, "POST /v1/things", "h-1", idempotency.OutcomeExecuted},
 	}, got)
@@ -172,4 +181,98 @@ func (d *discardWriter) WriteHeader(code int) {
 func (d *discardWriter) Write(p []byte) (int, error) {
 	d.WriteHeader(http.StatusOK)
 	return len(p), nil
+}
+
+// panickingTracer is a tracer with a bug: it panics where told to.
+type panickingTracer struct{ inStart, inEnd, inCleaner bool }
+
+func (p panickingTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	if p.inStart {
+		panic("metrics bug in TraceCallStart")
+	}
+	return ctx
+}
+
+func (p panickingTracer) TraceCallEnd(context.Context, idempotency.TraceCallEndData) {
+	if p.inEnd {
+		panic("metrics bug in TraceCallEnd")
+	}
+}
+
+func (p panickingTracer) TraceCleanerBatch(context.Context, idempotency.TraceCleanerBatchData) {
+	if p.inCleaner {
+		panic("metrics bug in TraceCleanerBatch")
+	}
+}
+
+// It failed (the test binary crashed) when a tracer's panic went up
+// through the call: a bug in metrics code took the server down. A
+// panicking tracer changes nothing a client, a consumer or the cleaner
+// sees, and its first panic is logged once, with its stack. Not parallel:
+// it replaces slog's default logger.
+func TestPanickingTracerNeverFailsACall(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		tracer panickingTracer
+		method string // the method whose panic is logged
+	}{
+		{"start", panickingTracer{inStart: true, inCleaner: true}, "TraceCallStart"},
+		{"end", panickingTracer{inEnd: true, inCleaner: true}, "TraceCallEnd"},
+		{"cleaner", panickingTracer{inCleaner: true}, "TraceCleanerBatch"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var logs testdb.SyncBuffer
+			defer slog.SetDefault(slog.Default())
+			slog.SetDefault(slog.New(slog.NewTextHandler(&logs, nil)))
+
+			e := newEnv(t, envConfig{tracer: c.tracer})
+			ctx := context.Background()
+			first := e.call(ctx, methodCharge, "k", "x")
+			require.NoError(t, first.err)
+			require.Equal(t, "succeeded", e.keyState("k"))
+			again := e.call(ctx, methodCharge, "k", "x")
+			require.True(t, again.replayed)
+			require.Equal(t, first.raw, again.raw)
+			require.Equal(t, codes.FailedPrecondition, status.Code(e.call(ctx, methodCharge, "k", "y").err), "key reuse is still told")
+
+			mux := http.NewServeMux()
+			mux.Handle("POST /v1/things", idempotency.HTTPMiddleware(e.store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				_, err := idempotency.MustTxFromContext(r.Context()).Exec(r.Context(), `INSERT INTO ledger (note) VALUES ('http')`)
+				require.NoError(t, err)
+				w.WriteHeader(http.StatusCreated)
+				_, _ = io.WriteString(w, "made")
+			})))
+			post := func() *httptest.ResponseRecorder {
+				req := httptest.NewRequest(http.MethodPost, "/v1/things", strings.NewReader("{}"))
+				req.Header.Set(idempotency.HeaderKey, "h")
+				w := httptest.NewRecorder()
+				mux.ServeHTTP(w, req)
+				return w
+			}
+			w := post()
+			require.Equal(t, http.StatusCreated, w.Code)
+			require.Equal(t, "made", w.Body.String())
+			require.Equal(t, "succeeded", e.keyState("http h"), "stored under the HTTP namespace")
+			w = post()
+			require.Equal(t, http.StatusCreated, w.Code)
+			require.Equal(t, "true", w.Header().Get(idempotency.ReplayedHeader))
+
+			outcome, err := e.store.ProcessMessage(ctx, idempotency.Message{Scope: "orders", ID: "m-1"}, func(context.Context, pgx.Tx) error { return nil })
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeExecuted, outcome)
+			require.Equal(t, 2, e.ledgerRows(), "the gRPC call, the HTTP request, once each")
+
+			_, err = e.store.Execute(ctx, idempotency.Call{Key: "d-1", Method: "direct", TTL: time.Millisecond}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+			require.NoError(t, err)
+			time.Sleep(5 * time.Millisecond) // d-1 expires
+			n, err := e.store.DeleteExpired(ctx, 10)
+			require.NoError(t, err)
+			require.EqualValues(t, 1, n)
+
+			require.Equal(t, 1, strings.Count(logs.String(), "the store's Tracer panicked"), "logged once:\n%s", logs.String())
+			require.Contains(t, logs.String(), "method="+c.method)
+			require.Contains(t, logs.String(), "metrics bug in "+c.method)
+			require.Contains(t, logs.String(), "tracer_test.go", "with the stack")
+		})
+	}
 }

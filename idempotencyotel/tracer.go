@@ -21,6 +21,8 @@ const scopeName = "github.com/exactlyonce/idempotency/idempotencyotel"
 const (
 	OutcomeKey   = attribute.Key("idempotency.outcome")
 	TransportKey = attribute.Key("idempotency.transport")
+	// ScopeKey is a message's scope, on its span; never on metrics.
+	ScopeKey = attribute.Key("idempotency.scope")
 )
 
 // Tracer is an [idempotency.Tracer] and [idempotency.CleanerTracer] that
@@ -39,32 +41,12 @@ var (
 	_ idempotency.CleanerTracer = (*Tracer)(nil)
 )
 
-// Option configures [NewTracer].
-type Option func(*options)
-
-type options struct {
-	meters  metric.MeterProvider
-	tracers trace.TracerProvider
-}
-
-// WithMeterProvider sets where metrics go. Defaults to otel's global
-// provider.
-func WithMeterProvider(mp metric.MeterProvider) Option {
-	return func(o *options) { o.meters = mp }
-}
-
-// WithTracerProvider sets where spans go. Defaults to otel's global
-// provider.
-func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(o *options) { o.tracers = tp }
-}
-
-// NewTracer makes the instruments. It fails only if the meter provider
-// refuses one of them.
+// NewTracer makes the instruments. It fails when an option is invalid or
+// the meter provider refuses an instrument.
 func NewTracer(opts ...Option) (*Tracer, error) {
-	o := options{}
-	for _, opt := range opts {
-		opt(&o)
+	o, err := evaluateOptions(opts)
+	if err != nil {
+		return nil, err
 	}
 	if o.meters == nil {
 		o.meters = otel.GetMeterProvider()
@@ -77,10 +59,11 @@ func NewTracer(opts ...Option) (*Tracer, error) {
 	var errs [4]error
 	t.calls, errs[0] = meter.Int64Counter("idempotency.calls",
 		metric.WithDescription("Calls handled by the idempotency layer, by outcome."), metric.WithUnit("{call}"))
+	buckets := metric.WithExplicitBucketBoundaries(o.buckets...)
 	t.duration, errs[1] = meter.Float64Histogram("idempotency.duration",
-		metric.WithDescription("Duration of a call, as its transport saw it."), metric.WithUnit("s"))
+		metric.WithDescription("Duration of a call, as its transport saw it."), metric.WithUnit("s"), buckets)
 	t.wait, errs[2] = meter.Float64Histogram("idempotency.wait.duration",
-		metric.WithDescription("Time a call waited for another call that held its key."), metric.WithUnit("s"))
+		metric.WithDescription("Time a call waited for another call that held its key."), metric.WithUnit("s"), buckets)
 	t.deleted, errs[3] = meter.Int64Counter("idempotency.cleaner.deleted",
 		metric.WithDescription("Expired keys deleted by the cleaner."), metric.WithUnit("{key}"))
 	if err := errors.Join(errs[:]...); err != nil {
@@ -91,9 +74,23 @@ func NewTracer(opts ...Option) (*Tracer, error) {
 
 // TraceCallStart starts the call's span, a child of ctx's.
 func (t *Tracer) TraceCallStart(ctx context.Context, data idempotency.TraceCallStartData) context.Context {
-	ctx, _ = t.tracer.Start(ctx, "idempotency "+data.Method, trace.WithSpanKind(trace.SpanKindInternal),
-		trace.WithAttributes(callAttributes(data)...))
+	attrs := callAttributes(data)
+	if data.Scope != "" {
+		// On the span only: a scope can be one of thousands of tenants.
+		attrs = append(attrs, ScopeKey.String(data.Scope))
+	}
+	ctx, _ = t.tracer.Start(ctx, spanName(data), trace.WithSpanKind(trace.SpanKindInternal), trace.WithAttributes(attrs...))
 	return ctx
+}
+
+// spanName is "idempotency " and the call's method: bounded, as
+// TraceCallStartData.Method is; a message's, whose scope may not be, is
+// "idempotency message".
+func spanName(data idempotency.TraceCallStartData) string {
+	if data.Transport == idempotency.TransportMessage || data.Method == "" {
+		return "idempotency " + string(data.Transport)
+	}
+	return "idempotency " + data.Method
 }
 
 // TraceCallEnd records the call's metrics and ends its span.
@@ -125,7 +122,9 @@ func (t *Tracer) TraceCleanerBatch(ctx context.Context, data idempotency.TraceCl
 }
 
 // callAttributes names the call's transport and method in the semantic
-// conventions' terms: rpc.* for gRPC, http.route for HTTP.
+// conventions' terms: rpc.* for gRPC, http.request.method and http.route
+// for HTTP. They label the metrics, so they hold nothing unbounded: a
+// message's scope is left out.
 func callAttributes(data idempotency.TraceCallStartData) []attribute.KeyValue {
 	attrs := []attribute.KeyValue{TransportKey.String(string(data.Transport))}
 	switch data.Transport {
@@ -133,7 +132,14 @@ func callAttributes(data idempotency.TraceCallStartData) []attribute.KeyValue {
 		service, method, _ := strings.Cut(strings.TrimPrefix(data.Method, "/"), "/")
 		attrs = append(attrs, attribute.String("rpc.system", "grpc"), attribute.String("rpc.service", service), attribute.String("rpc.method", method))
 	case idempotency.TransportHTTP:
-		attrs = append(attrs, attribute.String("http.route", data.Method))
+		method, route, _ := strings.Cut(data.Method, " ")
+		attrs = append(attrs, attribute.String("http.request.method", method))
+		// As otelhttp: the route from its path on, without a pattern's
+		// host; none when the route is not known.
+		if i := strings.IndexByte(route, '/'); i >= 0 {
+			attrs = append(attrs, attribute.String("http.route", route[i:]))
+		}
+	case idempotency.TransportMessage:
 	default:
 		attrs = append(attrs, attribute.String("idempotency.method", data.Method))
 	}

@@ -113,9 +113,10 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	require.Equal(t, http.StatusOK, metricsResp.StatusCode)
 	for _, want := range []string{
 		`idempotency_calls_total{idempotency_outcome="replayed",idempotency_transport="grpc",otel_scope_name=`,
-		`idempotency_calls_total{http_route="POST /v1/charges",idempotency_outcome="executed",idempotency_transport="http"`,
+		`idempotency_calls_total{http_request_method="POST",http_route="/v1/charges",idempotency_outcome="executed",idempotency_transport="http"`,
 		`rpc_method="Charge",rpc_service="payments.v1.PaymentService",rpc_system="grpc"} 1`,
 		`# TYPE idempotency_duration_seconds histogram`,
+		`le="0.0025"}`, // buckets in seconds, not the SDK's default ones for milliseconds
 	} {
 		require.Contains(t, string(scraped), want)
 	}

@@ -1,0 +1,274 @@
+package idempotency_test
+
+// JSON request bodies are compared by value: a retry whose JSON differs
+// only in whitespace, key order or string escapes (protojson varies its
+// spacing between builds on purpose) is replayed, never 422; any other
+// body, and JSON that does not parse, is compared by its bytes.
+
+import (
+	"bytes"
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// jsonServer serves POST /v1/charges behind the middleware with a handler
+// that answers with its run's number and what it read.
+func jsonServer(t *testing.T) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
+	db := suiteDB(t)
+	store := migratedStore(t, db)
+	var runs atomic.Int64
+	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		b, _ := io.ReadAll(r.Body)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "run %d charged %d bytes", n, len(b))
+	})))
+	t.Cleanup(srv.Close)
+	return srv, &runs
+}
+
+// sendJSON posts body under contentType with key and reads the answer.
+func sendJSON(t *testing.T, srv *httptest.Server, key, contentType, body string) mountedReply {
+	t.Helper()
+	return do(t, srv.Client(), mountedPost(t, srv.URL+"/v1/charges", contentType, body), key)
+}
+
+// It failed because a body was compared by its bytes alone: the retry of
+// the same JSON written another way (the space protojson adds after a
+// comma in one build and not in another, indentation, keys in another
+// order, a trailing newline, "\u00e9" for "é") got 422, as if the key had
+// been reused for another request.
+func TestHTTPJSONRetryWrittenAnotherWayIsReplayed(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	msg, err := structpb.NewStruct(map[string]any{"account_id": "acct-7", "amount_cents": "100", "note": "café"})
+	require.NoError(t, err)
+	compact, err := protojson.Marshal(msg)
+	require.NoError(t, err)
+	multiline, err := protojson.MarshalOptions{Multiline: true}.Marshal(msg)
+	require.NoError(t, err)
+	require.NotEqual(t, string(compact), string(multiline))
+	var indented bytes.Buffer
+	require.NoError(t, json.Indent(&indented, compact, "", "\t"))
+
+	first := sendJSON(t, srv, "k-json", "application/json", `{"account_id":"acct-7","amount_cents":"100","note":"café"}`)
+	require.Equal(t, http.StatusCreated, first.status, first.body)
+	for _, retry := range []struct{ name, body string }{
+		{"a space after each comma", `{"account_id":"acct-7", "amount_cents":"100", "note":"café"}`},
+		{"protojson, one line", string(compact)},
+		{"protojson, multi-line", string(multiline)},
+		{"indented with tabs, CRLF", strings.ReplaceAll(indented.String(), "\n", "\r\n")},
+		{"keys in another order", `{"note":"café","amount_cents":"100","account_id":"acct-7"}`},
+		{"a trailing newline", `{"account_id":"acct-7","amount_cents":"100","note":"café"}` + "\n"},
+		{"a string escaped another way", `{"account_id":"acct\u002d7","amount_cents":"100","note":"caf\u00e9"}`},
+	} {
+		r := sendJSON(t, srv, "k-json", "application/json", retry.body)
+		require.Equal(t, http.StatusCreated, r.status, "%s: %s", retry.name, r.body)
+		require.Equal(t, first.body, r.body, retry.name)
+		require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader), retry.name)
+	}
+	require.EqualValues(t, 1, runs.Load(), "one execution")
+
+	// A +json media type (RFC 6839) is JSON too.
+	first = sendJSON(t, srv, "k-json-suffix", "application/vnd.api+json", `{"data":{"type":"charges","id":"1"}}`)
+	r := sendJSON(t, srv, "k-json-suffix", "application/vnd.api+json", `{ "data": { "id": "1", "type": "charges" } }`)
+	require.Equal(t, first.body, r.body)
+	require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader))
+	require.EqualValues(t, 2, runs.Load())
+}
+
+// What the canonical form keeps apart: another value, and what a Go
+// handler reads differently although RFC 8785 (JCS) would write it one
+// way: 100 and 100.0 or 1e2 (json.Unmarshal into an int refuses the
+// last two), two integers past 2^53 (one float64, two int64s), one key's
+// members in another order (encoding/json keeps the last), a key spelled
+// in another case.
+func TestHTTPJSONOfAnotherValueIs422(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for i, c := range []struct{ first, other string }{
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-7","amount_cents":101}`},
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-8","amount_cents":100}`},
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-7","amount_cents":100.0}`},
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-7","amount_cents":1e2}`},
+		{`{"amount_cents":9007199254740993}`, `{"amount_cents":9007199254740992}`},
+		{`{"amount_cents":1,"amount_cents":2}`, `{"amount_cents":2,"amount_cents":1}`},
+		{`{"amount_cents":1}`, `{"Amount_cents":1}`},
+		{`{"items":["a","b"]}`, `{"items":["b","a"]}`},
+	} {
+		key := fmt.Sprintf("k-other-%d", i)
+		require.Equal(t, http.StatusCreated, sendJSON(t, srv, key, "application/json", c.first).status)
+		r := sendJSON(t, srv, key, "application/json", c.other)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%s after %s: %s", c.other, c.first, r.body)
+		require.EqualValues(t, i+1, runs.Load(), "%s ran", c.other)
+	}
+}
+
+// It would fail if any body were compared as JSON: under a media type that
+// is not JSON (text/plain, none, newline-delimited JSON) a body is its
+// bytes, JSON or not, so the same bytes are replayed and a reordered
+// object is another request.
+func TestHTTPJSONUnderAnotherMediaTypeIsComparedByBytes(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for i, ct := range []string{"text/plain", "", "application/x-ndjson", "application/jsonl"} {
+		key := fmt.Sprintf("k-bytes-%d", i)
+		first := sendJSON(t, srv, key, ct, `{"a":1,"b":2}`)
+		require.Equal(t, http.StatusCreated, first.status, first.body)
+		same := sendJSON(t, srv, key, ct, `{"a":1,"b":2}`)
+		require.Equal(t, "true", same.header.Get(idempotency.ReplayedHeader), "Content-Type %q: the same bytes", ct)
+		for _, other := range []string{`{"b":2,"a":1}`, `{"a":1,"b":2}` + "\n", `{"a":1, "b":2}`} {
+			r := sendJSON(t, srv, key, ct, other)
+			require.Equal(t, http.StatusUnprocessableEntity, r.status, "Content-Type %q: %q after %q: %s", ct, other, `{"a":1,"b":2}`, r.body)
+		}
+		require.EqualValues(t, i+1, runs.Load())
+	}
+}
+
+// A JSON body that does not parse is compared by its bytes: two that
+// differ by a byte are never one request. Among them, bodies that
+// encoding/json does read, as the same value, but that differ: strings
+// that are not UTF-8, or hold half of a surrogate pair (both read as
+// U+FFFD), so that a canonical form made by decoding would take them for
+// one request.
+func TestHTTPInvalidJSONIsComparedByBytes(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for _, pair := range [][2]string{
+		{"\"\xff\"", "\"\xfe\""},
+		{`"\ud800"`, `"\udc00"`},
+	} {
+		var a, b string
+		require.NoError(t, json.Unmarshal([]byte(pair[0]), &a))
+		require.NoError(t, json.Unmarshal([]byte(pair[1]), &b))
+		require.Equal(t, a, b, "sanity: encoding/json reads %q and %q as one string", pair[0], pair[1])
+	}
+	for i, c := range []struct{ first, other string }{
+		{`{"a":1,}`, `{"a":1 ,}`},
+		{`{"a":1`, `{"a": 1`},
+		{`{"a":1}{"b":2}`, `{"a":1} {"b":2}`},
+		{"\xef\xbb\xbf{\"a\":1}", "\xef\xbb\xbf{\"a\": 1}"}, // after a byte order mark
+		{"{\"note\":\"\xff\"}", "{\"note\":\"\xfe\"}"},
+		{`{"note":"\ud800"}`, `{"note":"\udc00"}`},
+		{`{"note":"\ud800"}`, `{"note":"\ud800" }`},
+	} {
+		key := fmt.Sprintf("k-invalid-%d", i)
+		first := sendJSON(t, srv, key, "application/json", c.first)
+		require.Equal(t, http.StatusCreated, first.status, first.body)
+		same := sendJSON(t, srv, key, "application/json", c.first)
+		require.Equal(t, "true", same.header.Get(idempotency.ReplayedHeader), "%q: the same bytes are replayed", c.first)
+		r := sendJSON(t, srv, key, "application/json", c.other)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%q after %q: %s", c.other, c.first, r.body)
+		require.EqualValues(t, i+1, runs.Load())
+	}
+}
+
+// Nesting as deep as encoding/json reads (10,000 levels) and numbers of
+// any size are compared by value, without a panic and without the number
+// being rounded; nesting deeper than that is compared by its bytes.
+func TestHTTPDeepAndHugeJSON(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	deepest := strings.Repeat(`{"a":[`, 4999) + `{"a":[]}` + strings.Repeat("]}", 4999)
+	tooDeep := "[" + deepest + "]"
+	require.True(t, json.Valid([]byte(deepest)))
+	require.False(t, json.Valid([]byte(tooDeep)), "sanity: encoding/json refuses it")
+	digits := strings.Repeat("9", 200_000)
+	for i, c := range []struct {
+		name, first, same, other string
+	}{
+		{"10,000 levels", deepest, strings.ReplaceAll(deepest, ":", ": "), strings.Replace(deepest, `"a"`, `"b"`, 1)},
+		{"a 200,000-digit integer", `{"n":` + digits + `}`, `{ "n" : ` + digits + ` }`, `{"n":` + digits[1:] + `8}`},
+		{"an exponent past float64", `{"n":1e999999999,"m":-1E-999999999}`, `{"m":-1E-999999999, "n":1e999999999}`, `{"n":1e999999998,"m":-1E-999999999}`},
+		{"10,001 levels", tooDeep, tooDeep, "[" + strings.ReplaceAll(deepest, "[]", "[ ]") + "]"},
+	} {
+		key := fmt.Sprintf("k-deep-%d", i)
+		first := sendJSON(t, srv, key, "application/json", c.first)
+		require.Equal(t, http.StatusCreated, first.status, "%s: %s", c.name, first.body)
+		same := sendJSON(t, srv, key, "application/json", c.same)
+		require.Equal(t, first.body, same.body, c.name)
+		require.Equal(t, "true", same.header.Get(idempotency.ReplayedHeader), c.name)
+		other := sendJSON(t, srv, key, "application/json", c.other)
+		require.Equal(t, http.StatusUnprocessableEntity, other.status, "%s: %s", c.name, other.body)
+		require.EqualValues(t, i+1, runs.Load(), c.name)
+	}
+}
+
+// version4Row is the fingerprint the release before this one (version 4,
+// a JSON body digested by its bytes) stored for POST /v1/charges to host
+// api.example with Content-Type application/json and the body
+// {"amount_cents":100,"account_id":"acct-7"}: computed by that release's
+// httpFingerprint.
+const version4Row = "ff49444604ed4c5e8ba19b543c833ba1cc0dfcb55eeaa1f65202eaa78496fd471671267de00258f931c14918ad1a7045af83f56e3ec5d21a431029bb35ee68f3f8411188bfc0"
+
+// A key stored by the release before JSON was compared by value: its
+// retry after the upgrade is replayed, written another way or not (the
+// versions are not compared, as across any change of fingerprint; it
+// failed with 422 when the new digest was written under the old version).
+// That holds for another body under the key too, until the key expires:
+// the price of an upgrade that never turns a retry into a 422. A stored
+// row that does not parse as version 4 is still the same request as
+// nothing.
+func TestHTTPJSONRetryAcrossTheFingerprintUpgradeReplays(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	store := migratedStore(t, db)
+	var runs atomic.Int64
+	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "run %d", n)
+	})))
+	t.Cleanup(srv.Close)
+	send := func(key, body string) mountedReply {
+		req := mountedPost(t, srv.URL+"/v1/charges", "application/json", body)
+		req.Host = "api.example"
+		return do(t, srv.Client(), req, key)
+	}
+	old, err := hex.DecodeString(version4Row)
+	require.NoError(t, err)
+	const body = `{"amount_cents":100,"account_id":"acct-7"}`
+	for i, c := range []struct {
+		name, retry string
+		row         []byte
+		want        int
+	}{
+		{"the same bytes", body, old, http.StatusCreated},
+		{"written another way", `{"account_id": "acct-7", "amount_cents": 100}`, old, http.StatusCreated},
+		{"another value, not compared", `{"amount_cents":900,"account_id":"acct-7"}`, old, http.StatusCreated},
+		{"a damaged version 4 row", body, append(bytes.Clone(old), 0), http.StatusUnprocessableEntity},
+	} {
+		key := fmt.Sprintf("k-v4-%d", i)
+		first := send(key, body)
+		require.Equal(t, http.StatusCreated, first.status, first.body)
+		var stored []byte
+		require.NoError(t, db.Pool.QueryRow(context.Background(), `SELECT fingerprint FROM idempotency_keys WHERE key LIKE '%'||$1`, key).Scan(&stored))
+		require.Equal(t, old[5:5+32], stored[5:5+32], "the request's digest is version 4's")
+		require.EqualValues(t, 5, stored[4], "stored as version 5")
+		tag, err := db.Pool.Exec(context.Background(), `UPDATE idempotency_keys SET fingerprint = $1 WHERE key LIKE '%'||$2`, c.row, key)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, tag.RowsAffected())
+		r := send(key, c.retry)
+		require.Equal(t, c.want, r.status, "%s: %s", c.name, r.body)
+		if c.want == http.StatusCreated {
+			require.Equal(t, first.body, r.body, c.name)
+			require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader), c.name)
+		}
+		require.EqualValues(t, i+1, runs.Load(), "%s: one execution per key", c.name)
+	}
+}
