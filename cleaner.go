@@ -16,6 +16,14 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, fmt.Errorf("idempotency: DeleteExpired: limit must be positive, got %d", limit)
 	}
+	n, _, err := s.deleteBatch(ctx, limit, false)
+	return n, err
+}
+
+// deleteBatch deletes one batch of up to limit expired keys. Paced, as in
+// a round of the cleaner, a full batch is followed by a pause of nine times
+// as long as it took, which it returns, and traces with the batch.
+func (s *Store) deleteBatch(ctx context.Context, limit int, paced bool) (deleted int64, pause time.Duration, err error) {
 	start := time.Now()
 	var tag pgconn.CommandTag
 	st, err := s.statements(ctx)
@@ -28,10 +36,44 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 	if err != nil {
 		err = s.dbError(ctx, "delete expired keys", err)
 	}
-	if g, ok := s.opts.tracer.(*guardedTracer); ok {
-		g.cleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: time.Since(start), Err: err})
+	took := time.Since(start)
+	if paced && err == nil && tag.RowsAffected() >= int64(limit) {
+		pause = max(9*took, time.Microsecond) // never zero: zero says the round is over
 	}
-	return tag.RowsAffected(), err
+	if g, ok := s.opts.tracer.(*guardedTracer); ok {
+		g.cleanerBatch(ctx, TraceCleanerBatchData{Deleted: tag.RowsAffected(), Duration: took, Pause: pause, Err: err})
+	}
+	return tag.RowsAffected(), pause, err
+}
+
+// DeleteAllExpired deletes every expired key, in batches of batchSize, as
+// one round of [Store.RunCleaner] does: batches until one comes back short,
+// and between two batches a pause of nine times as long as the last one
+// took, so that it spends at most a tenth of its time deleting and never
+// competes hard with the calls the store serves, however large the backlog
+// (after downtime, or a TTL shortened). It returns how many keys it
+// deleted, with the error of the batch that failed, or ctx's if ctx was
+// done during a pause. A tracer that is a [CleanerTracer] sees each batch,
+// and the pause after it.
+func (s *Store) DeleteAllExpired(ctx context.Context, batchSize int) (int64, error) {
+	if batchSize <= 0 {
+		return 0, fmt.Errorf("idempotency: DeleteAllExpired: batch size must be positive, got %d", batchSize)
+	}
+	var total int64
+	for {
+		n, pause, err := s.deleteBatch(ctx, batchSize, true)
+		total += n
+		if err != nil || pause == 0 {
+			return total, err
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return total, ctx.Err()
+		case <-t.C:
+		}
+	}
 }
 
 // RunCleaner deletes expired keys every interval, in batches of batchSize,
@@ -39,10 +81,8 @@ func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
 // are passed to onError when it is not nil, and the cleaner keeps going.
 // Run it in its own goroutine; one per replica is fine.
 //
-// A round deletes batches until one comes back short. While a backlog lasts
-// (after downtime, or a TTL shortened), it pauses between batches for nine
-// times as long as the last batch took, so it spends at most a tenth of its
-// time deleting and never competes hard with the calls it serves.
+// Each round is a [Store.DeleteAllExpired]: while a backlog lasts, it
+// pauses between batches for nine times as long as the last batch took.
 func (s *Store) RunCleaner(ctx context.Context, interval time.Duration, batchSize int, onError func(error)) error {
 	if interval <= 0 || batchSize <= 0 {
 		return fmt.Errorf("idempotency: RunCleaner: interval and batch size must be positive, got %v and %d", interval, batchSize)
@@ -50,22 +90,8 @@ func (s *Store) RunCleaner(ctx context.Context, interval time.Duration, batchSiz
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
-		for {
-			start := time.Now()
-			n, err := s.DeleteExpired(ctx, batchSize)
-			if err != nil && ctx.Err() == nil && onError != nil {
-				onError(err)
-			}
-			if err != nil || n < int64(batchSize) {
-				break
-			}
-			pause := time.NewTimer(9 * time.Since(start))
-			select {
-			case <-ctx.Done():
-				pause.Stop()
-				return ctx.Err()
-			case <-pause.C:
-			}
+		if _, err := s.DeleteAllExpired(ctx, batchSize); err != nil && ctx.Err() == nil && onError != nil {
+			onError(err)
 		}
 		select {
 		case <-ctx.Done():

@@ -215,6 +215,13 @@ var neverReplayed = map[string]bool{
 	"Content-Length": true, // a replay sets its own
 }
 
+// replayable reports whether a stored header or trailer (canonical name)
+// can go out on a replay: never one of neverReplayed, which the first
+// version of the middleware stored with the rest of the response. Of the
+// others, a replay sends those its middleware's WithHTTPReplayedHeaders
+// allows.
+func replayable(name string) bool { return !neverReplayed[name] }
+
 // WithHTTPMethods sets the request methods that are protected; others pass
 // through untouched. Defaults to POST and PATCH.
 func WithHTTPMethods(methods ...string) HTTPOption {
@@ -661,7 +668,7 @@ func (rr *responseRecorder) statusCode() int {
 // time, only the allowed ones on a replay. Trailers go out as trailers, on
 // HTTP/1.1 (chunked) as on HTTP/2.
 func (rr *responseRecorder) writeTo(w http.ResponseWriter, allowed []string, replayed bool) {
-	kept := func(name string) bool { return !replayed || slices.Contains(allowed, name) }
+	kept := func(name string) bool { return !replayed || (slices.Contains(allowed, name) && replayable(name)) }
 	h := w.Header()
 	for name, values := range rr.sent {
 		if kept(name) {
@@ -673,7 +680,7 @@ func (rr *responseRecorder) writeTo(w http.ResponseWriter, allowed []string, rep
 	}
 	var trailers []string
 	for name := range rr.trailer {
-		if kept(name) && !neverReplayed[name] {
+		if kept(name) && replayable(name) {
 			trailers = append(trailers, name)
 		}
 	}
@@ -704,7 +711,7 @@ func (rr *responseRecorder) encode(kept []string) ([]byte, error) {
 		h   http.Header
 	}{{2, rr.sent}, {3, rr.trailer}} {
 		for _, name := range slices.Sorted(maps.Keys(part.h)) {
-			if !slices.Contains(kept, name) || (part.num == 3 && neverReplayed[name]) {
+			if !slices.Contains(kept, name) || (part.num == 3 && !replayable(name)) {
 				continue
 			}
 			b = appendEntry(b, part.num, name, part.h[name])

@@ -8,6 +8,9 @@ import (
 
 // statements are the SQL texts of a store, rendered once for its table.
 type statements struct {
+	// table is the key table, quoted and schema-qualified, for the
+	// statements built per request (Store.List's).
+	table                             string
 	claim, finish                     string
 	deleteExpiredIfHeld, unlockIfHeld string
 	probe, lookup                     string
@@ -60,6 +63,7 @@ func renderStatements(ident string, pooled bool) statements {
 	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", key, "{{lock_key_k}}", lockKey("k"),
 		"{{record}}", record(""), "{{record_k}}", record("k."), "{{claim_lock}}", claimLock, "{{unlock}}", unlock)
 	return statements{
+		table: ident,
 		// The claim, in one statement, the first of the call's transaction:
 		// the key's lock, without waiting for it, and, if it was free, the
 		// key's row in the state running. It returns a row only when it

@@ -95,6 +95,11 @@ type TraceCleanerBatchData struct {
 	Deleted int64
 	// Duration is how long the batch took.
 	Duration time.Duration
+	// Pause is how long the cleaner waits before its next batch: nine
+	// times Duration after a full batch of a round ([Store.RunCleaner],
+	// [Store.DeleteAllExpired]); zero after a round's last batch and for
+	// [Store.DeleteExpired].
+	Pause time.Duration
 	// Err is the batch's error, or nil.
 	Err error
 }

@@ -1,19 +1,27 @@
 // Command idempotency manages the key table of an idempotency store: it
-// applies or prints the migrations, and looks at, forgets and cleans up
-// keys.
+// applies or prints the migrations, and looks at, lists, forgets and cleans
+// up keys.
 //
 //	idempotency [flags] migrate              apply the migrations (Store.Migrate)
 //	idempotency [flags] sql [-down] [-format plain|golang-migrate|goose] [-dir DIR]
 //	                                         print the migrations, or write them as files
 //	idempotency [flags] inspect SCOPE KEY    print one key's record as JSON
+//	idempotency [flags] list [-scope S] [-method M] [-state S] [-newer-than D] [-older-than D]
+//	                         [-limit N] [-examine N] [-after NEXT]
+//	                                         print the records that match, as JSON (Store.List)
 //	idempotency [flags] forget SCOPE KEY     delete one key's record (refused while in progress)
-//	idempotency [flags] cleanup              delete every expired key now
+//	idempotency [flags] cleanup [-batch N]   delete every expired key now, paced as the cleaner
 //
 // Flags: -database-url (default $DATABASE_URL, else the local test
 // database postgres://postgres:postgres@127.0.0.1:5432/test, like every
-// program of this repository), -schema and -table (the store's WithTable;
-// default the connection's search_path and "idempotency_keys"). The
-// password of the database URL is never printed.
+// program of this repository; a URL or a keyword/value string), -schema
+// and -table (the store's WithTable; default the connection's search_path
+// and "idempotency_keys"), and -proto-descriptors FILE (repeatable): a
+// descriptor set of your protos, made with buf build -o FILE or protoc
+// --include_imports --descriptor_set_out=FILE, with which inspect and list
+// print stored responses of your own types as JSON. No secret of the
+// connection string (password, sslpassword, passfile, ...) is ever
+// printed, in help or in errors.
 //
 // The module is not published yet: run it from a clone, with
 // go run ./cmd/idempotency at the repository's root.
@@ -32,16 +40,17 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	statuspb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/reflect/protoregistry"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/dburl"
@@ -60,11 +69,21 @@ commands:
   sql                  print the up migrations (-down: the down ones), or write
                        them as files for a migration tool (-format, -dir)
   inspect SCOPE KEY    print the record of one key as JSON
+  list                 print the records of a scope, a method, a state or an age
+                       as JSON (idempotency list -h for its filters)
   forget SCOPE KEY     delete the record of one key, so that it runs again
-  cleanup              delete every expired key now
+  cleanup              delete every expired key now, in batches paced as the
+                       library's cleaner paces them (-batch N: their size)
 
 flags:
 `
+
+// scopesNamed is how many other scopes inspect names when a key has no
+// record in the one asked for; scopesWait, how long it looks.
+const (
+	scopesNamed = 5
+	scopesWait  = 5 * time.Second
+)
 
 // run is the command, with its exit status: 0, 1 on failure, 2 on misuse.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -73,6 +92,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	dbURL := fs.String("database-url", "", dburl.Usage())
 	schema := fs.String("schema", "", "schema of the key table (default: the connection's search_path)")
 	table := fs.String("table", idempotency.DefaultTable, "name of the key table")
+	var descriptorFiles []string
+	fs.Func("proto-descriptors", "a descriptor set of your protos ("+descriptorsHelp+"), to print stored responses of your types as JSON; repeatable",
+		func(path string) error { descriptorFiles = append(descriptorFiles, path); return nil })
 	fs.Usage = func() {
 		fmt.Fprint(stderr, usage)
 		fs.PrintDefaults()
@@ -106,24 +128,50 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if cmd == "sql" { // needs no database
 		return sqlCommand(rest, *schema, *table, stdout, stderr)
 	}
+	var list idempotency.ListFilter
+	batch := 10000
 	switch cmd {
-	case "migrate", "cleanup":
+	case "migrate":
 		if len(rest) != 0 {
 			return misuse("takes no arguments")
+		}
+	case "cleanup":
+		cfs := flag.NewFlagSet("idempotency cleanup", flag.ContinueOnError)
+		cfs.SetOutput(stderr)
+		cfs.IntVar(&batch, "batch", batch, "keys deleted per batch; between two full batches the command pauses nine times as long as the last took, as the library's cleaner does")
+		if err := cfs.Parse(rest); err != nil {
+			return 2
+		}
+		if cfs.NArg() != 0 || batch <= 0 {
+			return misuse("takes only -batch N, a positive number")
 		}
 	case "inspect", "forget":
 		if len(rest) != 2 {
 			return misuse("needs SCOPE and KEY (an empty scope is \"\")")
 		}
+	case "list":
+		var code int
+		if list, code = listFlags(rest, stderr); code != 0 {
+			return max(code, 0) // -1: help was asked for
+		}
 	default:
 		return misuse("unknown command; run idempotency -h")
+	}
+	types, err := loadProtoTypes(descriptorFiles)
+	if err != nil {
+		return misuse("%v", err)
+	}
+	// pgx's errors about a malformed string quote it: it is checked first.
+	if err := dburl.Check(*dbURL); err != nil {
+		return fail(err)
 	}
 	pool, err := pgxpool.New(ctx, *dbURL)
 	if err != nil {
 		return fail(err)
 	}
 	defer pool.Close()
-	store, err := idempotency.NewStore(pool, idempotency.WithTable(*schema, *table))
+	progress := &cleanupProgress{w: stderr}
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(*schema, *table), idempotency.WithTracer(progress))
 	if err != nil {
 		return fail(err)
 	}
@@ -135,35 +183,146 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintln(stdout, "migrations applied")
 	case "cleanup":
-		var total int64
-		for {
-			n, err := store.DeleteExpired(ctx, 10000)
-			total += n
-			if err != nil {
-				return fail(err)
-			}
-			if n < 10000 {
-				break
-			}
+		n, err := store.DeleteAllExpired(ctx, batch)
+		if err != nil {
+			fmt.Fprintf(stdout, "deleted %d expired keys before the error\n", n)
+			return fail(err)
 		}
-		fmt.Fprintf(stdout, "deleted %d expired keys\n", total)
+		fmt.Fprintf(stdout, "deleted %d expired keys\n", n)
 	case "inspect":
 		rec, err := store.Inspect(ctx, rest[0], rest[1])
 		if err != nil {
+			return fail(elsewhere(ctx, store, rest[0], rest[1], err))
+		}
+		if err := printJSON(stdout, recordJSON(rec, types)); err != nil {
 			return fail(err)
 		}
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		if err := enc.Encode(recordJSON(rec)); err != nil {
+	case "list":
+		page, err := store.List(ctx, list)
+		if err != nil {
 			return fail(err)
+		}
+		out := listJSON{Keys: []inspected{}, Examined: page.Examined, Next: page.Next}
+		for _, rec := range page.Records {
+			out.Keys = append(out.Keys, recordJSON(rec, types))
+		}
+		if err := printJSON(stdout, out); err != nil {
+			return fail(err)
+		}
+		if page.Next != "" {
+			fmt.Fprintf(stderr, "idempotency list: %d keys listed of %d examined; more may follow: run it again with -after %s\n",
+				len(page.Records), page.Examined, page.Next)
 		}
 	case "forget":
 		if err := store.Forget(ctx, rest[0], rest[1]); err != nil {
-			return fail(err)
+			return fail(elsewhere(ctx, store, rest[0], rest[1], err))
 		}
 		fmt.Fprintf(stdout, "forgot key %q of scope %q\n", rest[1], rest[0])
 	}
 	return 0
+}
+
+// listFlags parses list's flags into a filter, or returns the exit status
+// of a misuse, or -1 after printing the help asked for.
+func listFlags(args []string, stderr io.Writer) (idempotency.ListFilter, int) {
+	var f idempotency.ListFilter
+	fs := flag.NewFlagSet("idempotency list", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&f.Scope, "scope", "", "list this scope's keys (-scope \"\" is the empty scope; without -scope, every scope's)")
+	fs.StringVar(&f.Method, "method", "", "only this method's keys: /pkg.Service/Method, \"POST /path\", idempotency/message; a trailing * matches a prefix")
+	fs.StringVar(&f.State, "state", "", "only keys in this state: succeeded, failed or running")
+	fs.DurationVar(&f.NewerThan, "newer-than", 0, "only keys created less than this long ago (e.g. 30m, 48h)")
+	fs.DurationVar(&f.OlderThan, "older-than", 0, "only keys created more than this long ago")
+	fs.IntVar(&f.Limit, "limit", 100, "at most this many keys (up to 10000)")
+	fs.IntVar(&f.Examine, "examine", 10000, "look at most at this many keys, matching or not, so that a filter few keys match never reads much of the table at once (-after the output's \"next\" goes on)")
+	fs.StringVar(&f.After, "after", "", "go on after the page whose \"next\" this is")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return f, -1
+		}
+		return f, 2
+	}
+	if fs.NArg() != 0 {
+		fmt.Fprintln(stderr, "idempotency list: takes only flags; run idempotency list -h")
+		return f, 2
+	}
+	f.AnyScope = true
+	fs.Visit(func(fl *flag.Flag) {
+		if fl.Name == "scope" {
+			f.AnyScope = false
+		}
+	})
+	return f, 0
+}
+
+// elsewhere adds to a key's ErrKeyNotFound the scopes that do hold it:
+// the usual mistake is the scope (the empty one for a tenant's key, say).
+func elsewhere(ctx context.Context, store *idempotency.Store, scope, key string, err error) error {
+	if !errors.Is(err, idempotency.ErrKeyNotFound) {
+		return err
+	}
+	lookCtx, cancel := context.WithTimeout(ctx, scopesWait)
+	defer cancel()
+	scopes, lookErr := store.ScopesWithKey(lookCtx, key, scopesNamed+2)
+	var others []string
+	for _, s := range scopes {
+		if s != scope {
+			others = append(others, strconv.Quote(s))
+		}
+	}
+	switch {
+	case lookErr != nil && ctx.Err() != nil:
+		return err
+	case lookErr != nil:
+		return fmt.Errorf("%w in scope %q; the other scopes were not all looked through in %v (%s)", err, scope, scopesWait,
+			strings.TrimPrefix(lookErr.Error(), "idempotency: "))
+	case len(others) == 0:
+		return fmt.Errorf("%w in scope %q, nor in any other scope", err, scope)
+	case len(others) > scopesNamed:
+		return fmt.Errorf("%w in scope %q; the key has records in scopes %s and more: did you mean one of them?", err, scope, strings.Join(others[:scopesNamed], ", "))
+	default:
+		return fmt.Errorf("%w in scope %q; the key has records in scope %s: did you mean it?", err, scope, strings.Join(others, ", "))
+	}
+}
+
+// cleanupProgress is the command's tracer: it prints each batch of a
+// cleanup, and the pause after it, to stderr.
+type cleanupProgress struct {
+	w       io.Writer
+	batches int
+}
+
+func (p *cleanupProgress) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	return ctx
+}
+
+func (p *cleanupProgress) TraceCallEnd(context.Context, idempotency.TraceCallEndData) {}
+
+func (p *cleanupProgress) TraceCleanerBatch(_ context.Context, data idempotency.TraceCleanerBatchData) {
+	p.batches++
+	if data.Err != nil {
+		return // the command prints it
+	}
+	line := fmt.Sprintf("batch %d: deleted %d expired keys in %v", p.batches, data.Deleted, data.Duration.Round(time.Millisecond))
+	if data.Pause > 0 {
+		line += fmt.Sprintf("; pausing %v (nine times the batch, as the cleaner does)", data.Pause.Round(time.Millisecond))
+	}
+	fmt.Fprintln(p.w, line)
+}
+
+// printJSON prints v as indented JSON.
+func printJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// listJSON is the JSON form of a page of list.
+type listJSON struct {
+	Keys     []inspected `json:"keys"`
+	Examined int         `json:"examined"`
+	// Next, for -after, when more may follow.
+	Next string `json:"next,omitempty"`
 }
 
 // inspected is the JSON form of a record.
@@ -180,26 +339,30 @@ type inspected struct {
 	ResponseType string          `json:"response_type,omitempty"`
 	Response     json.RawMessage `json:"response,omitempty"`
 	ResponseHex  string          `json:"response_hex,omitempty"`
-	Status       json.RawMessage `json:"status,omitempty"`
-	HTTP         *httpJSON       `json:"http,omitempty"`
-	Fingerprint  string          `json:"fingerprint"`
+	// Hint says why the response is in hex, and how to have it decoded.
+	Hint   string          `json:"hint,omitempty"`
+	Status json.RawMessage `json:"status,omitempty"`
+	HTTP   *httpJSON       `json:"http,omitempty"`
+	// Fingerprint identifies the request the key was first used with.
+	Fingerprint string `json:"fingerprint"`
 }
 
 // httpJSON is the response an HTTP request's record replays.
 type httpJSON struct {
-	Status int         `json:"status"`
+	Status int `json:"status"`
+	// Header holds the headers a replay sends.
 	Header http.Header `json:"header,omitempty"`
-	// Trailer holds the trailers a replay carries.
+	// Trailer holds the trailers a replay sends.
 	Trailer http.Header `json:"trailer,omitempty"`
 	// Body is the body as text when it is UTF-8, BodyBase64 otherwise.
 	Body       *string `json:"body,omitempty"`
 	BodyBase64 string  `json:"body_base64,omitempty"`
 }
 
-// recordJSON renders a record: an HTTP response as its status, headers
-// and body; another response as JSON when its type is linked into this
-// command, else as hex.
-func recordJSON(rec idempotency.Record) inspected {
+// recordJSON renders a record: an HTTP response as its status, the
+// headers a replay sends, and its body; another response as JSON when
+// types knows its type, else as hex with a hint.
+func recordJSON(rec idempotency.Record, types protoTypes) inspected {
 	out := inspected{
 		Scope: rec.Scope, Key: rec.Key, Transport: string(rec.Transport), Method: rec.Method, State: rec.State,
 		CreatedAt: rec.CreatedAt, ExpiresAt: rec.ExpiresAt, Expired: rec.Expired,
@@ -219,21 +382,55 @@ func recordJSON(rec idempotency.Record) inspected {
 		}
 	} else if rec.ResponseType != "" {
 		out.ResponseHex = hex.EncodeToString(rec.Response)
-		if mt, err := protoregistry.GlobalTypes.FindMessageByName(protoreflect.FullName(rec.ResponseType)); err == nil {
+		mt, err := types.FindMessageByName(protoreflect.FullName(rec.ResponseType))
+		if err != nil {
+			out.Hint = unknownTypeHint(rec.ResponseType)
+		} else {
 			m := mt.New().Interface()
-			if err := proto.Unmarshal(rec.Response, m); err == nil {
-				if b, err := protojson.Marshal(m); err == nil {
+			err := proto.UnmarshalOptions{Resolver: types}.Unmarshal(rec.Response, m)
+			if err == nil {
+				var b []byte
+				if b, err = (protojson.MarshalOptions{Resolver: types}).Marshal(m); err == nil {
 					out.Response, out.ResponseHex = b, ""
 				}
+			}
+			if err != nil {
+				out.Hint = fmt.Sprintf("the response does not decode as %s: %v", rec.ResponseType, err)
 			}
 		}
 	}
 	if rec.Status != nil {
-		if b, err := protojson.Marshal(rec.Status.Proto()); err == nil {
-			out.Status = b
-		}
+		out.Status = statusJSON(rec.Status.Proto(), types)
 	}
 	return out
+}
+
+// statusJSON renders a stored error, its details decoded with types; a
+// detail of a type types does not know is shown by its type URL and bytes.
+func statusJSON(st *statuspb.Status, types protoTypes) json.RawMessage {
+	if b, err := (protojson.MarshalOptions{Resolver: types}).Marshal(st); err == nil {
+		return b
+	}
+	type unknownDetail struct {
+		Type string `json:"@type"`
+		Hex  string `json:"value_hex"`
+		Hint string `json:"hint"`
+	}
+	out := struct {
+		Code    int32  `json:"code,omitempty"`
+		Message string `json:"message,omitempty"`
+		Details []any  `json:"details,omitempty"`
+	}{Code: st.GetCode(), Message: st.GetMessage()}
+	for _, d := range st.GetDetails() {
+		if b, err := (protojson.MarshalOptions{Resolver: types}).Marshal(d); err == nil {
+			out.Details = append(out.Details, json.RawMessage(b))
+			continue
+		}
+		name := d.GetTypeUrl()[strings.LastIndex(d.GetTypeUrl(), "/")+1:]
+		out.Details = append(out.Details, unknownDetail{Type: d.GetTypeUrl(), Hex: hex.EncodeToString(d.GetValue()), Hint: unknownTypeHint(name)})
+	}
+	b, _ := json.Marshal(out)
+	return b
 }
 
 // sqlCommand prints the migrations, or writes them as files in the layout

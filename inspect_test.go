@@ -1,0 +1,217 @@
+package idempotency_test
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"reflect"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protowire"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// storedHTTPMetadata encodes an HTTP response's status, headers and
+// trailers as the middleware stores them (field 1 the status, 2 each
+// header, 3 each trailer: a name, then its values).
+func storedHTTPMetadata(status int, header, trailer [][]string) []byte {
+	b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), uint64(status))
+	for _, part := range []struct {
+		num     protowire.Number
+		entries [][]string
+	}{{2, header}, {3, trailer}} {
+		for _, e := range part.entries {
+			entry := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), e[0])
+			for _, v := range e[1:] {
+				entry = protowire.AppendString(protowire.AppendTag(entry, 2, protowire.BytesType), v)
+			}
+			b = protowire.AppendBytes(protowire.AppendTag(b, part.num, protowire.BytesType), entry)
+		}
+	}
+	return b
+}
+
+// A record the middleware's first version stored, with the response's
+// Set-Cookie and WWW-Authenticate among its headers: Inspect shows the
+// headers a replay sends, which are none of those, and the same as the
+// replay's.
+func TestInspectShowsNoHeaderAReplayOmits(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	h := idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, `{"id":"ch_1"}`)
+	}))
+	send := func() *httptest.ResponseRecorder {
+		req := httptest.NewRequest(http.MethodPost, "/v1/charges", strings.NewReader(`{"amount":100}`))
+		req.Header.Set(idempotency.HeaderKey, "order-1")
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, req)
+		return rec
+	}
+	require.Equal(t, http.StatusCreated, send().Code)
+	// What the first version stored: every header, cookies included.
+	_, err := db.Pool.Exec(ctx, `UPDATE idempotency_keys SET metadata = $1 WHERE key = 'http order-1'`, storedHTTPMetadata(http.StatusCreated,
+		[][]string{{"Content-Type", "application/json"}, {"Location", "/v1/charges/ch_1"}, {"Set-Cookie", "session=first-caller; HttpOnly"},
+			{"Www-Authenticate", `Bearer realm="first"`}},
+		[][]string{{"Set-Cookie", "late=first-caller"}}))
+	require.NoError(t, err)
+
+	rec, err := store.Inspect(ctx, "", "order-1")
+	require.NoError(t, err)
+	code, header, body, ok := rec.HTTPResponse()
+	require.True(t, ok)
+	require.Equal(t, http.StatusCreated, code)
+	require.Equal(t, `{"id":"ch_1"}`, string(body))
+	require.Equal(t, http.Header{"Content-Type": {"application/json"}, "Location": {"/v1/charges/ch_1"}}, header)
+	require.Nil(t, rec.HTTPTrailer())
+
+	replay := send()
+	require.Equal(t, "true", replay.Header().Get(idempotency.ReplayedHeader))
+	require.Empty(t, replay.Result().Cookies(), "the replay sends no cookie")
+	sent := replay.Header().Clone()
+	sent.Del(idempotency.ReplayedHeader)
+	sent.Del("Content-Length")
+	require.Equal(t, header, sent, "Inspect's headers are the replay's")
+}
+
+// keyRows inserts n finished keys of scope, keys k-000001... created an
+// hour ago, with the given state and method.
+func keyRows(t *testing.T, db *testdb.DB, scope string, n int, state, method string) {
+	t.Helper()
+	_, err := db.Pool.Exec(context.Background(), `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, created_at, expires_at)
+SELECT $1::text, 'k-' || lpad(i::text, 6, '0'), $4::text, '\x00', $3::text, now() - interval '1 hour', now() + interval '1 day'
+FROM generate_series(1, $2::int) i`, scope, n, state, method)
+	require.NoError(t, err)
+}
+
+// listStatements is a pgx tracer that keeps the SQL and arguments of
+// List's statements.
+type listStatements struct {
+	mu    sync.Mutex
+	calls []pgx.TraceQueryStartData
+}
+
+func (l *listStatements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(data.SQL, "AS match") {
+		l.mu.Lock()
+		l.calls = append(l.calls, data)
+		l.mu.Unlock()
+	}
+	return ctx
+}
+
+func (l *listStatements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// List stays fast however large the table: each of its statements is a
+// range of the primary key's index, a thousand rows at most, in the plan
+// PostgreSQL keeps for a prepared statement as in the first one, and a
+// filter that matches nothing reads Examine rows, not the table. Here on
+// 200,000 keys, with a filter nothing matches.
+func TestListReadsBoundedRangesOfThePrimaryKey(t *testing.T) {
+	t.Parallel()
+	traced := &listStatements{}
+	db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 2; cfg.ConnConfig.Tracer = traced })
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	keyRows(t, db, "big", 150000, "succeeded", "/pay.v1.Payments/Charge")
+	keyRows(t, db, "small", 50000, "succeeded", "/pay.v1.Payments/Charge")
+	_, err := db.Pool.Exec(ctx, `ANALYZE idempotency_keys`)
+	require.NoError(t, err)
+
+	for _, f := range []idempotency.ListFilter{
+		{AnyScope: true, State: "failed", Examine: 5000},
+		{Scope: "small", State: "failed", Examine: 5000},
+	} {
+		traced.calls = nil
+		page, err := store.List(ctx, f)
+		require.NoError(t, err)
+		require.Empty(t, page.Records)
+		require.Equal(t, 5000, page.Examined, "Examine rows read, not the table's 200,000")
+		require.NotEmpty(t, page.Next)
+		require.Len(t, traced.calls, 5, "five statements of a thousand rows")
+		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+			plan := explain(t, db, mode, traced.calls[2])
+			require.Contains(t, plan, `"Index Name": "idempotency_keys_pkey"`, mode)
+			require.NotContains(t, plan, "Seq Scan", mode)
+			require.Contains(t, plan, `"Actual Rows": 1000,`, mode)
+		}
+	}
+}
+
+// explain returns the JSON plan, executed, of a traced statement, in the
+// plan_cache_mode mode.
+func explain(t *testing.T, db *testdb.DB, mode string, call pgx.TraceQueryStartData) string {
+	t.Helper()
+	ctx := context.Background()
+	conn, err := db.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	_, err = conn.Exec(ctx, "SET plan_cache_mode = "+mode)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, "PREPARE listing AS "+call.SQL)
+	require.NoError(t, err)
+	// EXPLAIN takes no parameters: the arguments are written as literals.
+	literals := make([]string, len(call.Args))
+	for i, arg := range call.Args {
+		v := reflect.ValueOf(arg)
+		if v.Kind() == reflect.Pointer {
+			if v.IsNil() {
+				literals[i] = "NULL"
+				continue
+			}
+			v = v.Elem()
+		}
+		if v.Kind() == reflect.String {
+			literals[i] = "'" + strings.ReplaceAll(v.String(), "'", "''") + "'"
+		} else {
+			literals[i] = strconv.FormatInt(v.Int(), 10)
+		}
+	}
+	var plan string
+	require.NoError(t, conn.QueryRow(ctx, "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE listing("+strings.Join(literals, ", ")+")").Scan(&plan))
+	_, err = conn.Exec(ctx, "DEALLOCATE listing; RESET plan_cache_mode")
+	require.NoError(t, err)
+	return plan
+}
+
+// ScopesWithKey names the scopes that hold a key, in order and at most
+// limit of them, in every transport's namespace.
+func TestScopesWithKey(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	for _, scope := range []string{"e", "d", "c", "b", "a"} {
+		keyRows(t, db, scope, 3, "succeeded", "m")
+	}
+	_, err := db.Pool.Exec(ctx, `UPDATE idempotency_keys SET key = 'http k-000001' WHERE scope = 'c' AND key = 'k-000001'`)
+	require.NoError(t, err)
+	_, err = db.Pool.Exec(ctx, `DELETE FROM idempotency_keys WHERE scope = 'b' AND key = 'k-000001'`)
+	require.NoError(t, err)
+
+	scopes, err := store.ScopesWithKey(ctx, "k-000001", 10)
+	require.NoError(t, err)
+	require.Equal(t, []string{"a", "c", "d", "e"}, scopes)
+	scopes, err = store.ScopesWithKey(ctx, "k-000001", 2)
+	require.NoError(t, err)
+	require.Equal(t, []string{"a", "c"}, scopes)
+	scopes, err = store.ScopesWithKey(ctx, "http k-000001", 10)
+	require.NoError(t, err)
+	require.Equal(t, []string{"c"}, scopes, "a namespaced key names its transport's")
+	scopes, err = store.ScopesWithKey(ctx, "nowhere", 10)
+	require.NoError(t, err)
+	require.Empty(t, scopes)
+}
