@@ -55,7 +55,7 @@ func renderMigrations(ident pgx.Identifier) ([]Migration, error) {
 	}
 	ms := make([]Migration, len(rendered))
 	for i, m := range rendered {
-		ms[i] = Migration(m)
+		ms[i] = Migration{Version: m.Version, Name: m.Name, SQL: m.SQL, Down: m.Down}
 	}
 	return ms, nil
 }
