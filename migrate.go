@@ -111,7 +111,9 @@ func WithMigrationLockTimeout(d time.Duration) MigrateOption {
 // lock was not granted in time, or that met a conflicting write, before it
 // gives up with an error that names the sessions holding the lock.
 // Between attempts it waits, from 100 ms doubling to 5 s, with jitter, so
-// 10 attempts of 1 s wait about half a minute in all. Defaults to 10.
+// 10 attempts of 1 s wait about half a minute in all: more make a
+// replica's startup wait longer for a transaction that may never end.
+// Defaults to 10.
 func WithMigrationAttempts(n int) MigrateOption {
 	return func(o *migrateOptions) { o.attempts = n }
 }
@@ -127,8 +129,8 @@ func WithMigrationAttempts(n int) MigrateOption {
 // later ([WithMigrationAttempts]), so that an open transaction that read
 // the table never makes calls queue behind Migrate for longer than that.
 // The rows older versions wrote are moved (003) in short transactions of
-// [migrationBatchRows] rows each, while calls go on; a Migrate cut short
-// (a crash, a canceled ctx) is simply run again. Every transaction holds
+// 1,000 rows each, while calls go on; a Migrate cut short (a crash, a
+// canceled ctx) is simply run again. Every transaction holds
 // an advisory lock of the table, so replicas that start together take
 // turns. The table is named as PostgreSQL resolves it, so stores that name
 // it with its schema and through the search_path share that lock; an

@@ -20,10 +20,11 @@
 // rewrites rows also gets NNN_name.batch.sql: one statement that does the
 // up file's work to the $3 rows after ($1 scope, $2 key) in primary-key
 // order and returns the last of them (no row when none is left), so that
-// Migrate runs it in short transactions, outside any lock on the table,
-// instead of the up file; it must be safe to run again on rows it already
-// changed, and the up file, which tools run, stays the reference. Batch
-// files are for Store.Migrate alone: they are not exported.
+// Migrate runs it in short transactions that lock the table no more than
+// a call does, instead of the up file; it must be safe to run again on
+// rows it already changed, and the up file, which tools run, stays the
+// reference. Batch files are for Store.Migrate alone: they are not
+// exported.
 package schema
 
 import (
