@@ -7,17 +7,18 @@
 -- key and is never moved again, so a walk cut anywhere is simply started
 -- over. The two UPDATEs of the up file are one here: a row is a message's
 -- or an HTTP request's, never both, and no two rows move to one key. The
--- tests are in the UPDATE's own WHERE, so that a row another transaction
--- changed meanwhile is tested again as it is now.
+-- rows are found by their addresses, read with the batch (a join on the
+-- key would have the planner scan the whole table for every batch), and
+-- the tests are in the UPDATE's own WHERE, so that a row another
+-- transaction changed meanwhile is tested again as it is now.
 WITH batch AS MATERIALIZED (
-    SELECT scope, key FROM {{table}}
+    SELECT ctid, scope, key FROM {{table}}
     WHERE (scope, key) > ($1::text, $2::text)
     ORDER BY scope, key
     LIMIT $3::int
 ), moved AS (
     UPDATE {{table}} k SET key = CASE WHEN k.method = 'idempotency/message' THEN 'message ' ELSE 'http ' END || k.key
-    FROM batch b
-    WHERE k.scope = b.scope AND k.key = b.key AND k.key NOT LIKE '% %'
+    WHERE k.ctid = ANY (ARRAY(SELECT ctid FROM batch)) AND k.key NOT LIKE '% %'
     AND (k.method = 'idempotency/message'
       OR (k.method ~ '^[!#$%&''*+.^_`|~0-9A-Za-z-]+ /'
         AND ((k.response_type = 'google.protobuf.BytesValue' AND substring(k.metadata FROM 1 FOR 1) = '\x08'::bytea)
