@@ -362,3 +362,18 @@ func TestMigrateThroughPgBouncer(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
 }
+
+// A table named without a schema, on a session whose search_path names no
+// schema that exists: Migrate says what to set, creating nothing.
+func TestMigrateWithoutASchemaToCreateIn(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 2
+		cfg.ConnConfig.RuntimeParams["search_path"] = "no_such_schema_w31"
+	})
+	store, err := idempotency.NewStore(db.Pool)
+	require.NoError(t, err)
+	err = store.Migrate(context.Background())
+	require.ErrorContains(t, err, "none of its schemas exists: set search_path, or name the schema with WithTable")
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM pg_catalog.pg_tables WHERE tablename = 'idempotency_keys_migrations' AND schemaname = $1`, db.Schema))
+}

@@ -13,10 +13,10 @@
 // a short lock_timeout, trying again later when a lock is not granted in
 // time (calls queued behind its lock request wait at most that long). So
 // write statements that, once granted their lock, are quick: ADD COLUMN
-// without a volatile default, SET of a storage parameter, CREATE INDEX on a
-// table that is small enough to be written to only after the build (it
-// holds a SHARE lock, which blocks calls' writes while it runs; CREATE
-// INDEX CONCURRENTLY cannot run in the transaction). A migration that
+// without a volatile default, SET of a storage parameter. CREATE INDEX
+// holds a SHARE lock for its whole build, which blocks calls' writes while
+// it runs (CREATE INDEX CONCURRENTLY cannot run in the transaction): a
+// moment on a small table, a stall on a large one. A migration that
 // rewrites rows also gets NNN_name.batch.sql: one statement that does the
 // up file's work to the $3 rows after ($1 scope, $2 key) in primary-key
 // order and returns the last of them (no row when none is left), so that
