@@ -6,6 +6,25 @@
 // {{create_schema}} (a statement creating the schema of a
 // schema-qualified table unless it exists, empty otherwise), so that teams running their own
 // migration tool can render and copy them.
+//
+// Adding a migration is adding its files, NNN_name.up.sql and
+// NNN_name.down.sql, numbered after the last: Render finds them, and
+// Store.Migrate applies each pending one in a transaction of its own, under
+// a short lock_timeout, trying again later when a lock is not granted in
+// time (calls queued behind its lock request wait at most that long). So
+// write statements that, once granted their lock, are quick: ADD COLUMN
+// without a volatile default, SET of a storage parameter. CREATE INDEX
+// holds a SHARE lock for its whole build, which blocks calls' writes while
+// it runs (CREATE INDEX CONCURRENTLY cannot run in the transaction): a
+// moment on a small table, a stall on a large one. A migration that
+// rewrites rows also gets NNN_name.batch.sql: one statement that does the
+// up file's work to the $3 rows after ($1 scope, $2 key) in primary-key
+// order and returns the last of them (no row when none is left), so that
+// Migrate runs it in short transactions that lock the table no more than
+// a call does, instead of the up file; it must be safe to run again on
+// rows it already changed, and the up file, which tools run, stays the
+// reference. Batch files are for Store.Migrate alone: they are not
+// exported.
 package schema
 
 import (
@@ -58,11 +77,16 @@ type Migration struct {
 	SQL string
 	// Down reverts it.
 	Down string
+	// Batch, when the migration rewrites rows, is the statement that does
+	// SQL's work one batch at a time (see the package's doc); empty
+	// otherwise.
+	Batch string
 }
 
 // Render returns every migration, in version order, for the table named by
 // ident (schema-qualified when it has two parts). The files are named as
-// golang-migrate names them: NNN_name.up.sql and NNN_name.down.sql.
+// golang-migrate names them: NNN_name.up.sql and NNN_name.down.sql, and
+// NNN_name.batch.sql beside them for a migration that rewrites rows.
 func Render(ident pgx.Identifier) ([]Migration, error) {
 	entries, err := fs.ReadDir(files, "migrations")
 	if err != nil {
@@ -80,8 +104,8 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 	byName := map[string]*Migration{}
 	for _, e := range entries {
 		name, dir, ok := strings.Cut(strings.TrimSuffix(e.Name(), ".sql"), ".")
-		if !ok || (dir != "up" && dir != "down") {
-			return nil, fmt.Errorf("schema: migration %q is not named NNN_name.up.sql or NNN_name.down.sql", e.Name())
+		if !ok || (dir != "up" && dir != "down" && dir != "batch") {
+			return nil, fmt.Errorf("schema: migration %q is not named NNN_name.up.sql, NNN_name.down.sql or NNN_name.batch.sql", e.Name())
 		}
 		prefix, _, _ := strings.Cut(name, "_")
 		v, err := strconv.Atoi(prefix)
@@ -97,10 +121,13 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 			m = &Migration{Version: v, Name: name}
 			byName[name] = m
 		}
-		if dir == "up" {
+		switch dir {
+		case "up":
 			m.SQL = r.Replace(string(b))
-		} else {
+		case "down":
 			m.Down = r.Replace(string(b))
+		default:
+			m.Batch = r.Replace(string(b))
 		}
 	}
 	var out []Migration
@@ -111,5 +138,10 @@ func Render(ident pgx.Identifier) ([]Migration, error) {
 		out = append(out, *m)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
+	for i := 1; i < len(out); i++ {
+		if out[i].Version == out[i-1].Version {
+			return nil, fmt.Errorf("schema: migrations %s and %s have one version number", out[i-1].Name, out[i].Name)
+		}
+	}
 	return out, nil
 }
