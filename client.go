@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"time"
 
 	"github.com/google/uuid"
@@ -29,6 +30,10 @@ import (
 // an earlier WithOutgoingKey put there, so that a call no client
 // interceptor of this package sees (a streaming call) still carries it, and
 // [StreamServerInterceptor] refuses it rather than run it unprotected.
+// Beside a different key set in the metadata by other means
+// (metadata.AppendToOutgoingContext), before or after it, neither wins: the
+// call fails with codes.InvalidArgument before anything is sent, as the two
+// may name two operations.
 func WithOutgoingKey(ctx context.Context, key string) context.Context {
 	md, _ := metadata.FromOutgoingContext(ctx)
 	vals := md.Get(MetadataKey)
@@ -64,7 +69,9 @@ type captureKey struct {
 // [MetadataKey], and keeps it for all of the call's attempts.
 //
 // The key is, in order: the "idempotency-key" already in the outgoing
-// metadata, the key set with [WithOutgoingKey], when ctx is inside a
+// metadata or the key set with [WithOutgoingKey] (both at once, naming
+// different keys, fail with codes.InvalidArgument before anything is
+// sent, saying to set the key one way only), when ctx is inside a
 // running call (a handler calling another service: a re-run of the handler
 // sends the same key) the key of the effect [WithEffect] names or else the
 // key [DownstreamKey] counts for the method, or a new UUIDv7. A call made
@@ -336,12 +343,15 @@ func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPo
 	switch {
 	case len(md.Get(binaryMetadataKey)) > 0:
 		return "", false, binaryKey()
+	case len(vals) > 1 && hasChosen && slices.Contains(vals, chosen), len(vals) == 1 && hasChosen && chosen != vals[0]:
+		// WithOutgoingKey beside a key set in the metadata otherwise: two
+		// parts of the code disagree about which operation this is, and
+		// picking one could merge two operations or split one.
+		return "", false, invalidKey(MetadataKey, outgoingKeyConflict)
 	case len(vals) > 1:
-		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed", len(vals)))
+		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed: "+
+			"set the key once (metadata.AppendToOutgoingContext adds a value each time; WithOutgoingKey replaces its own)", len(vals)))
 	case len(vals) == 1:
-		if hasChosen && chosen != vals[0] {
-			return "", false, invalidKey(MetadataKey, "WithOutgoingKey and the outgoing metadata name different keys")
-		}
 		from := ""
 		if hasChosen {
 			from = "WithOutgoingKey"
@@ -371,6 +381,12 @@ func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPo
 	}
 	return k.String(), false, nil
 }
+
+// outgoingKeyConflict is the error of a call whose context has a key from
+// WithOutgoingKey and another in its outgoing metadata.
+const outgoingKeyConflict = "WithOutgoingKey set one key and the outgoing metadata carries another " + MetadataKey + "; " +
+	"a call has one key, and the client does not pick one for you: set it one way only " +
+	"(remove the " + MetadataKey + " metadata, or call WithOutgoingKey on a context without it)"
 
 type retryStateKey struct{}
 

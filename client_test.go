@@ -798,3 +798,31 @@ func TestStoreUnavailableSuggestsOneDelayOverGRPCAndHTTP(t *testing.T) {
 		require.Equal(t, tc.retryAfter, resp.Header.Get("Retry-After"))
 	}
 }
+
+// WithOutgoingKey beside another key in the outgoing metadata, in either
+// order: the call fails on the client, saying to set the key one way only;
+// nothing is sent.
+func TestOutgoingKeyConflictSaysWhatToDo(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	ctx := context.Background()
+	for name, ctx := range map[string]context.Context{
+		"metadata, then WithOutgoingKey": idempotency.WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "edge-b"), "edge-a"),
+		"WithOutgoingKey, then metadata": metadata.AppendToOutgoingContext(idempotency.WithOutgoingKey(ctx, "edge-a"), idempotency.MetadataKey, "edge-b"),
+		"metadata replaced":              metadata.NewOutgoingContext(idempotency.WithOutgoingKey(ctx, "edge-a"), metadata.Pairs(idempotency.MetadataKey, "edge-b")),
+	} {
+		_, err := charge(ctx, conn, 0)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), name)
+		require.ErrorIs(t, err, idempotency.ErrInvalidKey, name)
+		require.Contains(t, status.Convert(err).Message(), "set it one way only", name)
+	}
+	require.Zero(t, e.arrived.Load(), "nothing was sent")
+
+	// The same key both ways is one key.
+	_, err = charge(idempotency.WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "edge-a"), "edge-a"), conn, 0)
+	require.NoError(t, err)
+}
