@@ -343,7 +343,7 @@ func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPo
 	switch {
 	case len(md.Get(binaryMetadataKey)) > 0:
 		return "", false, binaryKey()
-	case len(vals) > 1 && hasChosen && slices.Contains(vals, chosen), len(vals) == 1 && hasChosen && chosen != vals[0]:
+	case hasChosen && slices.ContainsFunc(vals, func(v string) bool { return v != chosen }):
 		// WithOutgoingKey beside a key set in the metadata otherwise: two
 		// parts of the code disagree about which operation this is, and
 		// picking one could merge two operations or split one.

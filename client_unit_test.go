@@ -70,6 +70,9 @@ func TestUnitClientKeyChoice(t *testing.T) {
 
 	_, _, err = o.keyFor(WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, MetadataKey, "a"), "b"), method, nil)
 	require.ErrorIs(t, err, ErrInvalidKey)
+	require.ErrorContains(t, err, "set it one way only")
+	_, _, err = o.keyFor(metadata.AppendToOutgoingContext(WithOutgoingKey(ctx, "a"), MetadataKey, "a"), method, nil)
+	require.ErrorContains(t, err, "2 values in outgoing metadata, exactly one is allowed: set the key once", "one key sent twice is not two keys")
 	_, _, err = o.keyFor(WithOutgoingKey(ctx, ""), method, nil)
 	require.ErrorContains(t, err, "WithOutgoingKey: key is empty")
 
