@@ -711,7 +711,7 @@ func TestReadyChainOutlastsADatabaseFailover(t *testing.T) {
 		require.True(t, storeUnavailable(err), "%v", err)
 		d, ok := idempotency.RetryDelay(err)
 		require.True(t, ok, "STORE_UNAVAILABLE carries RetryInfo: %v", err)
-		require.Equal(t, idempotency.DefaultSuggestedRetryDelay, d)
+		require.Equal(t, 500*time.Millisecond, d, "the store's WithSuggestedRetryDelay, by default")
 	}
 	t.Logf("failover: %d attempts failed with STORE_UNAVAILABLE, then the call succeeded; %d attempts reached the server", len(failed), f.arrivals.Load())
 }
@@ -771,7 +771,7 @@ func TestStoreUnavailableSuggestsOneDelayOverGRPCAndHTTP(t *testing.T) {
 		retryInfo  time.Duration
 		retryAfter string
 	}{
-		{nil, idempotency.DefaultSuggestedRetryDelay, "1"},
+		{nil, 500 * time.Millisecond, "1"}, // WithSuggestedRetryDelay's default
 		{[]idempotency.StoreOption{idempotency.WithSuggestedRetryDelay(2500 * time.Millisecond)}, 2500 * time.Millisecond, "3"},
 	} {
 		store, err := idempotency.NewStore(pool, tc.opts...)

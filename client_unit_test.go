@@ -122,7 +122,6 @@ func TestUnitClientDefaults(t *testing.T) {
 	require.Equal(t, 2*time.Second, o.backoffMax, "WithRetryBackoff max")
 	require.Len(t, UnaryClientInterceptors(), 2, "the key and retry interceptors, nothing that times attempts")
 	require.Len(t, UnaryClientInterceptors(WithPerAttemptTimeout(time.Second)), 3)
-	require.Equal(t, DefaultSuggestedRetryDelay, defaultStoreOptions().retryDelay, "the RetryInfo of an error no store stamped is the store's default")
 }
 
 // How one call's retrying decides, attempt by attempt.

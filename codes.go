@@ -34,15 +34,11 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 //	key or annotation on a streaming call   Unimplemented       ErrorInfo
 //
 // Every status of this package that a retry can get past (Unavailable,
-// Aborted) carries a RetryInfo: the store's [WithSuggestedRetryDelay] when
-// it left [UnaryServerInterceptor], [DefaultSuggestedRetryDelay] otherwise.
-// The HTTP middleware sends the same delay as Retry-After, rounded up to
-// whole seconds and at least 1.
-//
-// A handler's own errors are passed through unchanged; a [Final] one is
-// stored and replayed with its details. A replay carries no ErrorInfo of
-// this package: it is the first call's answer, with the trailer
-// "idempotency-replayed: true".
+// Aborted) carries a RetryInfo of the store's [WithSuggestedRetryDelay] as
+// [UnaryServerInterceptor] (or [UnaryServer]) sends it; the HTTP middleware
+// sends the same delay as Retry-After, rounded up to whole seconds and at
+// least 1. An error of [Store.Execute] or [Store.ProcessMessage] carries
+// one only for [ErrInProgress].
 var (
 	// ErrInProgress: another call with the same key is running and did not
 	// finish within the wait. Retry later with the same key.
@@ -61,9 +57,9 @@ var (
 	// ran, or the outcome is unknown (the connection died during COMMIT). A
 	// retry with the same key is safe: it replays the result if the call
 	// committed, and runs it otherwise.
-	// It carries a RetryInfo, as every retryable status of this package
-	// does; a client should keep retrying for longer than a failover takes
-	// (see [WithRetryBudget]).
+	// Over gRPC it carries a RetryInfo, as every retryable status of this
+	// package does; a client should keep retrying for longer than a
+	// failover takes (see [WithRetryBudget]).
 	ErrStoreUnavailable = &Error{code: codes.Unavailable, reason: "STORE_UNAVAILABLE", msg: "key store unavailable"}
 	// ErrChainOrder is returned by the client interceptor for a retry
 	// attempt that has no key: the retry interceptor runs before (outside)
@@ -87,24 +83,11 @@ var (
 		"raise the option, or leave it unset so that the call's deadline alone bounds each attempt"}
 )
 
-// DefaultSuggestedRetryDelay is the delay of the RetryInfo a retryable
-// status of this package carries when no store's
-// [WithSuggestedRetryDelay] was applied to it (an error of
-// [Store.Execute] that a handler returns itself), and the default of that
-// option.
-const DefaultSuggestedRetryDelay = 500 * time.Millisecond
-
-// suggestedDelay is the RetryInfo delay of a retryable outcome.
+// suggestedDelay is the RetryInfo delay of a retryable outcome; set false
+// leaves the RetryInfo out (but for ErrInProgress, which always has one).
 type suggestedDelay struct {
 	d   time.Duration
-	set bool // d was chosen: by the store, or by inProgress
-}
-
-func (s suggestedDelay) delay() time.Duration {
-	if s.set {
-		return s.d
-	}
-	return DefaultSuggestedRetryDelay
+	set bool
 }
 
 // retryableCode reports whether a client retries a status of code c with
@@ -142,7 +125,7 @@ type Error struct {
 
 	detail     string         // appended to msg
 	cause      error          // underlying cause, for logs; never sent to the client
-	retryDelay suggestedDelay // RetryInfo, for a retryable code
+	retryDelay suggestedDelay // RetryInfo, for a retryable code as sent
 	// subject is the offending field (BadRequest) or key
 	// (PreconditionFailure); empty leaves that detail out.
 	subject string
@@ -201,8 +184,8 @@ func (e *Error) GRPCStatus() *status.Status {
 	}
 	st := status.New(e.code, msg)
 	details := []protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: e.reason, Domain: ErrorDomain}}
-	if retryableCode(e.code) {
-		details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay.delay())})
+	if e.retryDelay.set || e.reason == ErrInProgress.reason {
+		details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay.d)})
 	}
 	switch e.reason {
 	case ErrKeyReused.reason:

@@ -16,7 +16,8 @@ import (
 
 // Each outcome of the layer maps to its documented code and details, and
 // survives the trip to a client as a status. Every retryable one carries a
-// RetryInfo: the delay chosen for it, or DefaultSuggestedRetryDelay.
+// RetryInfo once the gRPC server stamped it with the store's delay;
+// KEY_IN_PROGRESS always does.
 func TestUnitErrorStatus(t *testing.T) {
 	t.Parallel()
 	serialization := handlerError(&pgconn.PgError{Code: sqlSerializationFailure})
@@ -31,9 +32,9 @@ func TestUnitErrorStatus(t *testing.T) {
 		{ErrKeyReused.with("", nil).about("k"), codes.FailedPrecondition, "KEY_REUSED", 0, []string{"PreconditionFailure"}},
 		{invalidKey(MetadataKey, "bad"), codes.InvalidArgument, "INVALID_KEY", 0, []string{"BadRequest"}},
 		{ErrMissingKey.with("", nil).about(MetadataKey), codes.InvalidArgument, "MISSING_KEY", 0, []string{"BadRequest"}},
-		{ErrStoreUnavailable.with("claim", errors.New("secret host db-7")), codes.Unavailable, "STORE_UNAVAILABLE", DefaultSuggestedRetryDelay, []string{"RetryInfo"}},
+		{ErrStoreUnavailable.with("claim", errors.New("secret host db-7")), codes.Unavailable, "STORE_UNAVAILABLE", 0, nil},
 		{withSuggestedDelay(ErrStoreUnavailable.with("claim", nil), 3*time.Second), codes.Unavailable, "STORE_UNAVAILABLE", 3 * time.Second, []string{"RetryInfo"}},
-		{serialization, codes.Aborted, "", DefaultSuggestedRetryDelay, []string{"RetryInfo"}},
+		{serialization, codes.Aborted, "", 0, nil},
 		{withSuggestedDelay(serialization, 0), codes.Aborted, "", 0, []string{"RetryInfo"}},
 		{withSuggestedDelay(inProgress("", 123*time.Millisecond), time.Hour), codes.Aborted, "KEY_IN_PROGRESS", 123 * time.Millisecond, []string{"RetryInfo"}},
 		{ErrChainOrder.with("/m", nil), codes.Internal, "CHAIN_ORDER", 0, nil},
@@ -77,14 +78,18 @@ func TestUnitErrorStatus(t *testing.T) {
 	key := invalidKey(MetadataKey, "bad")
 	require.Same(t, key, withSuggestedDelay(key, time.Second))
 	_ = withSuggestedDelay(ErrStoreUnavailable, time.Hour)
-	d, _ := RetryDelay(ErrStoreUnavailable)
-	require.Equal(t, DefaultSuggestedRetryDelay, d, "the sentinel is copied, not changed")
+	_, ok = RetryDelay(ErrStoreUnavailable)
+	require.False(t, ok, "the sentinel is copied, not changed")
+	// Not stamped (Store.Execute, a consumer): no RetryInfo, so that a
+	// consumer's own backoff decides; KEY_IN_PROGRESS has its own.
+	_, ok = RetryDelay(ErrStoreUnavailable.with("claim", nil))
+	require.False(t, ok)
 
 	// On the client, errors arrive as statuses.
 	wire := status.ErrorProto(status.Convert(inProgress("", time.Second)).Proto())
 	require.True(t, IsInProgress(wire))
 	require.False(t, IsKeyReused(wire))
-	d, ok = RetryDelay(wire)
+	d, ok := RetryDelay(wire)
 	require.True(t, ok)
 	require.Equal(t, time.Second, d)
 	require.True(t, IsKeyReused(status.ErrorProto(status.Convert(ErrKeyReused).Proto())))

@@ -277,7 +277,7 @@ type dbFailure struct {
 	msg, op string
 	cause   *pgconn.PgError
 	err     error // the cause when it is not the server's (cause is nil)
-	// retryDelay is the RetryInfo of a retryable code (Aborted).
+	// retryDelay is the RetryInfo of a retryable code (Aborted) as sent.
 	retryDelay suggestedDelay
 }
 
@@ -302,8 +302,8 @@ func (e *dbFailure) GRPCStatus() *status.Status {
 	if e.cause != nil {
 		st = status.New(e.code, fmt.Sprintf("idempotency: %s (SQLSTATE %s)", e.msg, e.cause.Code))
 	}
-	if retryableCode(e.code) {
-		if s, err := st.WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay.delay())}); err == nil {
+	if e.retryDelay.set {
+		if s, err := st.WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay.d)}); err == nil {
 			st = s
 		}
 	}

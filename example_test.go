@@ -363,7 +363,7 @@ func ExampleIsInProgress() {
 	handlersOwn := status.Error(codes.Aborted, "optimistic lock lost")
 	fmt.Println(status.Code(handlersOwn), idempotency.IsInProgress(handlersOwn))
 	// Output:
-	// Aborted true false 500ms
+	// Aborted true false 0s
 	// Aborted false
 }
 

@@ -330,8 +330,7 @@ func WithInProgressWait(d time.Duration) StoreOption {
 // ([ErrInProgress], [ErrStoreUnavailable], the database's Aborted; HTTP:
 // Retry-After, in whole seconds, at least 1), which [RetryDelay] reads on
 // the client and the client chain waits at least. It is not the client's
-// own backoff ([WithRetryBackoff]). Defaults to 500 milliseconds
-// ([DefaultSuggestedRetryDelay]).
+// own backoff ([WithRetryBackoff]). Defaults to 500 milliseconds.
 func WithSuggestedRetryDelay(d time.Duration) StoreOption {
 	return func(o *storeOptions) { o.retryDelay = d }
 }
