@@ -2,10 +2,10 @@ package idempotency
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
-	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -30,6 +30,10 @@ import (
 // an earlier WithOutgoingKey put there, so that a call no client
 // interceptor of this package sees (a streaming call) still carries it, and
 // [StreamServerInterceptor] refuses it rather than run it unprotected.
+// Beside a different key set in the metadata by other means
+// (metadata.AppendToOutgoingContext), before or after it, neither wins: the
+// call fails with codes.InvalidArgument before anything is sent, as the two
+// may name two operations.
 func WithOutgoingKey(ctx context.Context, key string) context.Context {
 	md, _ := metadata.FromOutgoingContext(ctx)
 	vals := md.Get(MetadataKey)
@@ -65,7 +69,9 @@ type captureKey struct {
 // [MetadataKey], and keeps it for all of the call's attempts.
 //
 // The key is, in order: the "idempotency-key" already in the outgoing
-// metadata, the key set with [WithOutgoingKey], when ctx is inside a
+// metadata or the key set with [WithOutgoingKey] (both at once, naming
+// different keys, fail with codes.InvalidArgument before anything is
+// sent, saying to set the key one way only), when ctx is inside a
 // running call (a handler calling another service: a re-run of the handler
 // sends the same key) the key of the effect [WithEffect] names or else the
 // key [DownstreamKey] counts for the method, or a new UUIDv7. A call made
@@ -99,9 +105,25 @@ func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 
 // UnaryClientInterceptors returns the key interceptor followed by
 // go-grpc-middleware's retry interceptor, configured for calls that are safe
-// to retry because they carry a key: up to 5 retries on [RetryCodes] and a
-// per-attempt DeadlineExceeded, with exponential backoff and jitter,
-// waiting at least the delay of the server's RetryInfo when it sends one.
+// to retry because they carry a key. Its defaults, each changed by the
+// option named:
+//
+//   - it retries [RetryCodes] (Unavailable, Aborted, ResourceExhausted);
+//   - for up to 30 seconds from the call's start ([WithRetryBudget]),
+//     longer than a typical database failover, and never past the call's
+//     deadline, with no limit on the number of attempts ([WithMaxAttempts]);
+//   - waiting 50 milliseconds before the first retry, twice as long before
+//     each later one, at most 2 seconds, each ±20%, and never less than
+//     the delay of the server's RetryInfo ([WithRetryBackoff]);
+//   - with no timeout per attempt ([WithPerAttemptTimeout]): the call's
+//     own deadline bounds each attempt, so a slow handler is never cut
+//     and run again.
+//
+// When the chain stops retrying because the budget, the call's deadline
+// or WithMaxAttempts leaves no room for another attempt, the error is the
+// last attempt's (its code and details), its message saying how many
+// attempts were made and which limit stopped them.
+//
 // Calls that carry no key in the metadata are not retried, unless protobuf
 // marks the method NO_SIDE_EFFECTS or IDEMPOTENT or its request carries the
 // key (key_field): nothing would deduplicate them. Those are retried the
@@ -113,17 +135,27 @@ func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 //		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
 func UnaryClientInterceptors(opts ...ClientOption) []grpc.UnaryClientInterceptor {
 	o := evaluateClientOptions(opts)
-	ropts := []retry.CallOption{retry.WithMax(o.retryMax + 1)} // WithMax counts attempts, the first included
-	if o.perAttemptTimeout > 0 {
-		ropts = append(ropts, retry.WithPerRetryTimeout(o.perAttemptTimeout))
+	// retry.WithMax counts attempts, the first included, as WithMaxAttempts
+	// does; without a count the budget ends the retries (retryState).
+	attempts := ^uint(0)
+	if o.maxAttempts > 0 {
+		attempts = uint(o.maxAttempts)
 	}
-	return []grpc.UnaryClientInterceptor{o.interceptor(true), retry.UnaryClientInterceptor(ropts...)}
+	chain := []grpc.UnaryClientInterceptor{o.interceptor(true), retry.UnaryClientInterceptor(retry.WithMax(attempts))}
+	if o.perAttemptTimeout > 0 {
+		// Below the retry interceptor, so that it bounds each attempt and
+		// its error names the option (retry.WithPerRetryTimeout's would be a
+		// bare DeadlineExceeded, retried past the budget).
+		chain = append(chain, o.attemptTimeout())
+	}
+	return chain
 }
 
 // RetryCodes returns the codes [UnaryClientInterceptors] retries:
-// Unavailable, Aborted (the key is in progress on the server) and
-// ResourceExhausted. A per-attempt DeadlineExceeded is retried too (see
-// [WithPerAttemptTimeout]).
+// Unavailable, Aborted (the key is in progress on the server, or the
+// database aborted the transaction) and ResourceExhausted. An attempt cut
+// by [WithPerAttemptTimeout] ([ErrAttemptTimeout], DeadlineExceeded) is
+// retried too.
 func RetryCodes() []codes.Code {
 	return []codes.Code{codes.Unavailable, codes.Aborted, codes.ResourceExhausted}
 }
@@ -135,10 +167,12 @@ type ClientOption func(*clientOptions)
 
 type clientOptions struct {
 	unknownMethodKeys bool
-	retryMax          uint
+	maxAttempts       int // 0: no limit, the budget ends the retries
+	retryBudget       time.Duration
 	backoffBase       time.Duration
 	backoffMax        time.Duration
-	perAttemptTimeout time.Duration
+	perAttemptTimeout time.Duration // 0: none, the call's deadline bounds an attempt
+	err               error         // the first invalid option
 }
 
 // backoffJitter is the relative jitter of every retry delay: ±20%.
@@ -147,10 +181,9 @@ const backoffJitter = 0.2
 func defaultClientOptions() clientOptions {
 	return clientOptions{
 		unknownMethodKeys: true,
-		retryMax:          5,
+		retryBudget:       30 * time.Second,
 		backoffBase:       50 * time.Millisecond,
 		backoffMax:        2 * time.Second,
-		perAttemptTimeout: 10 * time.Second,
 	}
 }
 
@@ -167,6 +200,10 @@ func evaluateClientOptions(opts []ClientOption) *clientOptions {
 
 func (o *clientOptions) validate() error {
 	switch {
+	case o.err != nil:
+		return o.err
+	case o.retryBudget <= 0:
+		return fmt.Errorf("idempotency: WithRetryBudget: must be positive, got %v", o.retryBudget)
 	case o.backoffBase <= 0 || o.backoffMax < o.backoffBase:
 		return fmt.Errorf("idempotency: WithRetryBackoff: need 0 < base <= max, got %v and %v", o.backoffBase, o.backoffMax)
 	case o.perAttemptTimeout < 0:
@@ -183,10 +220,35 @@ func WithKeysForUnknownMethods(generate bool) ClientOption {
 	return func(o *clientOptions) { o.unknownMethodKeys = generate }
 }
 
-// WithRetryMax sets how many times [UnaryClientInterceptors] retries a call
-// after its first attempt; 0 disables retries. Defaults to 5.
-func WithRetryMax(n uint) ClientOption {
-	return func(o *clientOptions) { o.retryMax = n }
+// WithMaxAttempts bounds how many attempts [UnaryClientInterceptors] makes
+// of one call, the first included: 1 turns retries off, 3 is the first
+// attempt and two retries. It counts as go-grpc-middleware's
+// retry.WithMax does (its loop makes n attempts, whatever its doc's word
+// "retries" suggests), as gRPC's service config maxAttempts and
+// [HTTPClient].MaxAttempts do. n must be at least 1. Defaults to no limit:
+// the retry budget ([WithRetryBudget]) and the call's deadline end the
+// retries, so that the count of a fast-failing outage does not run out
+// before the outage does.
+func WithMaxAttempts(n int) ClientOption {
+	return func(o *clientOptions) {
+		if n < 1 {
+			o.err = fmt.Errorf("idempotency: WithMaxAttempts: need at least 1 (the first attempt counts, 1 turns retries off), got %d", n)
+			return
+		}
+		o.maxAttempts = n
+	}
+}
+
+// WithRetryBudget bounds how long [UnaryClientInterceptors] keeps retrying
+// a call: a retry whose wait would end more than d after the call started
+// is not made, and the call returns the last attempt's error. It bounds
+// the retries, not the call: an attempt still running when d ends runs on
+// until the call's deadline (set one with context.WithTimeout to bound the
+// call). Must be positive. Defaults to 30 seconds, longer than a typical
+// database failover, so that a call caught in one succeeds once it is over;
+// lower it when callers would rather fail fast.
+func WithRetryBudget(d time.Duration) ClientOption {
+	return func(o *clientOptions) { o.retryBudget = d }
 }
 
 // WithRetryBackoff sets the exponential backoff of [UnaryClientInterceptors]:
@@ -197,10 +259,19 @@ func WithRetryBackoff(base, max time.Duration) ClientOption {
 	return func(o *clientOptions) { o.backoffBase, o.backoffMax = base, max }
 }
 
-// WithPerAttemptTimeout bounds each attempt of [UnaryClientInterceptors]; an
-// attempt that times out is retried with the same key while the call's own
-// deadline allows. 0 disables it; negative is invalid. Defaults to 10
-// seconds.
+// WithPerAttemptTimeout bounds each attempt of the calls
+// [UnaryClientInterceptors] retries. An attempt still running after d is
+// cut with [ErrAttemptTimeout] (DeadlineExceeded, naming this option) and
+// retried with the same key, within the budget. 0 turns it off; negative
+// is invalid. Defaults to 0: the call's own deadline bounds every attempt.
+//
+// Use with care: the server rolls a cut call back, and the retry runs its
+// handler again from the start, with the calls the handler makes to other
+// systems (those not deduplicated by a derived key are made twice). A
+// handler that takes longer than d never succeeds. Set it only above the
+// slowest handler's time, to get past a server that hangs; gRPC's
+// keepalive (grpc.WithKeepaliveParams) finds a dead connection without
+// cutting slow handlers.
 func WithPerAttemptTimeout(d time.Duration) ClientOption {
 	return func(o *clientOptions) { o.perAttemptTimeout = d }
 }
@@ -223,6 +294,7 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 		if key != "" && !inMetadata {
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
 		}
+		var rs *retryState
 		switch {
 		case !retryHints:
 		case key == "" && !pol.retrySafeWithoutKey():
@@ -231,11 +303,18 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 		default:
 			// A key in the metadata or in the request (key_field), or a
 			// method safe to repeat: retried alike, with the chain's codes,
-			// backoff and RetryInfo. Per-call retry options come first so
-			// the caller's own retry call options still override them.
-			opts = append(o.retryHints(), opts...)
+			// backoff, RetryInfo and budget. Per-call retry options come
+			// first so the caller's own retry call options still override
+			// them.
+			rs = o.newRetryState(ctx)
+			ctx = context.WithValue(ctx, retryStateKey{}, rs)
+			opts = append(rs.callOptions(), opts...)
 		}
-		return invoker(ctx, method, req, reply, cc, opts...)
+		err = invoker(ctx, method, req, reply, cc, opts...)
+		if rs != nil {
+			err = rs.explain(err)
+		}
+		return err
 	}
 }
 
@@ -264,12 +343,15 @@ func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPo
 	switch {
 	case len(md.Get(binaryMetadataKey)) > 0:
 		return "", false, binaryKey()
+	case hasChosen && slices.ContainsFunc(vals, func(v string) bool { return v != chosen }):
+		// WithOutgoingKey beside a key set in the metadata otherwise: two
+		// parts of the code disagree about which operation this is, and
+		// picking one could merge two operations or split one.
+		return "", false, invalidKey(MetadataKey, outgoingKeyConflict)
 	case len(vals) > 1:
-		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed", len(vals)))
+		return "", false, invalidKey(MetadataKey, fmt.Sprintf("%d values in outgoing metadata, exactly one is allowed: "+
+			"set the key once (metadata.AppendToOutgoingContext adds a value each time; WithOutgoingKey replaces its own)", len(vals)))
 	case len(vals) == 1:
-		if hasChosen && chosen != vals[0] {
-			return "", false, invalidKey(MetadataKey, "WithOutgoingKey and the outgoing metadata name different keys")
-		}
 		from := ""
 		if hasChosen {
 			from = "WithOutgoingKey"
@@ -300,20 +382,137 @@ func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPo
 	return k.String(), false, nil
 }
 
-// retryHints returns per-call options for the retry interceptor: the codes
-// to retry, and a backoff that honours the RetryInfo of the last error.
-func (o *clientOptions) retryHints() []grpc.CallOption {
-	var serverDelay atomic.Int64 // RetryInfo of the last failed attempt, in ns
-	retryable := RetryCodes()
-	retriable := func(err error) bool {
-		d, _ := RetryDelay(err)
-		serverDelay.Store(int64(d))
-		return slices.Contains(retryable, status.Code(err))
+// outgoingKeyConflict is the error of a call whose context has a key from
+// WithOutgoingKey and another in its outgoing metadata.
+const outgoingKeyConflict = "WithOutgoingKey set one key and the outgoing metadata carries another " + MetadataKey + "; " +
+	"a call has one key, and the client does not pick one for you: set it one way only " +
+	"(remove the " + MetadataKey + " metadata, or call WithOutgoingKey on a context without it)"
+
+type retryStateKey struct{}
+
+// retryState is one call's retrying by [UnaryClientInterceptors]: it
+// decides after each failed attempt whether another is made and how long
+// to wait for it, so that the budget, the call's deadline and the
+// server's RetryInfo are weighed together, and it remembers why it
+// stopped, for the caller's error. The retry interceptor calls retriable
+// and then backoff, one attempt at a time.
+type retryState struct {
+	o        *clientOptions
+	start    time.Time
+	end      time.Time // the budget's end, or the call's deadline if sooner
+	deadline bool      // end is the call's deadline
+	attempts int       // failed attempts so far
+	next     time.Duration
+	stop     string // which limit ended the retries; "" if none did
+}
+
+func (o *clientOptions) newRetryState(ctx context.Context) *retryState {
+	now := time.Now()
+	rs := &retryState{o: o, start: now, end: now.Add(o.retryBudget)}
+	if d, ok := ctx.Deadline(); ok && d.Before(rs.end) {
+		rs.end, rs.deadline = d, true
 	}
-	backoff := func(_ context.Context, attempt uint) time.Duration {
-		return backoffDelay(attempt, o.backoffBase, o.backoffMax, rand.Float64(), time.Duration(serverDelay.Load()))
+	return rs
+}
+
+// callOptions are the per-call options of the retry interceptor.
+func (rs *retryState) callOptions() []grpc.CallOption {
+	return []grpc.CallOption{
+		retry.WithRetriable(rs.retriable),
+		retry.WithBackoff(func(context.Context, uint) time.Duration { return rs.next }),
 	}
-	return []grpc.CallOption{retry.WithRetriable(retriable), retry.WithBackoff(backoff)}
+}
+
+// retriable reports whether the attempt that failed with err is followed
+// by another, and sets the wait before it: the backoff, at least the
+// server's RetryInfo delay. No retry is made whose wait would end past the
+// budget or the call's deadline: the caller gets the last answer at once
+// rather than a bare DeadlineExceeded after a wait that leads nowhere.
+func (rs *retryState) retriable(err error) bool {
+	rs.attempts++
+	if !retryableCode(status.Code(err)) && !errors.Is(err, ErrAttemptTimeout) {
+		return false
+	}
+	if rs.o.maxAttempts > 0 && rs.attempts >= rs.o.maxAttempts {
+		if rs.o.maxAttempts > 1 { // 1 turned retries off: nothing gave up
+			rs.stop = fmt.Sprintf("WithMaxAttempts(%d) allows no more", rs.o.maxAttempts)
+		}
+		return false
+	}
+	server, _ := RetryDelay(err)
+	rs.next = backoffDelay(uint(rs.attempts), rs.o.backoffBase, rs.o.backoffMax, rand.Float64(), server)
+	if time.Now().Add(rs.next).After(rs.end) {
+		rs.stop = fmt.Sprintf("the next retry, %v later, would start past the retry budget of %v (WithRetryBudget)", rs.next.Round(time.Millisecond), rs.o.retryBudget)
+		if rs.deadline {
+			rs.stop = fmt.Sprintf("the next retry, %v later, would start past the call's deadline", rs.next.Round(time.Millisecond))
+		}
+		return false
+	}
+	return true
+}
+
+// explain adds to the error of a call the chain stopped retrying how many
+// attempts it made and which limit stopped it.
+func (rs *retryState) explain(err error) error {
+	if err == nil || rs.stop == "" {
+		return err
+	}
+	attempts := "1 attempt"
+	if rs.attempts != 1 {
+		attempts = fmt.Sprintf("%d attempts", rs.attempts)
+	}
+	return &retriesEnded{err: err, why: fmt.Sprintf("idempotency: gave up after %s in %v: %s",
+		attempts, time.Since(rs.start).Round(time.Millisecond), rs.stop)}
+}
+
+// retriesEnded is the last attempt's error of a call whose retries ran
+// out: the same code and details, the message saying why no retry
+// followed.
+type retriesEnded struct {
+	err error
+	why string
+}
+
+func (e *retriesEnded) Error() string { return e.err.Error() + " (" + e.why + ")" }
+func (e *retriesEnded) Unwrap() error { return e.err }
+
+// GRPCStatus is the last attempt's status with the reason appended to its
+// message.
+func (e *retriesEnded) GRPCStatus() *status.Status {
+	p := status.Convert(e.err).Proto()
+	p.Message += " (" + e.why + ")"
+	return status.FromProto(p)
+}
+
+// cut reports whether the attempt made with actx, derived from the call's
+// ctx, reached the deadline of WithPerAttemptTimeout rather than the call's
+// own. It goes by the clock, as grpc-go does when it reports an attempt
+// DeadlineExceeded: the server, which knows the attempt's deadline, may
+// end the stream a moment before the timer of actx marks it done.
+func (o *clientOptions) cut(ctx, actx context.Context) bool {
+	end, _ := actx.Deadline()
+	if d, ok := ctx.Deadline(); ok && !d.After(end) || ctx.Err() != nil {
+		return false // the call's own deadline or cancellation
+	}
+	return !time.Now().Before(end)
+}
+
+// attemptTimeout is the interceptor below the retry interceptor that
+// applies [WithPerAttemptTimeout] to each attempt of a call the chain
+// retries, and names the option when it cut one.
+func (o *clientOptions) attemptTimeout() grpc.UnaryClientInterceptor {
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if ctx.Value(retryStateKey{}) == nil {
+			return invoker(ctx, method, req, reply, cc, opts...) // not retried: bounded by its deadline only
+		}
+		actx, cancel := context.WithTimeout(ctx, o.perAttemptTimeout)
+		defer cancel()
+		err := invoker(actx, method, req, reply, cc, opts...)
+		if c := status.Code(err); (c == codes.DeadlineExceeded || c == codes.Canceled) && o.cut(ctx, actx) {
+			return ErrAttemptTimeout.with(fmt.Sprintf("%s cut after %v (%v)", method, o.perAttemptTimeout, status.Convert(err).Message()), nil)
+		}
+		return err
+	}
 }
 
 // backoffDelay is the wait before retry attempt (1 for the first retry):

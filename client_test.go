@@ -5,6 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -179,7 +184,7 @@ func TestDroppedResponsesWithRetryInterceptor(t *testing.T) {
 	f := newFaultyEnv(t, e2eDrop, 1)
 	var retries, appRetries atomic.Int64
 	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
-		idempotency.WithRetryMax(30),
+		idempotency.WithMaxAttempts(31),
 		idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond),
 	)...))
 	runLogical(t, e2eCalls, e2eWorkers, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
@@ -247,7 +252,7 @@ func TestSameKeyFromTwoClientsAtOnce(t *testing.T) {
 	t.Parallel()
 	f := newFaultyEnv(t, e2eDrop, 3)
 	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
-		idempotency.WithRetryMax(30), idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond))...))
+		idempotency.WithMaxAttempts(31), idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond))...))
 	const n = 100
 	var retries, appRetries atomic.Int64
 	for i := 0; i < n; i++ {
@@ -512,4 +517,312 @@ func TestRetryAttemptsReplayInOneRoundTrip(t *testing.T) {
 		require.EqualValues(t, 3+1, roundTrips.Load()-before, "%s: a fresh call (3 round trips), then its replay (1)", name)
 	}
 	require.EqualValues(t, 3, srv.execs.Load())
+}
+
+// Client defaults that survive what users meet: a slow handler, a
+// database failover, a count of attempts, two keys for one call.
+
+// The ready chain puts no deadline of its own on an attempt: a handler
+// slower than the old per-attempt timeout (10 s) is never cut, rolled back
+// and run again. The handler sees the call's own deadline, or none.
+func TestReadyChainLetsASlowHandlerFinish(t *testing.T) {
+	t.Parallel()
+	type seen struct {
+		deadline time.Time
+		ok       bool
+	}
+	deadlines := make(chan seen, 2)
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		d, ok := ctx.Deadline()
+		deadlines <- seen{d, ok}
+		return e.insertLedger(ctx, req)
+	}})
+	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+
+	_, err = charge(context.Background(), conn, 0)
+	require.NoError(t, err)
+	got := await(t, deadlines, "the handler")
+	require.False(t, got.ok, "a call without a deadline reaches the handler without one (was: the chain's 10 s, after which the attempt was cut); it had %v left", time.Until(got.deadline))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	_, err = charge(ctx, conn, 1)
+	require.NoError(t, err)
+	got = await(t, deadlines, "the handler")
+	require.True(t, got.ok)
+	require.Greater(t, time.Until(got.deadline), 5*time.Minute, "the handler has the call's own deadline, not a shorter one of the chain")
+
+	require.Empty(t, e.exactlyOnce(2))
+	require.EqualValues(t, 2, e.runs.Load(), "each handler ran once")
+}
+
+// With WithPerAttemptTimeout set, an attempt it cuts fails with an error
+// that names the option, and the chain's attempts are counted at the
+// server: each started the handler, which the cut rolled back.
+func TestPerAttemptTimeoutErrorNamesTheOption(t *testing.T) {
+	t.Parallel()
+	rec := newKeyRecorder()
+	e := newEnv(t, envConfig{
+		interceptors: []grpc.UnaryServerInterceptor{rec.intercept},
+		handler: func(ctx context.Context, _ *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			<-ctx.Done() // slower than any attempt: runs until cut
+			return nil, status.FromContextError(ctx.Err()).Err()
+		},
+	})
+	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
+			idempotency.WithPerAttemptTimeout(500*time.Millisecond), idempotency.WithMaxAttempts(2),
+			idempotency.WithRetryBackoff(time.Millisecond, time.Millisecond))...))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+
+	_, err = charge(context.Background(), conn, 0)
+	require.Equal(t, codes.DeadlineExceeded, status.Code(err), "%v", err)
+	require.ErrorIs(t, err, idempotency.ErrAttemptTimeout)
+	msg := status.Convert(err).Message()
+	require.Contains(t, msg, "WithPerAttemptTimeout", "the error names the option that cut the call")
+	require.Contains(t, msg, "gave up after 2 attempts")
+	require.Contains(t, msg, "WithMaxAttempts(2)")
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	require.Equal(t, 2, rec.attempts, "two attempts reached the server")
+	require.Len(t, rec.keys, 1, "both with the call's one key")
+	require.Zero(t, e.execs.Load(), "nothing committed")
+}
+
+// failoverEnv is a server whose store reaches PostgreSQL through a proxy
+// that can refuse every connection: a database failover, made without
+// touching the shared database.
+type failoverEnv struct {
+	db       *testdb.DB
+	proxy    *faultproxy.Proxy
+	srv      *replica
+	arrivals atomic.Int64 // attempts that reached the server
+}
+
+func newFailoverEnv(t *testing.T, storeOpts ...idempotency.StoreOption) *failoverEnv {
+	t.Helper()
+	f := &failoverEnv{db: suiteDB(t)}
+	proxy, err := faultproxy.New(pgAddress(t))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	f.proxy = proxy
+	pool := schemaPool(t, f.db.Schema, 2, func(c *pgxpool.Config) {
+		host, port, _ := net.SplitHostPort(proxy.Addr())
+		p, _ := strconv.ParseUint(port, 10, 16)
+		c.ConnConfig.Host, c.ConnConfig.Port = host, uint16(p)
+		c.ConnConfig.ConnectTimeout = 2 * time.Second
+	})
+	arrive := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		f.arrivals.Add(1)
+		return h(ctx, req)
+	}
+	f.srv = startReplica(t, pool, replicaConfig{interceptors: []grpc.UnaryServerInterceptor{arrive}, storeOpts: storeOpts})
+	return f
+}
+
+// down makes the database unreachable: every connection is cut and every
+// new one refused, until up.
+func (f *failoverEnv) down() {
+	f.proxy.SetRefusing(true)
+	f.proxy.CutAll()
+}
+
+func (f *failoverEnv) up() { f.proxy.SetRefusing(false) }
+
+func (f *failoverEnv) dial(t *testing.T, chain ...grpc.UnaryClientInterceptor) *grpc.ClientConn {
+	t.Helper()
+	conn, err := grpc.NewClient("passthrough:///"+f.srv.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(chain...))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
+}
+
+// answerLog is a client interceptor below the retry interceptor: it keeps
+// every attempt's error.
+type answerLog struct {
+	mu   sync.Mutex
+	errs []error
+}
+
+func (a *answerLog) intercept(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	err := invoker(ctx, method, req, reply, cc, opts...)
+	if err != nil {
+		a.mu.Lock()
+		a.errs = append(a.errs, err)
+		a.mu.Unlock()
+	}
+	return err
+}
+
+func (a *answerLog) failed() []error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return slices.Clone(a.errs)
+}
+
+// storeUnavailable reports whether err is the layer's STORE_UNAVAILABLE.
+func storeUnavailable(err error) bool {
+	for _, d := range status.Convert(err).Details() {
+		if ei, ok := d.(*errdetails.ErrorInfo); ok {
+			return ei.GetDomain() == idempotency.ErrorDomain && ei.GetReason() == "STORE_UNAVAILABLE"
+		}
+	}
+	return false
+}
+
+// The database is down for longer than the old chain retried (6 attempts
+// in about 1.6 s): the default chain outlasts it, the call succeeds and is
+// executed once, and every STORE_UNAVAILABLE on the way said when to retry.
+func TestReadyChainOutlastsADatabaseFailover(t *testing.T) {
+	t.Parallel()
+	f := newFailoverEnv(t)
+	var answers answerLog
+	conn := f.dial(t, append(idempotency.UnaryClientInterceptors(), answers.intercept)...)
+	_, err := charge(context.Background(), conn, 0) // the store finds its table before the outage
+	require.NoError(t, err)
+
+	f.down()
+	var returned atomic.Bool
+	done := make(chan error, 1)
+	go func() {
+		_, err := charge(context.Background(), conn, 1)
+		returned.Store(true)
+		done <- err
+	}()
+	// The outage lasts until the call has failed more attempts than the
+	// old chain made before giving up.
+	const oldChainAttempts = 6
+	require.Eventually(t, func() bool { return len(answers.failed()) > oldChainAttempts || returned.Load() }, liveness, time.Millisecond)
+	f.up()
+	err = await(t, done, "the call")
+	require.NoError(t, err, "the chain outlasted the outage")
+
+	require.Empty(t, (&env{t: t, db: f.db}).exactlyOnce(2))
+	require.EqualValues(t, 2, f.srv.execs.Load(), "executions")
+	failed := answers.failed()
+	require.Greater(t, len(failed), oldChainAttempts)
+	for _, err := range failed {
+		require.True(t, storeUnavailable(err), "%v", err)
+		d, ok := idempotency.RetryDelay(err)
+		require.True(t, ok, "STORE_UNAVAILABLE carries RetryInfo: %v", err)
+		require.Equal(t, 500*time.Millisecond, d, "the store's WithSuggestedRetryDelay, by default")
+	}
+	t.Logf("failover: %d attempts failed with STORE_UNAVAILABLE, then the call succeeded; %d attempts reached the server", len(failed), f.arrivals.Load())
+}
+
+// What bounds the retries, counted at the server: WithMaxAttempts(n) makes
+// n attempts, the first included, as go-grpc-middleware's retry.WithMax(n)
+// does in the chain the README shows; the budget, shortened here (its
+// default is checked by TestUnitClientDefaults), ends them too. The error
+// is the last attempt's, saying how many attempts were made and why no more.
+func TestRetryLimitsCountAttemptsAtTheServer(t *testing.T) {
+	t.Parallel()
+	f := newFailoverEnv(t, idempotency.WithSuggestedRetryDelay(time.Millisecond))
+	f.down()
+	fast := idempotency.WithRetryBackoff(time.Millisecond, 5*time.Millisecond)
+	for _, tc := range []struct {
+		name     string
+		chain    []grpc.UnaryClientInterceptor
+		attempts int64
+		says     string
+	}{
+		{"WithMaxAttempts(3)", idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(3), fast), 3, "WithMaxAttempts(3)"},
+		{"WithMaxAttempts(1)", idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(1), fast), 1, ""},
+		{"retry.WithMax(3)", []grpc.UnaryClientInterceptor{
+			idempotency.UnaryClientInterceptor(),
+			retry.UnaryClientInterceptor(retry.WithMax(3), retry.WithCodes(codes.Unavailable, codes.Aborted), retry.WithBackoff(retry.BackoffLinear(time.Millisecond))),
+		}, 3, ""},
+		{"WithRetryBudget", idempotency.UnaryClientInterceptors(idempotency.WithRetryBudget(300*time.Millisecond), fast), 0, "the retry budget of 300ms (WithRetryBudget)"},
+	} {
+		before := f.arrivals.Load()
+		_, err := charge(context.Background(), f.dial(t, tc.chain...), 0)
+		attempts := f.arrivals.Load() - before
+		require.True(t, storeUnavailable(err), "%s: the last attempt's error, details kept: %v", tc.name, err)
+		msg := status.Convert(err).Message()
+		if tc.attempts > 0 {
+			require.Equal(t, tc.attempts, attempts, tc.name)
+		} else {
+			require.Greater(t, attempts, int64(1), tc.name)
+		}
+		if tc.says != "" {
+			require.Contains(t, msg, fmt.Sprintf("gave up after %d attempts", attempts), "%s: the count the error reports is the server's", tc.name)
+			require.Contains(t, msg, tc.says, tc.name)
+		}
+		t.Logf("%s: %d attempts at the server; %q", tc.name, attempts, msg)
+	}
+}
+
+// A database outage answers over gRPC and over HTTP with one suggested
+// delay: RetryInfo carries the store's WithSuggestedRetryDelay, and HTTP's
+// Retry-After the same delay rounded up to whole seconds, at least 1.
+func TestStoreUnavailableSuggestsOneDelayOverGRPCAndHTTP(t *testing.T) {
+	t.Parallel()
+	pool, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/test?sslmode=disable&connect_timeout=2")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	for _, tc := range []struct {
+		opts       []idempotency.StoreOption
+		retryInfo  time.Duration
+		retryAfter string
+	}{
+		{nil, 500 * time.Millisecond, "1"}, // WithSuggestedRetryDelay's default
+		{[]idempotency.StoreOption{idempotency.WithSuggestedRetryDelay(2500 * time.Millisecond)}, 2500 * time.Millisecond, "3"},
+	} {
+		store, err := idempotency.NewStore(pool, tc.opts...)
+		require.NoError(t, err)
+		srv := grpc.NewServer(grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
+		srv.RegisterService(ledgerDesc(), &ledger{handler: func(context.Context, *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			return wrapperspb.String("ran"), nil
+		}})
+		r := invoke(metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k"), dial(t, serve(t, srv)), methodCharge, "x")
+		require.True(t, storeUnavailable(r.err), "%v", r.err)
+		d, ok := idempotency.RetryDelay(r.err)
+		require.True(t, ok, "STORE_UNAVAILABLE carries RetryInfo")
+		require.Equal(t, tc.retryInfo, d)
+
+		hs := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusCreated) })))
+		t.Cleanup(hs.Close)
+		req, err := http.NewRequest(http.MethodPost, hs.URL, strings.NewReader("x"))
+		require.NoError(t, err)
+		req.Header.Set(idempotency.HeaderKey, "k")
+		resp, err := hs.Client().Do(req)
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+		require.Equal(t, tc.retryAfter, resp.Header.Get("Retry-After"))
+	}
+}
+
+// WithOutgoingKey beside another key in the outgoing metadata, in either
+// order: the call fails on the client, saying to set the key one way only;
+// nothing is sent.
+func TestOutgoingKeyConflictSaysWhatToDo(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	ctx := context.Background()
+	for name, ctx := range map[string]context.Context{
+		"metadata, then WithOutgoingKey": idempotency.WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "edge-b"), "edge-a"),
+		"WithOutgoingKey, then metadata": metadata.AppendToOutgoingContext(idempotency.WithOutgoingKey(ctx, "edge-a"), idempotency.MetadataKey, "edge-b"),
+		"metadata replaced":              metadata.NewOutgoingContext(idempotency.WithOutgoingKey(ctx, "edge-a"), metadata.Pairs(idempotency.MetadataKey, "edge-b")),
+	} {
+		_, err := charge(ctx, conn, 0)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), name)
+		require.ErrorIs(t, err, idempotency.ErrInvalidKey, name)
+		require.Contains(t, status.Convert(err).Message(), "set it one way only", name)
+	}
+	require.Zero(t, e.arrived.Load(), "nothing was sent")
+
+	// The same key both ways is one key.
+	_, err = charge(idempotency.WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "edge-a"), "edge-a"), conn, 0)
+	require.NoError(t, err)
 }

@@ -8,10 +8,12 @@ import (
 	"github.com/google/uuid"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 func TestUnitBackoff(t *testing.T) {
@@ -68,6 +70,9 @@ func TestUnitClientKeyChoice(t *testing.T) {
 
 	_, _, err = o.keyFor(WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, MetadataKey, "a"), "b"), method, nil)
 	require.ErrorIs(t, err, ErrInvalidKey)
+	require.ErrorContains(t, err, "set it one way only")
+	_, _, err = o.keyFor(metadata.AppendToOutgoingContext(WithOutgoingKey(ctx, "a"), MetadataKey, "a"), method, nil)
+	require.ErrorContains(t, err, "2 values in outgoing metadata, exactly one is allowed: set the key once", "one key sent twice is not two keys")
 	_, _, err = o.keyFor(WithOutgoingKey(ctx, ""), method, nil)
 	require.ErrorContains(t, err, "WithOutgoingKey: key is empty")
 
@@ -102,4 +107,61 @@ func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 // keyFor is keyWith with the policy resolved as the interceptor resolves it.
 func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (string, bool, error) {
 	return o.keyWith(ctx, method, policyForRequest(method, req))
+}
+
+// The defaults of the ready chain, which the README's Client table lists:
+// a budget that outlasts a failover, no count of attempts, no timeout per
+// attempt.
+func TestUnitClientDefaults(t *testing.T) {
+	t.Parallel()
+	o := evaluateClientOptions(nil)
+	require.Equal(t, 30*time.Second, o.retryBudget, "WithRetryBudget")
+	require.Zero(t, o.maxAttempts, "WithMaxAttempts: no limit")
+	require.Zero(t, o.perAttemptTimeout, "WithPerAttemptTimeout: none, the call's deadline bounds an attempt")
+	require.Equal(t, 50*time.Millisecond, o.backoffBase, "WithRetryBackoff base")
+	require.Equal(t, 2*time.Second, o.backoffMax, "WithRetryBackoff max")
+	require.Len(t, UnaryClientInterceptors(), 2, "the key and retry interceptors, nothing that times attempts")
+	require.Len(t, UnaryClientInterceptors(WithPerAttemptTimeout(time.Second)), 3)
+}
+
+// How one call's retrying decides, attempt by attempt.
+func TestUnitRetryState(t *testing.T) {
+	t.Parallel()
+	unavailable := status.Error(codes.Unavailable, "down")
+	ctx := context.Background()
+
+	rs := evaluateClientOptions([]ClientOption{WithMaxAttempts(3)}).newRetryState(ctx)
+	require.True(t, rs.retriable(unavailable))
+	require.True(t, rs.retriable(unavailable))
+	require.False(t, rs.retriable(unavailable), "the third attempt is the last of WithMaxAttempts(3)")
+	require.Contains(t, rs.stop, "WithMaxAttempts(3)")
+	err := rs.explain(unavailable)
+	require.Equal(t, codes.Unavailable, status.Code(err))
+	require.ErrorIs(t, err, unavailable)
+	require.Contains(t, status.Convert(err).Message(), "down (idempotency: gave up after 3 attempts")
+
+	rs = evaluateClientOptions([]ClientOption{WithMaxAttempts(1)}).newRetryState(ctx)
+	require.False(t, rs.retriable(unavailable), "WithMaxAttempts(1) turns retries off")
+	require.Same(t, unavailable, rs.explain(unavailable), "the one attempt's error, as it came")
+
+	rs = evaluateClientOptions(nil).newRetryState(ctx)
+	require.False(t, rs.retriable(status.Error(codes.NotFound, "no")), "not a retry code")
+	require.Empty(t, rs.stop, "an answer, not a limit")
+	require.Nil(t, rs.explain(nil))
+	require.True(t, rs.retriable(ErrAttemptTimeout.with("m", nil)), "an attempt cut by its timeout is retried")
+
+	withInfo, _ := status.New(codes.Unavailable, "down").WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(3 * time.Second)})
+	require.True(t, rs.retriable(withInfo.Err()))
+	require.Equal(t, 3*time.Second, rs.next, "the server's RetryInfo is a lower bound")
+
+	rs = evaluateClientOptions([]ClientOption{WithRetryBudget(time.Millisecond)}).newRetryState(ctx)
+	require.False(t, rs.retriable(unavailable), "a wait of about 50ms would end past a budget of 1ms")
+	require.Contains(t, rs.stop, "retry budget of 1ms (WithRetryBudget)")
+
+	short, cancel := context.WithTimeout(ctx, time.Millisecond)
+	defer cancel()
+	rs = evaluateClientOptions(nil).newRetryState(short)
+	require.False(t, rs.retriable(unavailable))
+	require.Contains(t, rs.stop, "the call's deadline")
+	require.Contains(t, rs.explain(unavailable).Error(), "gave up after 1 attempt in")
 }

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"errors"
+	"slices"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -20,20 +21,24 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 // them with errors.Is on the server; on the client, where errors arrive as
 // gRPC statuses, use [IsInProgress], [IsKeyReused] and [RetryDelay].
 //
-//	outcome                               code                details
-//	key held by a call still running      Aborted             ErrorInfo, RetryInfo
-//	key reused with another request       FailedPrecondition  ErrorInfo, PreconditionFailure
-//	key malformed or sent twice           InvalidArgument     ErrorInfo, BadRequest
-//	key required but missing              InvalidArgument     ErrorInfo, BadRequest
-//	database unreachable or failing       Unavailable         ErrorInfo
-//	retry chained outside the key (client) Internal           ErrorInfo
-//	outgoing call of an ended call (client) Internal          ErrorInfo
-//	key or annotation on a streaming call Unimplemented       ErrorInfo
+//	outcome                                 code                details
+//	key held by a call still running        Aborted             ErrorInfo, RetryInfo
+//	key reused with another request         FailedPrecondition  ErrorInfo, PreconditionFailure
+//	key malformed or sent twice             InvalidArgument     ErrorInfo, BadRequest
+//	key required but missing                InvalidArgument     ErrorInfo, BadRequest
+//	database unreachable or failing         Unavailable         ErrorInfo, RetryInfo
+//	database aborted the transaction        Aborted             RetryInfo
+//	retry chained outside the key (client)  Internal            ErrorInfo
+//	outgoing call of an ended call (client) Internal            ErrorInfo
+//	attempt cut by its timeout (client)     DeadlineExceeded    ErrorInfo
+//	key or annotation on a streaming call   Unimplemented       ErrorInfo
 //
-// A handler's own errors are passed through unchanged; a [Final] one is
-// stored and replayed with its details. A replay carries no ErrorInfo of
-// this package: it is the first call's answer, with the trailer
-// "idempotency-replayed: true".
+// Every status of this package that a retry can get past (Unavailable,
+// Aborted) carries a RetryInfo of the store's [WithSuggestedRetryDelay] as
+// [UnaryServerInterceptor] (or [UnaryServer]) sends it; the HTTP middleware
+// sends the same delay as Retry-After, rounded up to whole seconds and at
+// least 1. An error of [Store.Execute] or [Store.ProcessMessage] carries
+// one only for [ErrInProgress].
 var (
 	// ErrInProgress: another call with the same key is running and did not
 	// finish within the wait. Retry later with the same key.
@@ -52,6 +57,9 @@ var (
 	// ran, or the outcome is unknown (the connection died during COMMIT). A
 	// retry with the same key is safe: it replays the result if the call
 	// committed, and runs it otherwise.
+	// Over gRPC it carries a RetryInfo, as every retryable status of this
+	// package does; a client should keep retrying for longer than a
+	// failover takes (see [WithRetryBudget]).
 	ErrStoreUnavailable = &Error{code: codes.Unavailable, reason: "STORE_UNAVAILABLE", msg: "key store unavailable"}
 	// ErrChainOrder is returned by the client interceptor for a retry
 	// attempt that has no key: the retry interceptor runs before (outside)
@@ -65,7 +73,47 @@ var (
 	// annotated, or it carries a key); see [StreamServerInterceptor] and
 	// [CheckStreamingMethods]. Retrying cannot succeed.
 	ErrStreamingUnsupported = &Error{code: codes.Unimplemented, reason: "STREAMING_UNSUPPORTED", msg: "idempotency keys are not supported on streaming methods"}
+	// ErrAttemptTimeout is returned by the client chain
+	// ([UnaryClientInterceptors]) for an attempt it cut because it ran past
+	// [WithPerAttemptTimeout]; the chain retries it with the same key
+	// within its budget. The server rolls a cut call back, so a handler
+	// slower than the timeout never succeeds: raise the option, or leave
+	// it unset so that the call's deadline alone bounds each attempt.
+	ErrAttemptTimeout = &Error{code: codes.DeadlineExceeded, reason: "ATTEMPT_TIMEOUT", msg: "the attempt ran past WithPerAttemptTimeout and was cut; " +
+		"raise the option, or leave it unset so that the call's deadline alone bounds each attempt"}
 )
+
+// suggestedDelay is the RetryInfo delay of a retryable outcome; set false
+// leaves the RetryInfo out (but for ErrInProgress, which always has one).
+type suggestedDelay struct {
+	d   time.Duration
+	set bool
+}
+
+// retryableCode reports whether a client retries a status of code c with
+// the same key: the codes whose statuses of this package carry RetryInfo.
+func retryableCode(c codes.Code) bool { return slices.Contains(RetryCodes(), c) }
+
+// withSuggestedDelay returns err with delay in its RetryInfo when err is a
+// retryable outcome of this package that no delay was chosen for yet;
+// anything else, a handler's own status included, is returned as it is.
+func withSuggestedDelay(err error, delay time.Duration) error {
+	switch e := err.(type) {
+	case *Error:
+		if retryableCode(e.code) && !e.retryDelay.set {
+			c := *e
+			c.retryDelay = suggestedDelay{delay, true}
+			return &c
+		}
+	case *dbFailure:
+		if retryableCode(e.code) && !e.retryDelay.set {
+			c := *e
+			c.retryDelay = suggestedDelay{delay, true}
+			return &c
+		}
+	}
+	return err
+}
 
 // Error is an outcome of the idempotency layer, convertible to a gRPC status
 // with [status.FromError]. Every Error is one of the sentinels above,
@@ -75,9 +123,9 @@ type Error struct {
 	reason string
 	msg    string
 
-	detail     string        // appended to msg
-	cause      error         // underlying cause, for logs; never sent to the client
-	retryDelay time.Duration // RetryInfo, for ErrInProgress
+	detail     string         // appended to msg
+	cause      error          // underlying cause, for logs; never sent to the client
+	retryDelay suggestedDelay // RetryInfo, for a retryable code as sent
 	// subject is the offending field (BadRequest) or key
 	// (PreconditionFailure); empty leaves that detail out.
 	subject string
@@ -99,7 +147,7 @@ func (e *Error) about(subject string) *Error {
 // inProgress is ErrInProgress suggesting that clients retry after delay.
 func inProgress(detail string, delay time.Duration) *Error {
 	e := ErrInProgress.with(detail, nil)
-	e.retryDelay = delay
+	e.retryDelay = suggestedDelay{delay, true}
 	return e
 }
 
@@ -136,9 +184,10 @@ func (e *Error) GRPCStatus() *status.Status {
 	}
 	st := status.New(e.code, msg)
 	details := []protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: e.reason, Domain: ErrorDomain}}
+	if e.retryDelay.set || e.reason == ErrInProgress.reason {
+		details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay.d)})
+	}
 	switch e.reason {
-	case ErrInProgress.reason:
-		details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay)})
 	case ErrKeyReused.reason:
 		details = append(details, &errdetails.PreconditionFailure{Violations: []*errdetails.PreconditionFailure_Violation{{
 			Type:        "IDEMPOTENCY_KEY",

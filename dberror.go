@@ -12,8 +12,10 @@ import (
 	"syscall"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // dbError turns an error of the engine's own statements into what the
@@ -275,6 +277,8 @@ type dbFailure struct {
 	msg, op string
 	cause   *pgconn.PgError
 	err     error // the cause when it is not the server's (cause is nil)
+	// retryDelay is the RetryInfo of a retryable code (Aborted) as sent.
+	retryDelay suggestedDelay
 }
 
 func (e *dbFailure) Error() string {
@@ -294,8 +298,14 @@ func (e *dbFailure) Unwrap() error {
 // GRPCStatus gives the client the code and the message, not the database's
 // message, which may name internal objects.
 func (e *dbFailure) GRPCStatus() *status.Status {
-	if e.cause == nil {
-		return status.New(e.code, "idempotency: "+e.msg)
+	st := status.New(e.code, "idempotency: "+e.msg)
+	if e.cause != nil {
+		st = status.New(e.code, fmt.Sprintf("idempotency: %s (SQLSTATE %s)", e.msg, e.cause.Code))
 	}
-	return status.New(e.code, fmt.Sprintf("idempotency: %s (SQLSTATE %s)", e.msg, e.cause.Code))
+	if e.retryDelay.set {
+		if s, err := st.WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(e.retryDelay.d)}); err == nil {
+			st = s
+		}
+	}
+	return st
 }

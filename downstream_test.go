@@ -85,7 +85,7 @@ func TestDownstreamCallsOfARerunSendTheSameKeys(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
 	inner := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{innerKeys.intercept}})
-	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptors(idempotency.WithRetryMax(0))...)
+	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(1))...)
 
 	var runs atomic.Int64
 	outer := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {

@@ -446,7 +446,7 @@ func retryingClient(t *testing.T, target string, retryMax uint, extra ...grpc.Di
 	t.Helper()
 	log := &attemptLog{}
 	chain := append(idempotency.UnaryClientInterceptors(
-		idempotency.WithRetryMax(retryMax),
+		idempotency.WithMaxAttempts(int(retryMax)+1),
 		idempotency.WithRetryBackoff(10*time.Millisecond, 250*time.Millisecond),
 		idempotency.WithPerAttemptTimeout(30*time.Second),
 	), log.intercept)

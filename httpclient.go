@@ -106,8 +106,8 @@ type HTTPClient struct {
 	// Client sends each attempt; nil means http.DefaultClient.
 	Client *http.Client
 	// MaxAttempts bounds the attempts of one Do, the first included: 1
-	// turns retries off. 0 means 6 (5 retries, as UnaryClientInterceptors);
-	// negative is invalid.
+	// turns retries off. 0 means 6 (the first and 5 retries); negative is
+	// invalid.
 	MaxAttempts int
 	// Budget bounds the time of one Do, its attempts and its waits (see
 	// above). 0 means 30 seconds; negative is invalid.
@@ -164,6 +164,9 @@ const drainLimit = 64 << 10
 // overflow a time.Duration (it is past any budget anyway).
 const maxRetryAfter = 1 << 31
 
+// defaultHTTPAttempts is the MaxAttempts of an HTTPClient that sets none.
+const defaultHTTPAttempts = 6
+
 type httpClientSettings struct {
 	attempts              int
 	budget, base, ceiling time.Duration
@@ -173,7 +176,7 @@ type httpClientSettings struct {
 
 func (c *HTTPClient) settings() (httpClientSettings, error) {
 	d := defaultClientOptions()
-	s := httpClientSettings{attempts: int(d.retryMax) + 1, budget: 30 * time.Second, base: d.backoffBase, client: c.Client, wait: c.wait}
+	s := httpClientSettings{attempts: defaultHTTPAttempts, budget: 30 * time.Second, base: d.backoffBase, client: c.Client, wait: c.wait}
 	switch {
 	case c.MaxAttempts < 0:
 		return s, fmt.Errorf("idempotency: HTTPClient: MaxAttempts must not be negative, got %d", c.MaxAttempts)

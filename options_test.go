@@ -53,6 +53,8 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 		"WithRetryBackoff":      WithRetryBackoff(0, time.Second),
 		"WithRetryBackoff ":     WithRetryBackoff(time.Second, time.Millisecond),
 		"WithPerAttemptTimeout": WithPerAttemptTimeout(-time.Second),
+		"WithMaxAttempts":       WithMaxAttempts(0),
+		"WithRetryBudget":       WithRetryBudget(0),
 	} {
 		require.Contains(t, panicMessage(t, func() { UnaryClientInterceptor(opt) }), strings.TrimSpace(name))
 		require.Contains(t, panicMessage(t, func() { UnaryClientInterceptors(opt) }), strings.TrimSpace(name))
@@ -68,7 +70,7 @@ func TestUnitInvalidOptionsNameThemselves(t *testing.T) {
 
 	// Valid edge values are accepted.
 	UnaryServerInterceptor(store, WithFinalCodes(), WithScope(func(context.Context) (string, error) { return "", nil }))
-	UnaryClientInterceptors(WithRetryMax(0), WithPerAttemptTimeout(0), WithRetryBackoff(time.Millisecond, time.Millisecond))
+	UnaryClientInterceptors(WithMaxAttempts(1), WithRetryBudget(time.Nanosecond), WithPerAttemptTimeout(0), WithRetryBackoff(time.Millisecond, time.Millisecond))
 }
 
 func panicMessage(t *testing.T, f func()) (msg string) {

@@ -166,7 +166,7 @@ func (s *UnaryServer) protect(ctx context.Context, call UnaryCall, p plan, err e
 		reply.ResponseMetadata = md
 	}
 	if err = unwrapFinal(err); err != nil { // the client gets the status the handler returned
-		return reply, err
+		return reply, withSuggestedDelay(err, s.store.opts.retryDelay) // RetryInfo of the store's delay, as HTTP's Retry-After
 	}
 	if r := exactResponse(res); r != nil {
 		reply.Response = r.(proto.Message)

@@ -326,10 +326,11 @@ func WithInProgressWait(d time.Duration) StoreOption {
 }
 
 // WithSuggestedRetryDelay sets the delay the server suggests to clients in
-// the RetryInfo detail of [ErrInProgress] (HTTP: Retry-After), which
-// [RetryDelay] reads on the client and the client chain waits at least.
-// It is not the client's own backoff ([WithRetryBackoff]). Defaults to 500
-// milliseconds.
+// the RetryInfo detail of every retryable status of the layer
+// ([ErrInProgress], [ErrStoreUnavailable], the database's Aborted; HTTP:
+// Retry-After, in whole seconds, at least 1), which [RetryDelay] reads on
+// the client and the client chain waits at least. It is not the client's
+// own backoff ([WithRetryBackoff]). Defaults to 500 milliseconds.
 func WithSuggestedRetryDelay(d time.Duration) StoreOption {
 	return func(o *storeOptions) { o.retryDelay = d }
 }

@@ -252,7 +252,7 @@ func dialPayments(t *testing.T, addr string) paymentsv1.PaymentServiceClient {
 	conn, err := grpc.NewClient("passthrough:///"+addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
-			idempotency.WithRetryMax(10), idempotency.WithRetryBackoff(10*time.Millisecond, 200*time.Millisecond))...))
+			idempotency.WithMaxAttempts(11), idempotency.WithRetryBackoff(10*time.Millisecond, 200*time.Millisecond))...))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	return paymentsv1.NewPaymentServiceClient(conn)

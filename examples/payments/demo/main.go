@@ -281,7 +281,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig": [{"round_robin": {}}]}`),
 		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
-			idempotency.WithRetryMax(20), idempotency.WithRetryBackoff(10*time.Millisecond, 500*time.Millisecond))...),
+			idempotency.WithMaxAttempts(21), idempotency.WithRetryBackoff(10*time.Millisecond, 500*time.Millisecond))...),
 	)
 	if err != nil {
 		return nil, err
