@@ -279,7 +279,8 @@ func WithPerAttemptTimeout(d time.Duration) ClientOption {
 func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		pol := policyForRequest(method, req)
-		key, inMetadata, err := o.keyWith(ctx, method, pol)
+		md, _ := metadata.FromOutgoingContext(ctx)
+		key, inMetadata, err := o.keyWith(ctx, method, pol, md)
 		if err != nil {
 			return err
 		}
@@ -330,14 +331,13 @@ func (pol methodPolicy) requestKey(req any) string {
 
 // keyWith picks the key of a call of a method with policy pol; "" means
 // the call needs none.
-func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPolicy) (key string, inMetadata bool, err error) {
+func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPolicy, md metadata.MD) (key string, inMetadata bool, err error) {
 	if pol.known && pol.mode == modePassThrough && pol.err == nil {
 		// The server ignores any key of this method (MODE_DISABLED, a safe
 		// idempotency_level, gRPC's infrastructure services): so does the
-		// client, whatever the context's metadata holds.
+		// client, whatever the call's metadata holds.
 		return "", false, nil
 	}
-	md, _ := metadata.FromOutgoingContext(ctx)
 	vals := md.Get(MetadataKey)
 	chosen, hasChosen := ctx.Value(outgoingKey{}).(string)
 	switch {

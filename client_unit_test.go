@@ -106,7 +106,8 @@ func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 
 // keyFor is keyWith with the policy resolved as the interceptor resolves it.
 func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (string, bool, error) {
-	return o.keyWith(ctx, method, policyForRequest(method, req))
+	md, _ := metadata.FromOutgoingContext(ctx)
+	return o.keyWith(ctx, method, policyForRequest(method, req), md)
 }
 
 // The defaults of the ready chain, which the README's Client table lists:

@@ -57,6 +57,10 @@ type UnaryCall struct {
 	// [MetadataKey], and a retry is recognised by the markers gRPC and the
 	// retry interceptors set.
 	Metadata metadata.MD
+	// Transport names the framework in traces ([TraceCallStartData]);
+	// empty is [TransportGRPC]. It does not change the call: keys are
+	// shared by every framework's unary calls.
+	Transport Transport
 }
 
 // ResponseMetadata is the headers and trailers of a response, with
@@ -139,10 +143,14 @@ func (s *UnaryServer) protect(ctx context.Context, call UnaryCall, p plan, err e
 	if vals := call.Metadata.Get(MetadataKey); traceKey == "" && len(vals) > 0 {
 		traceKey = vals[0]
 	}
-	tp := &transport{kind: TransportGRPC, finalCode: func(c codes.Code) bool { return s.o.final[c] }}
+	kind := call.Transport
+	if kind == "" {
+		kind = TransportGRPC
+	}
+	tp := &transport{kind: kind, finalCode: func(c codes.Code) bool { return s.o.final[c] }}
 	outcome := OutcomeRejected
 	if s.store.opts.tracer != nil {
-		ctx, tp.trace = s.store.startCall(ctx, TransportGRPC, call.Method, traceKey)
+		ctx, tp.trace = s.store.startCall(ctx, kind, call.Method, traceKey)
 		defer tp.trace.endDeferred(ctx, &outcome, &err2)
 	}
 	if err != nil {
@@ -230,4 +238,17 @@ func (s *UnaryServer) execute(ctx context.Context, tp *transport, call UnaryCall
 		return resp, nil
 	})
 	return res, md, err
+}
+
+// RefuseStream is what a framework's adapter answers a streaming call of
+// method with md, its metadata: nil when the call may go on unprotected,
+// else [ErrStreamingUnsupported], as [StreamServerInterceptor] answers.
+// Streaming calls are not protected: one whose method the
+// (idempotency.v1.method) option annotates, or that carries a key, is
+// refused before its handler runs. req, the stream's first request when
+// the adapter has it (nil before), finds the descriptor of a method that
+// is not in the global registry.
+func (s *UnaryServer) RefuseStream(method string, md metadata.MD, req proto.Message) error {
+	pol := policyForRequest(method, req)
+	return refuseStream(md, method, pol)
 }

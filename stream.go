@@ -1,7 +1,6 @@
 package idempotency
 
 import (
-	"context"
 	"fmt"
 	"slices"
 	"strings"
@@ -37,7 +36,8 @@ func StreamServerInterceptor(store *Store, opts ...ServerOption) grpc.StreamServ
 	_ = mustServerOptions("StreamServerInterceptor", store, opts) // kept for when streams are supported
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
 		pol := policyFor(info.FullMethod)
-		if err := refuseStream(ss.Context(), info.FullMethod, pol); err != nil {
+		md, _ := metadata.FromIncomingContext(ss.Context())
+		if err := refuseStream(md, info.FullMethod, pol); err != nil {
 			return err
 		}
 		if !pol.known {
@@ -69,7 +69,8 @@ func (f *firstMessageCheck) RecvMsg(m any) error {
 	}
 	f.checked = true
 	if pol := policyForRequest(f.method, m); pol.known {
-		f.err = refuseStream(f.Context(), f.method, pol)
+		md, _ := metadata.FromIncomingContext(f.Context())
+		f.err = refuseStream(md, f.method, pol)
 	}
 	return f.err
 }
@@ -106,7 +107,7 @@ func CheckStreamingMethods(srv interface {
 
 // refuseStream returns the error for a streaming call that asks for
 // protection, nil for one that passes.
-func refuseStream(ctx context.Context, method string, pol methodPolicy) error {
+func refuseStream(md metadata.MD, method string, pol methodPolicy) error {
 	if streamAnnotated(pol) {
 		return ErrStreamingUnsupported.with(method+" is annotated with (idempotency.v1.method), which streaming methods cannot honour; remove the option or set mode: MODE_DISABLED", nil)
 	}
@@ -114,7 +115,7 @@ func refuseStream(ctx context.Context, method string, pol methodPolicy) error {
 		return nil // keys are ignored, as for unary calls
 	}
 	for _, k := range []string{MetadataKey, binaryMetadataKey} {
-		if len(metadata.ValueFromIncomingContext(ctx, k)) > 0 {
+		if len(md.Get(k)) > 0 {
 			return ErrStreamingUnsupported.with(fmt.Sprintf("%s is a streaming method and the call carries %s; send it without a key", method, k), nil).about(k)
 		}
 	}

@@ -41,6 +41,9 @@ type Transport string
 // Transports of [TraceCallStartData].
 const (
 	TransportGRPC    Transport = "grpc"
+	// TransportConnect is a unary call of a connect-go handler
+	// (idempotencyconnect), whichever of its protocols it came by.
+	TransportConnect Transport = "connect"
 	TransportHTTP    Transport = "http"
 	TransportMessage Transport = "message"
 	// TransportDirect is a call of [Store.Execute] by the application.

@@ -128,9 +128,14 @@ func (t *Tracer) TraceCleanerBatch(ctx context.Context, data idempotency.TraceCl
 func callAttributes(data idempotency.TraceCallStartData) []attribute.KeyValue {
 	attrs := []attribute.KeyValue{TransportKey.String(string(data.Transport))}
 	switch data.Transport {
-	case idempotency.TransportGRPC:
+	case idempotency.TransportGRPC, idempotency.TransportConnect:
+		// The semantic conventions' rpc.system of connect-go is connect_rpc.
+		system := "grpc"
+		if data.Transport == idempotency.TransportConnect {
+			system = "connect_rpc"
+		}
 		service, method, _ := strings.Cut(strings.TrimPrefix(data.Method, "/"), "/")
-		attrs = append(attrs, attribute.String("rpc.system", "grpc"), attribute.String("rpc.service", service), attribute.String("rpc.method", method))
+		attrs = append(attrs, attribute.String("rpc.system", system), attribute.String("rpc.service", service), attribute.String("rpc.method", method))
 	case idempotency.TransportHTTP:
 		method, route, _ := strings.Cut(data.Method, " ")
 		attrs = append(attrs, attribute.String("http.request.method", method))

@@ -24,8 +24,10 @@ require (
 )
 
 require (
+	connectrpc.com/connect v1.21.1
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/exactlyonce/idempotency/idempotencyconnect v0.0.0-00010101000000-000000000000
 	github.com/go-logr/logr v1.4.4 // indirect
 	github.com/go-logr/stdr v1.2.2 // indirect
 	github.com/jackc/pgpassfile v1.0.0 // indirect
@@ -57,3 +59,5 @@ require (
 	golang.org/x/text v0.43.0 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20261110000943-09e21b237f2c // indirect
 )
+
+replace github.com/exactlyonce/idempotency/idempotencyconnect => ../../idempotencyconnect

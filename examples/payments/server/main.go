@@ -71,7 +71,8 @@ func main() {
 }
 
 type config struct {
-	addr, httpAddr, metricsAddr, databaseURL string
+	addr, httpAddr, connectAddr, metricsAddr string
+	databaseURL                              string
 	providerURL, providerAddr                string
 	outbox                                   bool
 	maxCharges                               int
@@ -98,6 +99,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 	var c config
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "address to serve gRPC on")
 	fs.StringVar(&c.httpAddr, "http-addr", "127.0.0.1:8080", "address to serve the same service as JSON over HTTP on (POST /v1/charges, GET /v1/accounts/{account_id}/balance); empty disables it")
+	fs.StringVar(&c.connectAddr, "connect-addr", "127.0.0.1:8081", "address to serve the same service with connect-go on (the Connect protocol, gRPC and gRPC-Web: POST /payments.v1.PaymentService/Charge with a JSON body and the -http-callers' tokens); empty disables it")
 	fs.StringVar(&c.metricsAddr, "metrics-addr", "127.0.0.1:9464", "address to serve Prometheus metrics on, at GET /metrics; empty disables it")
 	fs.StringVar(&c.databaseURL, "database-url", "", dburl.Usage())
 	fs.StringVar(&c.providerURL, "provider-url", "", "base URL of the payment provider to charge; empty serves the example provider in this process on -provider-addr")
@@ -136,7 +138,7 @@ func parseFlags(fs *flag.FlagSet, args []string) (config, error) {
 
 // listeners are where the server serves; all but grpc may be nil.
 type listeners struct {
-	grpc, http, metrics, provider net.Listener
+	grpc, http, connect, metrics, provider net.Listener
 }
 
 // openListeners listens on the addresses of cfg; an empty one is left nil.
@@ -145,7 +147,7 @@ func openListeners(cfg config) (listeners, error) {
 	for _, l := range []struct {
 		addr string
 		dst  *net.Listener
-	}{{cfg.addr, &lis.grpc}, {cfg.httpAddr, &lis.http}, {cfg.metricsAddr, &lis.metrics}, {cfg.providerAddr, &lis.provider}} {
+	}{{cfg.addr, &lis.grpc}, {cfg.httpAddr, &lis.http}, {cfg.connectAddr, &lis.connect}, {cfg.metricsAddr, &lis.metrics}, {cfg.providerAddr, &lis.provider}} {
 		if l.addr == "" {
 			continue
 		}
@@ -160,7 +162,7 @@ func openListeners(cfg config) (listeners, error) {
 
 // close closes the listeners that are open, for a start that failed.
 func (lis listeners) close() {
-	for _, l := range []net.Listener{lis.grpc, lis.http, lis.metrics, lis.provider} {
+	for _, l := range []net.Listener{lis.grpc, lis.http, lis.connect, lis.metrics, lis.provider} {
 		if l != nil {
 			_ = l.Close()
 		}
@@ -219,6 +221,10 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 	served := make(chan error, 4)
 	go func() { served <- srv.Serve(lis.grpc) }()
 	logger.Info("PaymentService listening", "grpc", lis.grpc.Addr().String())
+	connectHandler, err := payments.NewConnectHandler(svc, store, cfg.httpCallers())
+	if err != nil {
+		return err
+	}
 	var httpServers []*http.Server
 	for _, s := range []struct {
 		lis     net.Listener
@@ -227,13 +233,17 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 		msg     string
 	}{
 		{lis.http, payments.NewHTTPHandler(svc, store, cfg.httpCallers()), "http", "PaymentService listening"},
+		{lis.connect, connectHandler, "connect", "PaymentService listening"},
 		{lis.metrics, metricsMux(metricsHandler), "metrics", "PaymentService listening"},
 		{lis.provider, providerHandler, "http", "example payment provider listening"},
 	} {
 		if s.lis == nil {
 			continue
 		}
-		hs := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second}
+		hs := &http.Server{Handler: s.handler, ReadHeaderTimeout: 10 * time.Second, Protocols: new(http.Protocols)}
+		// HTTP/2 without TLS too: gRPC, through connect, needs it.
+		hs.Protocols.SetHTTP1(true)
+		hs.Protocols.SetUnencryptedHTTP2(true)
 		httpServers = append(httpServers, hs)
 		go func() { served <- hs.Serve(s.lis) }()
 		logger.Info(s.msg, s.what, s.lis.Addr().String())

@@ -57,12 +57,12 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	db := testdb.New(t, 1) // a private schema, passed as search_path in the URL
 	url := db.URL()
 
-	lis, httpLis, metricsLis, providerLis := listen(t), listen(t), listen(t), listen(t)
+	lis, httpLis, connectLis, metricsLis, providerLis := listen(t), listen(t), listen(t), listen(t), listen(t)
 	var logs testdb.SyncBuffer
 	ctx, cancel := context.WithCancel(context.Background())
 	stopped := make(chan error, 1)
 	go func() {
-		stopped <- run(ctx, listeners{grpc: lis, http: httpLis, metrics: metricsLis, provider: providerLis}, config{databaseURL: url}, slog.New(slog.NewTextHandler(&logs, nil)))
+		stopped <- run(ctx, listeners{grpc: lis, http: httpLis, connect: connectLis, metrics: metricsLis, provider: providerLis}, config{databaseURL: url}, slog.New(slog.NewTextHandler(&logs, nil)))
 	}()
 
 	conn := dial(t, lis)
@@ -104,6 +104,33 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	require.Contains(t, string(httpBody), `"balance_cents":"50"`, "42 over gRPC, then 8 over HTTP, on one account")
 	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM provider_charges`), "the provider this process serves charged each executed charge once")
 	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger JOIN provider_charges ON provider_charges.id = ledger.provider_charge_id`), "every ledger row names its provider charge")
+
+	// The same service with connect-go (-connect-addr), here in the
+	// Connect protocol with JSON, as curl sends it: a charge and its
+	// replay, marked so; without a token, Unauthenticated (401).
+	connectCharge := func(token string) (*http.Response, string) {
+		req, err := http.NewRequest(http.MethodPost, "http://"+connectLis.Addr().String()+"/payments.v1.PaymentService/Charge",
+			strings.NewReader(`{"account_id": "acct", "amount_cents": 5}`))
+		require.NoError(t, err)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set(idempotency.HeaderKey, "server-test-connect")
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		return resp, string(body)
+	}
+	charged, body := connectCharge("demo-token-alice")
+	require.Equal(t, http.StatusOK, charged.StatusCode, body)
+	require.Contains(t, body, `"balanceCents":"55"`, "42, 8, then 5 with connect, on one account")
+	replayed, replayedBody := connectCharge("demo-token-alice")
+	require.Equal(t, body, replayedBody, "the replay, byte for byte")
+	require.Equal(t, "true", replayed.Header.Get("Trailer-"+idempotency.ReplayedTrailer))
+	unauthenticated, _ := connectCharge("")
+	require.Equal(t, http.StatusUnauthorized, unauthenticated.StatusCode)
 
 	// Prometheus scrapes the store's metrics (-metrics-addr).
 	metricsResp, err := http.Get("http://" + metricsLis.Addr().String() + "/metrics")

@@ -1,0 +1,126 @@
+package idempotencyconnect
+
+import (
+	"errors"
+	"net/http"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/protobuf/types/known/anypb"
+
+	"github.com/exactlyonce/idempotency"
+)
+
+// grpcError is an error of connect's as the idempotency engine reads it:
+// a gRPC status with its code, message and details, so that the engine
+// decides whether it is final, stores it so, and a retry decides whether
+// to retry it. The connect error itself is what the caller gets back.
+type grpcError struct {
+	err error // the *connect.Error, or another error a handler returned
+	st  *status.Status
+}
+
+func (e *grpcError) Error() string              { return e.err.Error() }
+func (e *grpcError) Unwrap() error              { return e.err }
+func (e *grpcError) GRPCStatus() *status.Status { return e.st }
+
+// toGRPC wraps err, as connect-go sends it, so that it reads as the gRPC
+// status a gRPC client of the same handler would get: connect's codes are
+// gRPC's, its details are google.protobuf.Any. An error that is not a
+// *connect.Error is what connect sends as CodeUnknown, unless it carries
+// a gRPC status of its own (an idempotency error, a pgx error the engine
+// classifies): then that is kept as it is.
+func toGRPC(err error) error {
+	if err == nil {
+		return nil
+	}
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return err
+	}
+	p := &spb.Status{Code: int32(ce.Code()), Message: ce.Message()}
+	for _, d := range ce.Details() {
+		p.Details = append(p.Details, &anypb.Any{TypeUrl: "type.googleapis.com/" + d.Type(), Value: d.Bytes()})
+	}
+	return &grpcError{err: err, st: status.FromProto(p)}
+}
+
+// toConnect is the connect error for err, a gRPC status error of the
+// engine's (an idempotency outcome, a stored final error), with its code,
+// message and details, and md as its metadata (headers and trailers).
+func toConnect(err error, md ...metadata.MD) error {
+	ge, own := err.(*grpcError)
+	if own {
+		return ge.err // the handler's own error, as it returned it
+	}
+	st := status.Convert(err)
+	code := connect.Code(st.Code())
+	if st.Code() == codes.OK || code > connect.CodeUnauthenticated {
+		code = connect.CodeUnknown
+	}
+	ce := connect.NewError(code, errors.New(st.Message()))
+	for _, d := range st.Proto().GetDetails() {
+		if detail, err := connect.NewErrorDetail(d); err == nil {
+			ce.AddDetail(detail)
+		}
+	}
+	for _, m := range md {
+		addHeaders(ce.Meta(), m)
+	}
+	var inner *connect.Error
+	if errors.As(err, &inner) {
+		// A connect error the layer added to (the attempts a client made):
+		// its metadata goes with it.
+		for k, vs := range inner.Meta() {
+			ce.Meta()[k] = append(ce.Meta()[k], vs...)
+		}
+	}
+	return ce
+}
+
+// metadataOf is an HTTP header as gRPC metadata: lower-case keys.
+func metadataOf(h http.Header) metadata.MD {
+	md := make(metadata.MD, len(h))
+	for k, vs := range h {
+		k = strings.ToLower(k)
+		md[k] = append(md[k], vs...)
+	}
+	return md
+}
+
+// addHeaders adds md to h.
+func addHeaders(h http.Header, md metadata.MD) {
+	for k, vs := range md {
+		for _, v := range vs {
+			h.Add(k, v)
+		}
+	}
+}
+
+// IsKeyReused reports whether err, a connect error of a call, says that
+// its key was used before with another request (FailedPrecondition,
+// ErrorInfo KEY_REUSED): the idempotency layer's answer, not a handler's
+// own FailedPrecondition. See [idempotency.IsKeyReused].
+func IsKeyReused(err error) bool { return idempotency.IsKeyReused(statusError(err)) }
+
+// IsInProgress reports whether err says that the call of its key was still
+// running (Aborted, ErrorInfo KEY_IN_PROGRESS). See
+// [idempotency.IsInProgress].
+func IsInProgress(err error) bool { return idempotency.IsInProgress(statusError(err)) }
+
+// RetryDelay returns the delay the server suggested in err's RetryInfo.
+// See [idempotency.RetryDelay].
+func RetryDelay(err error) (time.Duration, bool) { return idempotency.RetryDelay(statusError(err)) }
+
+// statusError is err as a gRPC status error.
+func statusError(err error) error {
+	if g := toGRPC(err); g != nil {
+		return g
+	}
+	return nil
+}
