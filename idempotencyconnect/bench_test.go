@@ -69,7 +69,9 @@ func BenchmarkFreshCall(b *testing.B) {
 		return &testingv1.Response{Body: "charged", LedgerId: id}, err
 	}
 	var seq atomic.Int64
-	key := func() string { return "bench-" + strconv.FormatInt(seq.Add(1), 10) + "-" + strconv.FormatInt(time.Now().UnixNano(), 36) }
+	key := func() string {
+		return "bench-" + strconv.FormatInt(seq.Add(1), 10) + "-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	}
 
 	variants := []struct {
 		name string

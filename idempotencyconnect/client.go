@@ -84,4 +84,3 @@ func (c *clientInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFu
 // interceptor does (x-retry-attempt): the server looks for the key's stored
 // result first, which only makes the replay cheaper.
 const retryAttemptHeader = "x-retry-attempt"
-

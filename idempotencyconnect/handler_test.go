@@ -313,4 +313,3 @@ func (g grpcService) Required(ctx context.Context, req *testingv1.Request) (*tes
 func (g grpcService) NoSideEffects(ctx context.Context, req *testingv1.Request) (*testingv1.Response, error) {
 	return g.e.serve(ctx, req)
 }
-
