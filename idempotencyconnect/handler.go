@@ -100,9 +100,9 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 			}
 			return m, md, nil
 		})
-		if reply.Outcome != idempotency.OutcomeReplayed && len(reply.Header)+len(reply.Trailer) == 0 {
-			// Not this run's answer (a stored row of another call, the
-			// engine's own error): what the handler set is not sent.
+		if reply.Outcome == idempotency.OutcomeReplayed || len(reply.Header)+len(reply.Trailer) == 0 {
+			// Not this run's answer (a stored row, the engine's own error):
+			// what a run of the handler set is not sent.
 			before.restore(info)
 		}
 		if err != nil {
