@@ -40,7 +40,7 @@ type Transport string
 
 // Transports of [TraceCallStartData].
 const (
-	TransportGRPC    Transport = "grpc"
+	TransportGRPC Transport = "grpc"
 	// TransportConnect is a unary call of a connect-go handler
 	// (idempotencyconnect), whichever of its protocols it came by.
 	TransportConnect Transport = "connect"

@@ -10,8 +10,8 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/exactlyonce/idempotency"
-	"github.com/exactlyonce/idempotency/idempotencyconnect"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+	"github.com/exactlyonce/idempotency/idempotencyconnect"
 )
 
 // NewConnectHandler serves the PaymentService with connect-go, on the same

@@ -25,7 +25,7 @@ import (
 func startDefault(t *testing.T, databaseURL string) listeners {
 	t.Helper()
 	cfg, err := parseFlags(flag.NewFlagSet("server", flag.ContinueOnError),
-		[]string{"-addr", "127.0.0.1:0", "-http-addr", "127.0.0.1:0", "-metrics-addr", "127.0.0.1:0", "-database-url", databaseURL})
+		[]string{"-addr", "127.0.0.1:0", "-http-addr", "127.0.0.1:0", "-connect-addr", "127.0.0.1:0", "-metrics-addr", "127.0.0.1:0", "-database-url", databaseURL})
 	require.NoError(t, err)
 	lis, err := openListeners(cfg)
 	require.NoError(t, err, "listen with the default flags")
