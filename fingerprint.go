@@ -34,8 +34,8 @@ import (
 //
 // Two version 2 fingerprints are compared only when their schema agrees.
 //
-// Versions 4 and 5 (HTTP requests; 5 compares JSON bodies by value): see
-// httpfingerprint.go.
+// Versions 4 and 5 (HTTP requests; 5 compares JSON bodies by value, and
+// compares with 4 as 4 did): see httpfingerprint.go.
 //
 // Version 3 (proto requests) has a part per field present, and says once
 // per message type which fields its schema knows, so that two releases of
@@ -258,11 +258,15 @@ func sameRequest(stored, current []byte) bool {
 	}
 	sv, cv := versionOf(stored), versionOf(current)
 	switch {
+	case sv == httpVersion4 && cv == httpVersion:
+		return sameHTTPAcross(stored, current)
+	case sv == httpVersion && cv == httpVersion4:
+		return sameHTTPAcross(current, stored)
 	case sv != cv:
 		return true // another algorithm: not comparable
 	case sv == fieldsVersion:
 		return sameFields(stored, current)
-	case sv == httpVersion:
+	case sv == httpVersion, sv == httpVersion4:
 		return sameHTTP(stored, current)
 	case sv == fingerprintVersion:
 		head := len(fingerprintMagic) + 1 + 8
@@ -282,7 +286,7 @@ func versionOf(fp []byte) byte {
 		return v
 	case v == fieldsVersion && len(fp) > fieldsHeadLen:
 		return v
-	case v == httpVersion && validHTTP(fp):
+	case (v == httpVersion || v == httpVersion4) && validHTTP(fp):
 		return v
 	}
 	return 0

@@ -216,15 +216,15 @@ func TestHTTPDeepAndHugeJSON(t *testing.T) {
 // httpFingerprint.
 const version4Row = "ff49444604ed4c5e8ba19b543c833ba1cc0dfcb55eeaa1f65202eaa78496fd471671267de00258f931c14918ad1a7045af83f56e3ec5d21a431029bb35ee68f3f8411188bfc0"
 
-// A key stored by the release before JSON was compared by value: its
-// retry after the upgrade is replayed, written another way or not (the
-// versions are not compared, as across any change of fingerprint; it
-// failed with 422 when the new digest was written under the old version).
-// That holds for another body under the key too, until the key expires:
-// the price of an upgrade that never turns a retry into a 422. A stored
-// row that does not parse as version 4 is still the same request as
-// nothing.
-func TestHTTPJSONRetryAcrossTheFingerprintUpgradeReplays(t *testing.T) {
+// A key stored by the release before JSON was compared by value is
+// compared as that release compared it: its retry with the same bytes is
+// replayed, and another body, or the same JSON written another way, is
+// another request (422), as it was before the upgrade. (It failed with 422
+// for the same bytes when the new digest was written under the old
+// version; an outside review found another value replayed when the two
+// versions were not compared.) A stored row that does not parse as
+// version 4 is the same request as nothing.
+func TestHTTPJSONRetryAcrossTheFingerprintUpgradeIsComparedAsBefore(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
 	store := migratedStore(t, db)
@@ -249,8 +249,8 @@ func TestHTTPJSONRetryAcrossTheFingerprintUpgradeReplays(t *testing.T) {
 		want        int
 	}{
 		{"the same bytes", body, old, http.StatusCreated},
-		{"written another way", `{"account_id": "acct-7", "amount_cents": 100}`, old, http.StatusCreated},
-		{"another value, not compared", `{"amount_cents":900,"account_id":"acct-7"}`, old, http.StatusCreated},
+		{"written another way, by its bytes as before", `{"account_id": "acct-7", "amount_cents": 100}`, old, http.StatusUnprocessableEntity},
+		{"another value", `{"amount_cents":900,"account_id":"acct-7"}`, old, http.StatusUnprocessableEntity},
 		{"a damaged version 4 row", body, append(bytes.Clone(old), 0), http.StatusUnprocessableEntity},
 	} {
 		key := fmt.Sprintf("k-v4-%d", i)

@@ -31,6 +31,8 @@ import (
 //	           content
 //	body       32 bytes: SHA-256 of the body's bytes; with flag 4, of its
 //	           canonical JSON (see jsonDigest)
+//	bytes      with flag 4 only, 32 bytes: SHA-256 of the body's bytes, as
+//	           version 4 had it, to compare with a row of that release
 //
 // A body has a form digest when net/http would parse it as a form (its
 // Content-Type, read as ParseForm reads it; a multipart body that does not
@@ -48,12 +50,12 @@ import (
 // request parsed in front or not, while two bodies the handler could read
 // differently (JSON sent as a form, "a+b" and "a b") are never one.
 //
-// Version 4, the release before, is version 5 without flag 4: a JSON body
-// was digested by its bytes. A row it stored is not compared with a
-// version 5 fingerprint (as across any change of version: see
-// fingerprint.go), so a retry across the upgrade replays the stored
-// response; one that does not parse as version 4 is still the same request
-// as nothing (malformedHTTP).
+// Version 4, the release before, is version 5 without flag 4 (and without
+// the bytes' digest): a JSON body was digested by its bytes. A row it
+// stored is compared with a version 5 fingerprint as version 4 compared
+// two (sameHTTPAcross): the same request and body bytes, or form; one
+// that does not parse as version 4 is the same request as nothing
+// (malformedHTTP).
 const (
 	httpVersion   = 5
 	httpVersion4  = 4 // read only, to tell a damaged row
@@ -106,20 +108,24 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	}
 	if !consumed {
 		out[flags] |= httpHasBody
-		sum, canonical := bodyDigest(mediaType, body)
+		sum, canonical := bodyDigest(mediaType, params, body)
+		out = append(out, sum[:]...)
 		if canonical {
 			out[flags] |= httpJSONBody
+			raw := sha256.Sum256(body)
+			out = append(out, raw[:]...)
 		}
-		out = append(out, sum[:]...)
 	}
 	return out, 0, nil
 }
 
 // bodyDigest is the digest of a body read whole: of its canonical JSON when
-// its media type is JSON and it is one JSON value (canonical), else of its
-// bytes.
-func bodyDigest(mediaType string, body []byte) (sum [sha256.Size]byte, canonical bool) {
-	if isJSONType(mediaType) {
+// its media type is JSON in UTF-8 (no charset, which RFC 8259 makes UTF-8,
+// or charset utf-8: the canonical form reads the bytes as UTF-8, and a
+// handler that honours another charset would read them otherwise) and it
+// is one JSON value (canonical), else of its bytes.
+func bodyDigest(mediaType string, params map[string]string, body []byte) (sum [sha256.Size]byte, canonical bool) {
+	if cs, ok := params["charset"]; isJSONType(mediaType) && (!ok || strings.EqualFold(cs, "utf-8") || strings.EqualFold(cs, "utf8")) {
 		if sum, ok := jsonDigest(body); ok {
 			return sum, true
 		}
@@ -252,8 +258,49 @@ func validHTTP(fp []byte) bool {
 			n++
 		}
 	}
+	if flags&httpJSONBody != 0 {
+		n++ // the bytes' digest
+	}
 	jsonWithoutBody := flags&httpJSONBody != 0 && flags&httpHasBody == 0
 	return flags&^known == 0 && !jsonWithoutBody && len(fp) == httpHeadLen+n*sha256.Size
+}
+
+// httpPart is the digest of a well-formed HTTP fingerprint of version 4 or
+// 5 named by which (httpHasForm, httpHasBody, or httpJSONBody for a body's
+// bytes, which version 5 keeps beside its canonical JSON), nil if it has
+// none.
+func httpPart(fp []byte, which byte) []byte {
+	flags, rest := fp[httpHeadLen-1], fp[httpHeadLen:]
+	bytesOf := which == httpJSONBody
+	if bytesOf {
+		if flags&httpJSONBody == 0 {
+			which = httpHasBody // the body's digest is of its bytes
+		} else {
+			return rest[len(rest)-sha256.Size:]
+		}
+	}
+	if flags&which == 0 {
+		return nil
+	}
+	if which == httpHasBody && flags&httpHasForm != 0 {
+		rest = rest[sha256.Size:]
+	}
+	return rest[:sha256.Size]
+}
+
+// sameHTTPAcross compares a version 4 fingerprint with a version 5 one as
+// version 4 compared two: the same request, and the same body bytes when
+// both have a body digest, else the same form.
+func sameHTTPAcross(v4, v5 []byte) bool {
+	tag := len(fingerprintMagic)
+	if !bytes.Equal(v4[tag+1:httpHeadLen-1], v5[tag+1:httpHeadLen-1]) {
+		return false
+	}
+	if a, b := httpPart(v4, httpJSONBody), httpPart(v5, httpJSONBody); a != nil && b != nil {
+		return bytes.Equal(a, b)
+	}
+	a, b := httpPart(v4, httpHasForm), httpPart(v5, httpHasForm)
+	return a != nil && b != nil && bytes.Equal(a, b)
 }
 
 // sameHTTP compares two version 5 fingerprints (see above).
@@ -261,20 +308,10 @@ func sameHTTP(stored, current []byte) bool {
 	if !bytes.Equal(stored[:httpHeadLen-1], current[:httpHeadLen-1]) {
 		return false
 	}
-	part := func(fp []byte, which byte) []byte {
-		flags, rest := fp[httpHeadLen-1], fp[httpHeadLen:]
-		if flags&which == 0 {
-			return nil
-		}
-		if which == httpHasBody && flags&httpHasForm != 0 {
-			rest = rest[sha256.Size:]
-		}
-		return rest[:sha256.Size]
-	}
-	if a, b := part(stored, httpHasBody), part(current, httpHasBody); a != nil && b != nil {
+	if a, b := httpPart(stored, httpHasBody), httpPart(current, httpHasBody); a != nil && b != nil {
 		// A digest of canonical JSON is never one of bytes.
 		return (stored[httpHeadLen-1]^current[httpHeadLen-1])&httpJSONBody == 0 && bytes.Equal(a, b)
 	}
-	a, b := part(stored, httpHasForm), part(current, httpHasForm)
+	a, b := httpPart(stored, httpHasForm), httpPart(current, httpHasForm)
 	return a != nil && b != nil && bytes.Equal(a, b)
 }

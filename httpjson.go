@@ -8,6 +8,7 @@ import (
 	"math"
 	"slices"
 	"strings"
+	"unicode"
 	"unicode/utf16"
 	"unicode/utf8"
 )
@@ -247,11 +248,13 @@ func (c *jsonCanon) close() {
 	}
 	ms := c.members[f.members:]
 	c.members = c.members[:f.members] // ms is read below, before any member is added
-	slices.SortFunc(ms, func(a, b jsonMember) int {
-		if k := bytes.Compare(c.out[a.from:a.value], c.out[b.from:b.value]); k != 0 {
-			return k
-		}
-		return cmp.Compare(a.from, b.from) // one key's members in the order sent
+	// By key as encoding/json matches keys to a struct's fields: case
+	// folded (Unicode's simple folding: "Amount" and "amount", "s" and
+	// "ſ"), the last match winning. Members whose keys fold alike keep the
+	// order they were sent in, as a handler's decoder reads them;
+	// reordering them would be another request.
+	slices.SortStableFunc(ms, func(a, b jsonMember) int {
+		return compareFolded(c.out[a.from:a.value], c.out[b.from:b.value])
 	})
 	// '{', each member as key ':' value, the commas between them, '}'.
 	size := 1 + 2*len(ms)
@@ -479,4 +482,37 @@ func appendJSONRune(out []byte, r rune) []byte {
 		return append(out, '\\', 'u', '0', '0', hexDigits[r>>4], hexDigits[r&0xf])
 	}
 	return utf8.AppendRune(out, r)
+}
+
+// compareFolded orders two keys (canonical JSON strings) by their runes
+// case folded as encoding/json folds a key: the smallest rune of each
+// rune's simple folding orbit, ASCII letters as upper case.
+func compareFolded(x, y []byte) int {
+	for len(x) > 0 && len(y) > 0 {
+		rx, nx := foldedRune(x)
+		ry, ny := foldedRune(y)
+		if rx != ry {
+			return cmp.Compare(rx, ry)
+		}
+		x, y = x[nx:], y[ny:]
+	}
+	return cmp.Compare(len(x), len(y))
+}
+
+// foldedRune is the first rune of b, folded, and its length.
+func foldedRune(b []byte) (rune, int) {
+	if c := b[0]; c < utf8.RuneSelf {
+		if 'a' <= c && c <= 'z' {
+			c -= 'a' - 'A'
+		}
+		return rune(c), 1
+	}
+	r, n := utf8.DecodeRune(b)
+	for {
+		f := unicode.SimpleFold(r)
+		if f <= r {
+			return f, n
+		}
+		r = f
+	}
 }

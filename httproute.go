@@ -16,9 +16,10 @@ import (
 // with no key claimed, stored or traced.
 //
 // Give it for a router the middleware cannot ask. By default the route is
-// the pattern of the handler the middleware wraps, when that handler can
-// say which pattern a request will match (an *http.ServeMux, through its
-// Handler method: HTTPMiddleware(store)(mux)); else r.Pattern, which
+// the pattern of the handler the middleware wraps, when that handler is
+// net/http's *http.ServeMux (its Handler method says which pattern a
+// request will match: HTTPMiddleware(store)(mux); a type that embeds one
+// is not asked, as it may serve what the mux does not); else r.Pattern, which
 // net/http's mux has set when the middleware is mounted per route; else
 // unknown, and traced as the request method alone. chi's r.Use(mw) runs
 // before chi routes, so give chi's own lookup:
@@ -35,12 +36,6 @@ func WithHTTPRoute(f func(r *http.Request) string) HTTPOption {
 	return func(o *httpOptions) { o.routeOf = f }
 }
 
-// patternFinder is a router that can say which pattern a request will
-// match before it is served: *http.ServeMux.
-type patternFinder interface {
-	Handler(r *http.Request) (h http.Handler, pattern string)
-}
-
 // redirectHandlerType is the type of the handler a ServeMux gives for a
 // request it answers with a redirect to the canonical path.
 var redirectHandlerType = reflect.TypeOf(http.RedirectHandler("/", http.StatusTemporaryRedirect))
@@ -54,15 +49,18 @@ var redirectHandlerType = reflect.TypeOf(http.RedirectHandler("/", http.StatusTe
 // same key to another path, a 422).
 func (o *httpOptions) route(next http.Handler, r *http.Request) (string, bool) {
 	var pattern string
-	switch finder, isFinder := next.(patternFinder); {
+	// Only net/http's own ServeMux: a router that embeds one, or has a
+	// Handler method of its own, may serve what the mux has no pattern for
+	// (a fallback, a catch-all), which must stay protected.
+	switch mux, isMux := next.(*http.ServeMux); {
 	case o.routeOf != nil:
 		pattern = o.routeOf(r)
 		if pattern == "" {
 			return "", false
 		}
-	case isFinder:
+	case isMux:
 		var h http.Handler
-		h, pattern = finder.Handler(r)
+		h, pattern = mux.Handler(r)
 		if pattern == "" || reflect.TypeOf(h) == redirectHandlerType {
 			return "", false
 		}
