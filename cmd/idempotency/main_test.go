@@ -257,7 +257,7 @@ func TestPasswordIsNeverPrinted(t *testing.T) {
 	require.Contains(t, errOut, "$DATABASE_URL is host=127.0.0.1 port=1 password=xxxxx connect_timeout=1", "the rest is shown")
 	_, errOut, code = command(t, []string{"DATABASE_URL=postgres://app:pa/ss-s3cret@127.0.0.1:1/payments"}, "", "migrate")
 	require.Equal(t, 1, code)
-	require.Contains(t, errOut, "the database URL does not parse as a URL; percent-encode the special characters")
+	require.Contains(t, errOut, "percent-encode the special characters of its user name and password")
 	_, _, code = command(t, nil, "", "nonsense")
 	require.Equal(t, 2, code)
 	_, _, code = command(t, nil, "", "inspect", "only-one")

@@ -103,24 +103,48 @@ func parse(dsn string) (redacted string, secrets []string, err error) {
 	return redacted, secrets, err
 }
 
-// parseURL redacts a URL as pgx reads it (net/url, which takes the last
-// '@' of the authority as the end of the user-info, so a password with an
-// unencoded '@' is masked whole).
+// parseURL redacts a URL as pgx (5.12 and later) and libpq read one: the
+// user-info ends at the first '@' before any '/' (so a password may hold
+// '#', '?' and ':' unencoded, and one with an unencoded '@' ends at it, as
+// pgx reads it), the query starts at the first '?' after the hosts, and
+// there is no fragment. Everything but the password and the secret query
+// parameters is kept as written.
 func parseURL(dsn string) (string, []string, error) {
-	u, err := url.Parse(dsn)
-	if err != nil {
-		// url's error quotes dsn: not returned.
-		return "", nil, errors.New("the database URL does not parse as a URL; percent-encode the special characters of its user name and password (@ is %40, / is %2F, ? is %3F, # is %23)")
+	if strings.IndexByte(dsn, 0) >= 0 {
+		return "", nil, errors.New("the database URL holds a NUL byte")
 	}
+	scheme, rest, _ := strings.Cut(dsn, "://")
+	var out strings.Builder
+	out.WriteString(scheme + "://")
 	var secrets []string
-	if p, ok := u.User.Password(); ok {
-		secrets = append(secrets, p, rawPassword(dsn))
-		u.User = url.UserPassword(u.User.Username(), mask)
+	if i := strings.IndexAny(rest, "@/"); i >= 0 && rest[i] == '@' {
+		user, password, hasPassword := strings.Cut(rest[:i], ":")
+		out.WriteString(user)
+		if hasPassword {
+			out.WriteString(":" + mask)
+			secrets = append(secrets, password)
+			if d, err := url.PathUnescape(password); err == nil {
+				secrets = append(secrets, d)
+			}
+		}
+		out.WriteByte('@')
+		rest = rest[i+1:]
 	}
-	if u.RawQuery != "" {
+	// The hosts and the path end at the first '?' after them: a '?' of
+	// the path is the query's start too, as pgx reads it.
+	base, query, hasQuery := strings.Cut(rest, "?")
+	if strings.IndexByte(base, '@') >= 0 {
+		// An '@' after a '/': pgx reads the user-info as none and the rest
+		// as hosts and a database name, but it is a password holding an
+		// unencoded '/' far more often than a database named so. Where the
+		// password ends cannot be told: not shown, not used.
+		return "", nil, errors.New("the database URL has an '@' after a '/': percent-encode the special characters of its user name and password (/ is %2F, @ is %40)")
+	}
+	out.WriteString(base)
+	if hasQuery {
 		// Piece by piece, so that the other parameters keep their order and
 		// spelling.
-		pieces := strings.Split(u.RawQuery, "&")
+		pieces := strings.Split(query, "&")
 		for i, piece := range pieces {
 			k, v, _ := strings.Cut(piece, "=")
 			name, err := url.QueryUnescape(k)
@@ -136,25 +160,9 @@ func parseURL(dsn string) (string, []string, error) {
 			}
 			pieces[i] = k + "=" + mask
 		}
-		u.RawQuery = strings.Join(pieces, "&")
+		out.WriteString("?" + strings.Join(pieces, "&"))
 	}
-	return u.String(), secrets, nil
-}
-
-// rawPassword is the password of a URL as written, found as net/url finds
-// it: the authority ends at the first '/' once the fragment and the query
-// are cut, and its user-info at its last '@'.
-func rawPassword(dsn string) string {
-	_, rest, _ := strings.Cut(dsn, "://")
-	rest, _, _ = strings.Cut(rest, "#")
-	rest, _, _ = strings.Cut(rest, "?")
-	authority, _, _ := strings.Cut(rest, "/")
-	i := strings.LastIndexByte(authority, '@')
-	if i < 0 {
-		return ""
-	}
-	_, p, _ := strings.Cut(authority[:i], ":")
-	return p
+	return out.String(), secrets, nil
 }
 
 // parseKeywordValue redacts a keyword/value string as libpq and pgx read
