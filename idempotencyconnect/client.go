@@ -3,6 +3,7 @@ package idempotencyconnect
 import (
 	"context"
 	"net/http"
+	"strings"
 
 	"connectrpc.com/connect"
 	"google.golang.org/grpc/metadata"
@@ -58,6 +59,13 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 		_, err := c.client.Invoke(ctx, req.Spec().Procedure, msg, metadataOf(req.Header()), func(ctx context.Context, md metadata.MD) error {
 			for _, k := range []string{idempotency.MetadataKey, retryAttemptHeader} {
 				if vs := md.Get(k); len(vs) > 0 {
+					// One spelling: an application's own ("idempotency-key"
+					// set in the map) would go out beside it.
+					for name := range req.Header() {
+						if strings.EqualFold(name, k) {
+							delete(req.Header(), name)
+						}
+					}
 					req.Header()[http.CanonicalHeaderKey(k)] = vs
 				}
 			}
@@ -66,7 +74,7 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			return toGRPC(err)
 		})
 		if err != nil {
-			return nil, toConnect(err)
+			return nil, toConnect(err, nil)
 		}
 		return resp, nil
 	}

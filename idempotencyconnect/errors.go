@@ -50,15 +50,21 @@ func toGRPC(err error) error {
 	return &grpcError{err: err, st: status.FromProto(p)}
 }
 
-// toConnect is the connect error for err, a gRPC status error of the
-// engine's (an idempotency outcome, a stored final error), with its code,
-// message and details, and md as its metadata (headers and trailers).
-func toConnect(err error, md ...metadata.MD) error {
-	ge, own := err.(*grpcError)
-	if own {
+// toConnect is the connect error for err, as the engine returned it: the
+// handler's own error as the handler returned it; a gRPC status error (an
+// idempotency outcome, a stored final error) with its code, message and
+// details, and trailer as its metadata (which connect sends as gRPC's
+// trailers, in the headers of the Connect protocol's unary answer); any
+// other error as it is, which connect answers as it answers a handler's
+// (a context's error with its code, others Unknown).
+func toConnect(err error, trailer metadata.MD) error {
+	if ge, own := err.(*grpcError); own {
 		return ge.err // the handler's own error, as it returned it
 	}
-	st := status.Convert(err)
+	st, isStatus := status.FromError(err)
+	if !isStatus {
+		return err
+	}
 	code := connect.Code(st.Code())
 	if st.Code() == codes.OK || code > connect.CodeUnauthenticated {
 		code = connect.CodeUnknown
@@ -69,9 +75,7 @@ func toConnect(err error, md ...metadata.MD) error {
 			ce.AddDetail(detail)
 		}
 	}
-	for _, m := range md {
-		addHeaders(ce.Meta(), m)
-	}
+	addHeaders(ce.Meta(), trailer)
 	var inner *connect.Error
 	if errors.As(err, &inner) {
 		// A connect error the layer added to (the attempts a client made):
@@ -83,23 +87,51 @@ func toConnect(err error, md ...metadata.MD) error {
 	return ce
 }
 
-// metadataOf is an HTTP header as gRPC metadata: lower-case keys.
+// metadataOf is an HTTP header as gRPC metadata: lower-case keys, and the
+// values of binary keys (-bin) as bytes, which connect keeps in base64 and
+// gRPC as they are, so that a key's headers stored through one framework
+// are the same bytes through the other.
 func metadataOf(h http.Header) metadata.MD {
 	md := make(metadata.MD, len(h))
 	for k, vs := range h {
 		k = strings.ToLower(k)
-		md[k] = append(md[k], vs...)
+		for _, v := range vs {
+			if strings.HasSuffix(k, "-bin") {
+				if b, err := connect.DecodeBinaryHeader(v); err == nil {
+					v = string(b)
+				}
+			}
+			md[k] = append(md[k], v)
+		}
 	}
 	return md
 }
 
-// addHeaders adds md to h.
+// addHeaders adds md to h, binary values in base64 as connect sends them.
 func addHeaders(h http.Header, md metadata.MD) {
 	for k, vs := range md {
 		for _, v := range vs {
-			h.Add(k, v)
+			h.Add(k, headerValue(k, v))
 		}
 	}
+}
+
+// setHeaders sets md's keys in h, replacing their values.
+func setHeaders(h http.Header, md metadata.MD) {
+	for k, vs := range md {
+		ck := http.CanonicalHeaderKey(k)
+		h[ck] = nil
+		for _, v := range vs {
+			h[ck] = append(h[ck], headerValue(k, v))
+		}
+	}
+}
+
+func headerValue(k, v string) string {
+	if strings.HasSuffix(k, "-bin") {
+		return connect.EncodeBinaryHeader([]byte(v))
+	}
+	return v
 }
 
 // IsKeyReused reports whether err, a connect error of a call, says that

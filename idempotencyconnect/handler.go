@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 
 	"connectrpc.com/connect"
 	"google.golang.org/grpc/metadata"
@@ -33,7 +34,12 @@ import (
 // A replay needs no run of the handler in the process: the stored
 // response is sent with the method's response type from the global
 // registry (as a message of the stored type's name when none is linked
-// in, which encodes to the same bytes).
+// in, which encodes to the same bytes), behind a wrapper type, as a
+// connect.Response's type is fixed at compile time. An interceptor placed
+// outside this one that reads the response (resp.Any()) by its Go type,
+// *pb.ChargeResponse say, finds the wrapper on a replay: read it as a
+// proto.Message (its ProtoReflect is the message's), or install that
+// interceptor inside this one.
 //
 // Streaming calls are not protected: one whose method the option
 // annotates, or that carries a key, is refused with CodeUnimplemented
@@ -83,11 +89,12 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 		}, func(ctx context.Context) (proto.Message, idempotency.ResponseMetadata, error) {
 			before.restore(info) // what an earlier run of the handler set is not this run's
 			resp, err := next(ctx, req)
-			md := before.added(info)
+			md := before.changed(info)
 			if err != nil {
 				var ce *connect.Error
 				if errors.As(err, &ce) {
-					md.Header = metadata.Join(md.Header, metadataOf(ce.Meta()))
+					// An error's metadata: trailers, where gRPC sends them.
+					md.Trailer = metadata.Join(md.Trailer, metadataOf(ce.Meta()))
 				}
 				return nil, md, toGRPC(err)
 			}
@@ -100,23 +107,38 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 			}
 			return m, md, nil
 		})
-		if reply.Outcome == idempotency.OutcomeReplayed || len(reply.Header)+len(reply.Trailer) == 0 {
-			// Not this run's answer (a stored row, the engine's own error):
-			// what a run of the handler set is not sent.
-			before.restore(info)
+		replayed := reply.Outcome == idempotency.OutcomeReplayed
+		if _, asReturned := err.(*grpcError); !replayed && len(reply.Header)+len(reply.Trailer) > 0 && (err == nil || asReturned) {
+			// This run's answer, or a call passed through: the handler's
+			// response or error as it returned it, with what it set.
+			if err != nil {
+				return nil, toConnect(err, nil)
+			}
+			return own, nil
+		}
+		// A stored answer, the engine's own, or this run's error as the
+		// engine rewrote it: what a run of the handler set is taken back,
+		// and the answer's headers and trailers are set where the first
+		// answer's were (an error's metadata as trailers, as over gRPC).
+		before.restore(info)
+		var trailer metadata.MD
+		if info != nil {
+			setHeaders(info.ResponseHeader(), reply.Header)
+			setHeaders(info.ResponseTrailer(), reply.Trailer)
+		} else {
+			trailer = reply.Trailer
 		}
 		if err != nil {
-			if reply.Outcome == idempotency.OutcomeReplayed {
-				return nil, toConnect(err, reply.Header, reply.Trailer)
-			}
-			return nil, toConnect(err)
+			return nil, toConnect(err, trailer)
 		}
-		if reply.Outcome != idempotency.OutcomeReplayed && own != nil {
-			return own, nil // the handler's own response, with what it set
+		if !replayed {
+			return own, nil // passed through, nothing set
 		}
 		resp := connect.NewResponse(&replayedMessage{reply.Response})
-		addHeaders(resp.Header(), reply.Header)
-		addHeaders(resp.Trailer(), reply.Trailer)
+		if info == nil {
+			addHeaders(resp.Header(), reply.Header)
+			addHeaders(resp.Trailer(), reply.Trailer)
+		}
 		return resp, nil
 	}
 }
@@ -128,7 +150,7 @@ func (h *handlerInterceptor) WrapStreamingClient(next connect.StreamingClientFun
 func (h *handlerInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
 		if err := h.server.RefuseStream(conn.Spec().Procedure, metadataOf(conn.RequestHeader()), nil); err != nil {
-			return toConnect(err)
+			return toConnect(err, nil)
 		}
 		return next(ctx, conn)
 	}
@@ -166,20 +188,22 @@ func reset(dst, to http.Header) {
 	}
 }
 
-// added is what the handler set in info since h was taken.
-func (h headers) added(info connect.CallInfo) idempotency.ResponseMetadata {
+// changed is what the handler set in info since h was taken: each key
+// whose values it changed, with all its values now (a replay sets them as
+// they are: a value the handler replaced is replaced again).
+func (h headers) changed(info connect.CallInfo) idempotency.ResponseMetadata {
 	if info == nil {
 		return idempotency.ResponseMetadata{}
 	}
 	return idempotency.ResponseMetadata{Header: metadataOf(diff(info.ResponseHeader(), h.header)), Trailer: metadataOf(diff(info.ResponseTrailer(), h.trailer))}
 }
 
-// diff is what now has that then had not: the values added to each key.
+// diff is the keys of now whose values are not those of then.
 func diff(now, then http.Header) http.Header {
 	out := http.Header{}
 	for k, vs := range now {
-		if n := len(then[k]); len(vs) > n {
-			out[k] = vs[n:]
+		if !slices.Equal(vs, then[k]) {
+			out[k] = vs
 		}
 	}
 	return out
