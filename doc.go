@@ -173,6 +173,15 @@
 // runs, 422 when the key was used for another request. Handlers reach the
 // transaction with TxFromContext(r.Context()).
 //
+// # Other RPC frameworks
+//
+// [UnaryServer] and [UnaryClient] are the server and client sides of the
+// layer for any RPC framework's unary calls: UnaryServerInterceptor runs
+// on UnaryServer, and the module
+// github.com/exactlyonce/idempotency/idempotencyconnect runs connect-go's
+// interceptors on both, so that a key sent through connect's protocols or
+// to a grpc-go server on the same store and scope is one call.
+//
 // # Message consumers
 //
 // [Store.ProcessMessage] is the same engine for at-least-once streams (NATS
