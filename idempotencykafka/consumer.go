@@ -220,6 +220,12 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return ctx.Err()
 		}
 		c.o.onError(err)
+		if errors.Is(err, errHurried) {
+			// The poll ended for a rebalance: the next poll is of the
+			// member's new assignment, with nothing to wait for.
+			failed = 0
+			continue
+		}
 		// A commit given up (a rebalance, say) delivers the poll's
 		// records again: replayed at once, they would meet the same
 		// refusal as fast as the broker answers.
@@ -253,6 +259,16 @@ func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) erro
 	// offsets are not committed. Losses are forgotten once the poll is done; Run,
 	// which knows when it polls, forgets them before each poll.
 	defer c.newPoll()
+	if !polling.take(c.client) {
+		// A Run, or another ProcessFetches, applies this client's records:
+		// each would commit offsets past records the other has not applied
+		// yet. These are left for later polls.
+		for _, p := range byPartition(fetches) {
+			c.rewind(p.Records[0])
+		}
+		return errors.New("idempotencykafka: ProcessFetches: a Run or another ProcessFetches applies this client's records; the records of one client are applied by one poll loop at a time (give each a client of its own); these records are delivered again")
+	}
+	defer polling.release(c.client)
 	return c.processFetches(ctx, fetches)
 }
 
@@ -361,6 +377,13 @@ func (c *Consumer) processPartition(ctx, waits context.Context, records []*kgo.R
 			// partition's lag would stay at 1.
 			d.last = r
 			continue
+		}
+		if waits.Err() != nil {
+			// A rebalance waits for the poll (or the partition was lost):
+			// no record begins; this one and those after it are delivered
+			// again.
+			d.undone = r
+			return d, context.Cause(waits)
 		}
 		if err := c.processRecord(ctx, waits, r); err != nil {
 			d.undone = r
@@ -567,7 +590,19 @@ func (c *Consumer) processRecord(ctx, waits context.Context, r *kgo.Record) erro
 	fn := func(ctx context.Context, tx pgx.Tx) error { return c.handle(ctx, tx, r) }
 	failures, givingUp := 0, false
 	for wait := uint(0); ; wait++ {
-		outcome, err := c.apply(ctx, m, fn)
+		tctx, begin, done := try(ctx, waits)
+		outcome, err := c.apply(tctx, m, func(ctx context.Context, tx pgx.Tx) error {
+			if !begin() {
+				return context.Cause(waits)
+			}
+			return fn(ctx, tx)
+		})
+		if done() {
+			// A rebalance waits for the poll: this try ended before its
+			// handler began (nothing ran, nothing counts); the record is
+			// delivered again.
+			return context.Cause(waits)
+		}
 		if givingUp && outcome == idempotency.OutcomeExecuted {
 			// The giving up is stored; the handlers were told of the last
 			// try, released, and the dead letter says so.
@@ -619,6 +654,43 @@ func (c *Consumer) apply(ctx context.Context, m idempotency.Message, fn func(con
 		}
 	}()
 	return c.store.ProcessMessage(ctx, m, fn)
+}
+
+// try is the context of one try of a record: ctx, and also ended by
+// waits (a rebalance waits for the poll) until the record's handler
+// begins, so that a try waiting for its ID held by another member stops
+// then, while one whose handler runs is let finish (its effect committed
+// or rolled back). begin, called as the handler begins, says whether it
+// may; done ends the try and says whether waits ended it before its
+// handler began.
+func try(ctx, waits context.Context) (tctx context.Context, begin func() bool, done func() (cut bool)) {
+	tctx, cancel := context.WithCancelCause(ctx)
+	var (
+		mu               sync.Mutex
+		running, stopped bool
+	)
+	stop := context.AfterFunc(waits, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if !running {
+			stopped = true
+			cancel(context.Cause(waits))
+		}
+	})
+	begin = func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		running = !stopped
+		return running
+	}
+	done = func() bool {
+		stop()
+		cancel(nil)
+		mu.Lock()
+		defer mu.Unlock()
+		return stopped
+	}
+	return tctx, begin, done
 }
 
 // transient reports whether a released record's error is the database's

@@ -111,11 +111,12 @@ func (c *Consumer) newPoll() {
 // its ID held by another member, a handler's error WithRetryable names, a
 // missing dead-letter topic) could hold the group's rebalance until the
 // member is dropped from the group. Told that a rebalance waits, every
-// consumer of the client stops waiting: an attempt under way ends (its
-// effect committed or rolled back), no other begins, the offsets of the
-// records done are committed, the records left undone are delivered again
-// (the member may keep their partitions), and the poll lets the rebalance
-// go ahead. Give it to the client of every consumer:
+// consumer of the client stops waiting: a record whose handler runs is let
+// finish (its effect committed or rolled back), a try still waiting (for
+// its ID held by another member, for a retry's backoff) ends, no record
+// begins, the offsets of the records done are committed, the records left
+// undone are delivered again (the member may keep their partitions), and
+// the poll lets the rebalance go ahead. Give it to the client of every consumer:
 //
 //	kgo.OnPartitionsCallbackBlocked(idempotencykafka.OnPartitionsCallbackBlocked)
 func OnPartitionsCallbackBlocked(_ context.Context, cl *kgo.Client) {
