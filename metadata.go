@@ -144,6 +144,10 @@ func encodeResponseMetadata(md ResponseMetadata) ([]byte, error) {
 	}
 	b, size := encodeMD(nil, 1, md.Header, 0)
 	b, size = encodeMD(b, 2, md.Trailer, size)
+	if len(md.Adapter) > 0 {
+		b = protowire.AppendBytes(protowire.AppendTag(b, 3, protowire.BytesType), md.Adapter)
+		size += len(md.Adapter)
+	}
 	if size > MaxStoredMetadata {
 		return nil, status.Errorf(codes.Internal, "idempotency: the handler set %d bytes of headers and trailers; at most %d (MaxStoredMetadata) can be stored for replay", size, MaxStoredMetadata)
 	}
@@ -195,22 +199,32 @@ func appendEntry(b []byte, field protowire.Number, key string, values []string) 
 	return protowire.AppendBytes(protowire.AppendTag(b, field, protowire.BytesType), entry)
 }
 
-// decodeMD reads the stored form back.
-func decodeMD(b []byte) (header, trailer metadata.MD, err error) {
+// decodeMD reads the stored form back. Field 3, when there is one, holds
+// what an adapter keeps beside them (ResponseMetadata.Adapter).
+func decodeMD(b []byte) (md ResponseMetadata, err error) {
+	header, trailer, adapter, err := decodeStoredMD(b)
+	return ResponseMetadata{Header: header, Trailer: trailer, Adapter: adapter}, err
+}
+
+func decodeStoredMD(b []byte) (header, trailer metadata.MD, adapter []byte, err error) {
 	for len(b) > 0 {
 		num, typ, n := protowire.ConsumeTag(b)
 		if n < 0 || typ != protowire.BytesType {
-			return nil, nil, errors.New("stored metadata is malformed")
+			return nil, nil, nil, errors.New("stored metadata is malformed")
 		}
 		b = b[n:]
 		entry, n := protowire.ConsumeBytes(b)
 		if n < 0 {
-			return nil, nil, errors.New("stored metadata is malformed")
+			return nil, nil, nil, errors.New("stored metadata is malformed")
 		}
 		b = b[n:]
+		if num == 3 {
+			adapter = entry
+			continue
+		}
 		key, values, err := decodeEntry(entry)
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		switch num {
 		case 1:
@@ -219,7 +233,7 @@ func decodeMD(b []byte) (header, trailer metadata.MD, err error) {
 			trailer = metadata.Join(trailer, metadata.MD{key: values})
 		}
 	}
-	return header, trailer, nil
+	return header, trailer, adapter, nil
 }
 
 func decodeEntry(b []byte) (key string, values []string, err error) {

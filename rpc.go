@@ -64,9 +64,15 @@ type UnaryCall struct {
 }
 
 // ResponseMetadata is the headers and trailers of a response, with
-// lower-case keys.
+// lower-case keys, as gRPC has them (binary keys' values as bytes).
 type ResponseMetadata struct {
 	Header, Trailer metadata.MD
+	// Adapter is what a framework's adapter keeps beside them, to replay
+	// them in the places its framework had them (idempotencyconnect keeps
+	// which of connect's places each value came from): stored with them,
+	// counted in MaxStoredMetadata, given back with a replay whichever
+	// framework answers it, and ignored by the others.
+	Adapter []byte
 }
 
 // UnaryHandler runs the framework's handler of a call, with ctx (which
@@ -161,11 +167,12 @@ func (s *UnaryServer) protect(ctx context.Context, call UnaryCall, p plan, err e
 	reply := UnaryReply{Outcome: res.Outcome}
 	switch {
 	case res.Outcome == OutcomeReplayed && (err == nil || IsFinal(err)):
-		header, trailer, derr := decodeMD(res.metadata)
+		md, derr := decodeMD(res.metadata)
 		if derr != nil {
 			return reply, status.Errorf(codes.Internal, "idempotency: %v", derr)
 		}
-		reply.Header, reply.Trailer = header, metadata.Join(trailer, metadata.Pairs(ReplayedTrailer, "true"))
+		md.Trailer = metadata.Join(md.Trailer, metadata.Pairs(ReplayedTrailer, "true"))
+		reply.ResponseMetadata = md
 	case res.ownAnswer:
 		// This run's answer: its headers and trailers go with it. Any
 		// other (a replay of another call's row, an error of the

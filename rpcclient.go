@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -73,14 +74,16 @@ func (c *UnaryClient) Invoke(ctx context.Context, method string, req proto.Messa
 			md.Set(retryMarkers[0], fmt.Sprint(n-1))
 		}
 		err = c.attempt(ctx, method, md, attempt, true)
-		if err == nil || !rs.retriable(err) || ctx.Err() != nil {
+		if err == nil || !rs.retriable(err) {
 			return key, rs.explain(err)
 		}
 		t := time.NewTimer(rs.next)
 		select {
 		case <-ctx.Done():
+			// The caller gave up waiting for the retry: its context's
+			// error, as a gRPC client's retry interceptor answers.
 			t.Stop()
-			return key, rs.explain(err)
+			return key, status.FromContextError(ctx.Err()).Err()
 		case <-t.C:
 		}
 	}

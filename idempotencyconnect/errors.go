@@ -54,10 +54,11 @@ func toGRPC(err error) error {
 // handler's own error as the handler returned it; a gRPC status error (an
 // idempotency outcome, a stored final error) with its code, message and
 // details, and trailer as its metadata (which connect sends as gRPC's
-// trailers, in the headers of the Connect protocol's unary answer); any
+// trailers, in the headers of the Connect protocol's unary answer), with
+// meta as its metadata; any
 // other error as it is, which connect answers as it answers a handler's
 // (a context's error with its code, others Unknown).
-func toConnect(err error, trailer metadata.MD) error {
+func toConnect(err error, meta http.Header) error {
 	if ge, own := err.(*grpcError); own {
 		return ge.err // the handler's own error, as it returned it
 	}
@@ -75,7 +76,7 @@ func toConnect(err error, trailer metadata.MD) error {
 			ce.AddDetail(detail)
 		}
 	}
-	addHeaders(ce.Meta(), trailer)
+	mergeHeaders(ce.Meta(), meta)
 	var inner *connect.Error
 	if errors.As(err, &inner) {
 		// A connect error the layer added to (the attempts a client made):
@@ -107,23 +108,10 @@ func metadataOf(h http.Header) metadata.MD {
 	return md
 }
 
-// addHeaders adds md to h, binary values in base64 as connect sends them.
-func addHeaders(h http.Header, md metadata.MD) {
-	for k, vs := range md {
-		for _, v := range vs {
-			h.Add(k, headerValue(k, v))
-		}
-	}
-}
-
-// setHeaders sets md's keys in h, replacing their values.
-func setHeaders(h http.Header, md metadata.MD) {
-	for k, vs := range md {
-		ck := http.CanonicalHeaderKey(k)
-		h[ck] = nil
-		for _, v := range vs {
-			h[ck] = append(h[ck], headerValue(k, v))
-		}
+// mergeHeaders adds the values of src to dst.
+func mergeHeaders(dst, src http.Header) {
+	for k, vs := range src {
+		dst[k] = append(dst[k], vs...)
 	}
 }
 

@@ -2,10 +2,12 @@ package idempotencyconnect
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"slices"
+	"strings"
 
 	"connectrpc.com/connect"
 	"google.golang.org/grpc/metadata"
@@ -89,18 +91,33 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 		}, func(ctx context.Context) (proto.Message, idempotency.ResponseMetadata, error) {
 			before.restore(info) // what an earlier run of the handler set is not this run's
 			resp, err := next(ctx, req)
-			md := before.changed(info)
+			// The replay marker is the layer's to set: a handler's is taken
+			// out wherever it put it, as gRPC's SetTrailer refuses it.
+			before.unmark(info)
+			var ce *connect.Error
+			if err != nil && errors.As(err, &ce) && !connect.IsWireError(ce) {
+				ce.Meta().Del(idempotency.ReplayedTrailer)
+			}
+			if resp != nil {
+				resp.Header().Del(idempotency.ReplayedTrailer)
+				resp.Trailer().Del(idempotency.ReplayedTrailer)
+			}
+			md, pl := before.changed(info)
+			pl.Raw = rawBinary(info, resp, ce)
 			if err != nil {
-				var ce *connect.Error
-				if errors.As(err, &ce) {
-					// An error's metadata: trailers, where gRPC sends them.
+				if ce != nil && !connect.IsWireError(ce) {
+					// An error's metadata: trailers, where gRPC sends them
+					// (connect sends none of a downstream's error passed on,
+					// and neither does a replay).
 					md.Trailer = metadata.Join(md.Trailer, metadataOf(ce.Meta()))
 				}
+				md.Adapter = pl.encode()
 				return nil, md, toGRPC(err)
 			}
 			own = resp
 			md.Header = metadata.Join(md.Header, metadataOf(resp.Header()))
 			md.Trailer = metadata.Join(md.Trailer, metadataOf(resp.Trailer()))
+			md.Adapter = pl.encode()
 			m, ok := resp.Any().(proto.Message)
 			if !ok {
 				return nil, md, connect.NewError(connect.CodeInternal, fmt.Errorf("idempotencyconnect: the response of %s is %T, not a proto message", req.Spec().Procedure, resp.Any()))
@@ -108,7 +125,8 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 			return m, md, nil
 		})
 		replayed := reply.Outcome == idempotency.OutcomeReplayed
-		if _, asReturned := err.(*grpcError); !replayed && len(reply.Header)+len(reply.Trailer) > 0 && (err == nil || asReturned) {
+		ownMetadata := len(reply.Header)+len(reply.Trailer)+len(reply.Adapter) > 0
+		if _, asReturned := err.(*grpcError); !replayed && ownMetadata && (err == nil || asReturned) {
 			// This run's answer, or a call passed through: the handler's
 			// response or error as it returned it, with what it set.
 			if err != nil {
@@ -118,27 +136,19 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 		}
 		// A stored answer, the engine's own, or this run's error as the
 		// engine rewrote it: what a run of the handler set is taken back,
-		// and the answer's headers and trailers are set where the first
-		// answer's were (an error's metadata as trailers, as over gRPC).
+		// and the answer's headers and trailers are put back where the
+		// first answer had them.
 		before.restore(info)
-		var trailer metadata.MD
-		if info != nil {
-			setHeaders(info.ResponseHeader(), reply.Header)
-			setHeaders(info.ResponseTrailer(), reply.Trailer)
-		} else {
-			trailer = reply.Trailer
-		}
+		p := place(info, reply.ResponseMetadata, err != nil)
 		if err != nil {
-			return nil, toConnect(err, trailer)
+			return nil, toConnect(err, p.errorMeta)
 		}
 		if !replayed {
 			return own, nil // passed through, nothing set
 		}
 		resp := connect.NewResponse(&replayedMessage{reply.Response})
-		if info == nil {
-			addHeaders(resp.Header(), reply.Header)
-			addHeaders(resp.Trailer(), reply.Trailer)
-		}
+		mergeHeaders(resp.Header(), p.header)
+		mergeHeaders(resp.Trailer(), p.trailer)
 		return resp, nil
 	}
 }
@@ -188,23 +198,192 @@ func reset(dst, to http.Header) {
 	}
 }
 
-// changed is what the handler set in info since h was taken: each key
-// whose values it changed, with all its values now (a replay sets them as
-// they are: a value the handler replaced is replaced again).
-func (h headers) changed(info connect.CallInfo) idempotency.ResponseMetadata {
-	if info == nil {
-		return idempotency.ResponseMetadata{}
-	}
-	return idempotency.ResponseMetadata{Header: metadataOf(diff(info.ResponseHeader(), h.header)), Trailer: metadataOf(diff(info.ResponseTrailer(), h.trailer))}
+// placement is where connect had the values of a response's headers and
+// trailers, kept beside them (ResponseMetadata.Adapter): of each key, how
+// many of its first values the handler's context (connect.CallInfo) held,
+// the others being the response's, or an error's metadata; and the keys
+// the handler deleted from its context.
+type placement struct {
+	Header         map[string]int `json:"h,omitempty"`
+	Trailer        map[string]int `json:"t,omitempty"`
+	DeletedHeader  []string       `json:"dh,omitempty"`
+	DeletedTrailer []string       `json:"dt,omitempty"`
+	// Raw is the binary (-bin) keys whose values the handler wrote
+	// otherwise than in base64, kept and sent again as written.
+	Raw []string `json:"raw,omitempty"`
 }
 
-// diff is the keys of now whose values are not those of then.
-func diff(now, then http.Header) http.Header {
-	out := http.Header{}
+func (p placement) encode() []byte {
+	if len(p.Header)+len(p.Trailer)+len(p.DeletedHeader)+len(p.DeletedTrailer)+len(p.Raw) == 0 {
+		return nil
+	}
+	b, _ := json.Marshal(p)
+	return b
+}
+
+// changed is what the handler did to info since h was taken: each key
+// whose values it changed, with all its values now (a replay sets them as
+// they are: a value the handler replaced is replaced again), and each key
+// it deleted.
+func (h headers) changed(info connect.CallInfo) (idempotency.ResponseMetadata, placement) {
+	var p placement
+	if info == nil {
+		return idempotency.ResponseMetadata{}, p
+	}
+	header, dh := diff(info.ResponseHeader(), h.header)
+	trailer, dt := diff(info.ResponseTrailer(), h.trailer)
+	md := idempotency.ResponseMetadata{Header: metadataOf(header), Trailer: metadataOf(trailer)}
+	p.Header, p.Trailer = counts(md.Header), counts(md.Trailer)
+	p.DeletedHeader, p.DeletedTrailer = dh, dt
+	return md, p
+}
+
+func counts(md metadata.MD) map[string]int {
+	if len(md) == 0 {
+		return nil
+	}
+	n := make(map[string]int, len(md))
+	for k, vs := range md {
+		n[k] = len(vs)
+	}
+	return n
+}
+
+// diff is the keys of now whose values are not those of then, and the
+// keys of then that now has not (lower case).
+func diff(now, then http.Header) (changed http.Header, deleted []string) {
+	changed = http.Header{}
 	for k, vs := range now {
 		if !slices.Equal(vs, then[k]) {
-			out[k] = vs
+			changed[k] = vs
 		}
+	}
+	for k := range then {
+		if _, ok := now[k]; !ok {
+			deleted = append(deleted, strings.ToLower(k))
+		}
+	}
+	slices.Sort(deleted)
+	return changed, deleted
+}
+
+// unmark takes out of info a replay marker that was not there when h was
+// taken.
+func (h headers) unmark(info connect.CallInfo) {
+	if info == nil {
+		return
+	}
+	if h.header.Get(idempotency.ReplayedTrailer) == "" {
+		info.ResponseHeader().Del(idempotency.ReplayedTrailer)
+	}
+	if h.trailer.Get(idempotency.ReplayedTrailer) == "" {
+		info.ResponseTrailer().Del(idempotency.ReplayedTrailer)
+	}
+}
+
+// rawBinary is the binary (-bin) keys, lower case, of which a value the
+// handler set (in its context, on its response or its error) is not
+// base64.
+func rawBinary(info connect.CallInfo, resp connect.AnyResponse, ce *connect.Error) []string {
+	var hs []http.Header
+	if info != nil {
+		hs = append(hs, info.ResponseHeader(), info.ResponseTrailer())
+	}
+	if resp != nil {
+		hs = append(hs, resp.Header(), resp.Trailer())
+	}
+	if ce != nil {
+		hs = append(hs, ce.Meta())
+	}
+	var raw []string
+	for _, h := range hs {
+		for k, vs := range h {
+			k = strings.ToLower(k)
+			if !strings.HasSuffix(k, "-bin") || slices.Contains(raw, k) {
+				continue
+			}
+			for _, v := range vs {
+				if _, err := connect.DecodeBinaryHeader(v); err != nil {
+					raw = append(raw, k)
+					break
+				}
+			}
+		}
+	}
+	slices.Sort(raw)
+	return raw
+}
+
+// placed is a stored answer's headers and trailers that do not go in the
+// handler's context: the response's, or an error's metadata.
+type placed struct {
+	header, trailer, errorMeta http.Header
+}
+
+// place puts a stored answer's headers and trailers back where connect had
+// them on its first answer: the handler's context's values into info (its
+// deletions too), the others on the response, or in an error's metadata.
+// An answer stored through another framework (no placement) has its
+// headers on the response (in the context, for an error) and its trailers
+// on the response (in the error's metadata, for an error): where gRPC
+// sends them.
+func place(info connect.CallInfo, md idempotency.ResponseMetadata, isError bool) placed {
+	var p placement
+	if len(md.Adapter) > 0 {
+		_ = json.Unmarshal(md.Adapter, &p) // a placement that does not parse puts nothing in the context
+	}
+	out := placed{header: http.Header{}, trailer: http.Header{}, errorMeta: http.Header{}}
+	value := func(k, v string) string {
+		if slices.Contains(p.Raw, k) {
+			return v // as the handler wrote it
+		}
+		return headerValue(k, v)
+	}
+	// split sets the first inContext values of key k in ctx (when there is
+	// a context), replacing what it held, and adds the others to rest.
+	split := func(k string, vs []string, inContext int, ctx, rest http.Header) {
+		n := min(inContext, len(vs))
+		if ctx == nil {
+			n = 0
+		}
+		ck := http.CanonicalHeaderKey(k)
+		if n > 0 {
+			ctx[ck] = nil
+			for _, v := range vs[:n] {
+				ctx[ck] = append(ctx[ck], value(k, v))
+			}
+		}
+		for _, v := range vs[n:] {
+			rest[ck] = append(rest[ck], value(k, v))
+		}
+	}
+	var ctxHeader, ctxTrailer http.Header
+	if info != nil {
+		ctxHeader, ctxTrailer = info.ResponseHeader(), info.ResponseTrailer()
+		for _, k := range p.DeletedHeader {
+			ctxHeader.Del(k)
+		}
+		for _, k := range p.DeletedTrailer {
+			ctxTrailer.Del(k)
+		}
+	}
+	headerRest := out.header
+	if isError {
+		headerRest = out.errorMeta // no context to put them in: with the error's metadata
+	}
+	for k, vs := range md.Header {
+		inContext := p.Header[k]
+		if isError {
+			inContext = len(vs) // an error has no response headers
+		}
+		split(k, vs, inContext, ctxHeader, headerRest)
+	}
+	trailerRest := out.trailer
+	if isError {
+		trailerRest = out.errorMeta
+	}
+	for k, vs := range md.Trailer {
+		split(k, vs, p.Trailer[k], ctxTrailer, trailerRest)
 	}
 	return out
 }
