@@ -55,6 +55,10 @@ type attempt struct {
 	// tempSchema is the session's temporary schema as the claim found it,
 	// 0 for none yet (see finish).
 	tempSchema int64
+	// claimed is who made the claim: its transaction and session, which
+	// say whether anything of the attempt committed when its connection
+	// cannot (see claimFate).
+	claimed claimant
 	// ran: fn ran, so what the key stores from here on is this attempt's
 	// answer (see settle).
 	ran bool
@@ -104,7 +108,7 @@ func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
 	br := a.conn.SendBatch(ctx, b)
 	var snapshotLevel bool
 	if _, err = br.Exec(); err == nil {
-		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel, &a.tempSchema)
+		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel, &a.tempSchema, &a.claimed.xact, &a.claimed.pid, &a.claimed.at)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			err = nil

@@ -50,7 +50,7 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 		}
 		row, err := a.keyRow(h.resp, st, true)
 		if err != nil {
-			return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+			return a.releaseFor(fctx, func() (result, error) { return result{Result: Result{Outcome: OutcomeReleased}}, err })
 		}
 		return a.settle(fctx, &row, h.resp, h.err)
 	}
@@ -71,7 +71,9 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attemptNext, error) {
 	row, err := a.keyRow(resp, nil, true)
 	if err != nil {
-		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+		// The result cannot be stored: the call fails, released, unless
+		// fn committed the claim or left its transaction (see release).
+		return a.releaseFor(ctx, func() (result, error) { return result{Result: Result{Outcome: OutcomeReleased}}, err })
 	}
 	var b *pgx.Batch
 	if a.s.pooled.Load() && (a.reset != "" || a.rawConn) {
