@@ -321,8 +321,8 @@ type fate struct {
 	// status is the claim's transaction's: "committed", "aborted" or "in
 	// progress" (txid_status).
 	status string
-	// left: the attempt's session was alive outside the claim's
-	// transaction.
+	// left: the attempt's session was alive, and had left the claim's
+	// transaction (see statements.endSession).
 	left bool
 }
 
@@ -330,7 +330,7 @@ type fate struct {
 type claimant struct {
 	xact int64 // the call's transaction (txid_current)
 	pid  int32 // the session's backend process
-	at   int64 // when, in microseconds since the epoch
+	at   int64 // the transaction's start, in microseconds since the epoch
 }
 
 // claimFate ends the attempt's session if it still lives (see
@@ -359,13 +359,9 @@ func (a *attempt) claimFate(ctx context.Context) (fate, error) {
 	b.Queue(a.st.claimStatus, c.xact)
 	br := pc.Conn().SendBatch(ctx, b)
 	var f fate
-	var inClaim bool
 	var ended *bool
-	switch err = br.QueryRow().Scan(&inClaim, &ended); {
-	case err == nil:
-		f.left = !inClaim
-	case errors.Is(err, pgx.ErrNoRows):
-		err = nil
+	if err = br.QueryRow().Scan(&f.left, &ended); errors.Is(err, pgx.ErrNoRows) {
+		err = nil // the session is gone
 	}
 	if err == nil {
 		var status *string

@@ -71,9 +71,9 @@ func renderStatements(ident string, pooled bool) statements {
 		// the key's lock, without waiting for it, and, if it was free, the
 		// key's row in the state running. It returns a row only when it
 		// inserted one (see statements.missed for the other case), with who
-		// made the claim: its transaction, its session's backend and when,
-		// which tell what became of the claim once its connection is lost
-		// (see claimFate).
+		// made the claim: its transaction, its session's backend and the
+		// transaction's start, which tell what became of the claim once
+		// its connection is lost (see claimFate).
 		//
 		// The row is what no handler can undo. It is written in the call's
 		// transaction, so a crash or a rollback takes it away with the
@@ -102,7 +102,7 @@ func renderStatements(ident string, pooled bool) statements {
 WHERE {{claim_lock}}
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'), pg_catalog.pg_my_temp_schema()::bigint,
-pg_catalog.txid_current(), pg_catalog.pg_backend_pid(), (extract(epoch FROM created_at) * 1000000)::bigint`),
+pg_catalog.txid_current(), pg_catalog.pg_backend_pid(), (extract(epoch FROM pg_catalog.now()) * 1000000)::bigint`),
 		// After a claim that inserted nothing (the lock was held, or the key
 		// has a row), in the same round trip as the call's ROLLBACK: an
 		// expired row is deleted if the session got the lock, which is then
@@ -156,14 +156,17 @@ SELECT 1 / pg_catalog.count(*)::int, pg_catalog.pg_my_temp_schema()::bigint FROM
 FROM (SELECT pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) AS free) l
 LEFT JOIN {{table}} k ON k.scope = $1::text AND k.key = $2::text`),
 		// An attempt whose connection was lost: its session ($1, the
-		// backend's pid, started before the claim at $2, in microseconds
-		// since the epoch, which no later backend with that pid can be) is
-		// ended if it still lives, so that nothing it was still running
-		// can commit later, and whether it was still in the claim's
-		// transaction ($3) is read first. A pooler may have handed the
-		// checking connection that very backend, idle: it is not ended.
-		// endSessionWait waits up to $4 milliseconds for the backend to be
-		// gone (PostgreSQL 14 and later).
+		// backend's pid, started before the claim's transaction, which
+		// started at $2, in microseconds since the epoch: no later backend
+		// with that pid can have) is ended if it still lives, so that
+		// nothing it was still running can commit later. First, whether it
+		// had left the claim's transaction ($3) for good: it is outside any
+		// transaction, or in one with another id or start. A session in a
+		// failed transaction block shows neither, and is not taken to have
+		// left. A pooler may have handed the checking connection that very
+		// backend, idle: it is not ended. endSessionWait waits up to $4
+		// milliseconds for the backend to be gone (PostgreSQL 14 and
+		// later).
 		endSession:     endSession("a.pid"),
 		endSessionWait: endSession("a.pid, $4::bigint"),
 		// Then what became of the claim's transaction: committed, aborted,
@@ -226,7 +229,8 @@ SELECT $1::text, $2::text, $3::text, $4::bytea, 'running', t.now, t.now + $5::bi
 // endSession is statements.endSession with the arguments of
 // pg_terminate_backend.
 func endSession(args string) string {
-	return `SELECT a.backend_xid IS NOT NULL AND a.backend_xid::text::bigint = $3::bigint % 4294967296,
+	return `SELECT COALESCE(a.state = 'idle' OR a.backend_xid::text::bigint <> $3::bigint % 4294967296
+  OR (extract(epoch FROM a.xact_start) * 1000000)::bigint <> $2::bigint, false),
 CASE WHEN a.pid <> pg_catalog.pg_backend_pid() THEN pg_catalog.pg_terminate_backend(` + args + `) END
 FROM pg_catalog.pg_stat_activity a
 WHERE a.pid = $1::int AND (extract(epoch FROM a.backend_start) * 1000000)::bigint <= $2::bigint`
