@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -43,11 +42,10 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 	case txStatus == 'E' && !isFinal:
 		return a.settleWith(fctx, grpcstatus.New(codes.Internal, errIgnoredFailure))
 	case isFinal:
-		st := grpcstatus.Convert(final.err)
-		if !utf8.ValidString(st.Message()) {
-			// The caller gets what is stored, now and on every replay.
-			h.err = Final(grpcstatus.ErrorProto(sanitizeStatus(st.Proto())))
-		}
+		// The caller gets what is stored, now as on every replay: the
+		// status, as a status error (see replay).
+		st := finalStatus(final.err)
+		h.err = storedFinal(st)
 		row, err := a.keyRow(h.resp, st, true)
 		if err != nil {
 			return a.releaseFor(fctx, func() (result, error) { return result{Result: Result{Outcome: OutcomeReleased}}, err })

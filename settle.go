@@ -126,7 +126,7 @@ func (a *attempt) settleWith(ctx context.Context, st *grpcstatus.Status) (result
 	if err != nil {
 		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
 	}
-	return a.settle(ctx, &row, nil, Final(st.Err()))
+	return a.settle(ctx, &row, nil, storedFinal(st))
 }
 
 // settleElsewhere is settleOn on a connection of its own, for a call whose
@@ -197,7 +197,7 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 	}
 	switch {
 	case abandoned:
-		return result{Result: Result{Outcome: OutcomeExecuted}}, true, Final(grpcstatus.Error(codes.Internal, errAbandoned))
+		return result{Result: Result{Outcome: OutcomeExecuted}}, true, storedFinal(grpcstatus.New(codes.Internal, errAbandoned))
 	case !claims:
 		// fn ended the claim's transaction, and the session still holds
 		// the key's lock: settled as for a handler that returns outside
@@ -306,7 +306,7 @@ func (a *attempt) afterLoss(fctx context.Context, leftIsFn bool, released func()
 		if err != nil {
 			return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, err
 		}
-		row, returned = &r, Final(st.Err())
+		row, returned = &r, storedFinal(st)
 	}
 	s, err := a.settleElsewhere(fctx, row)
 	if err != nil {
