@@ -211,6 +211,10 @@ func New(store *idempotency.Store, cons jetstream.Consumer, h Handler, opts ...O
 		}
 		o.scope = info.Stream + "/" + info.Config.Durable
 	}
+	// A scope the store refuses would fail every message, nacked forever.
+	if err := idempotency.ValidateScope(o.scope); err != nil {
+		return nil, fmt.Errorf("natsconsumer: scope %.60q: %w: give one the store takes with natsconsumer.WithScope", o.scope, err)
+	}
 	return &Consumer{store: store, cons: cons, handler: h, opts: o, failures: map[delivered]*failures{}}, nil
 }
 

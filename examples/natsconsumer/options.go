@@ -59,7 +59,8 @@ func (o *options) staleAfter() time.Duration {
 // apply different effects of the same stream (a billing and a mailing
 // consumer, say) must not, or one would skip the other's messages. The
 // scope names the effect, not the messages: consumers of one scope may
-// filter different subjects. Defaults to "<stream>/<durable name>".
+// filter different subjects. [New] refuses a scope the store would
+// ([idempotency.ValidateScope]). Defaults to "<stream>/<durable name>".
 //
 // A consumer that is not durable has no default and needs this option
 // ([New]), with a scope that is the same each time the program starts.

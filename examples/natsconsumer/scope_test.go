@@ -22,7 +22,8 @@ import (
 // consumer itself, and the server cannot tell that name from one the
 // program chose). Before, New took an ephemeral with the default scope
 // "<stream>/<its name>", and every message of an unnamed one was applied
-// again after the restart: two credit rows per ID.
+// again after the restart: two credit rows per ID. A scope the store
+// refuses is refused by New too; before, every message was nacked forever.
 func TestEachIDAppliedOnceAcrossConsumerRestart(t *testing.T) {
 	t.Parallel()
 	explicit := jetstream.ConsumerConfig{AckPolicy: jetstream.AckExplicitPolicy, AckWait: 5 * time.Second}
@@ -46,6 +47,7 @@ func TestEachIDAppliedOnceAcrossConsumerRestart(t *testing.T) {
 		{name: "unnamed ephemeral with a scope", config: explicit, scope: "credits"},
 		{name: "named ephemeral", config: withName(randomName("named_"), ""), refused: "natsconsumer.WithScope"},
 		{name: "named ephemeral with a scope", config: withName(randomName("named_"), ""), scope: "credits"},
+		{name: "durable with a scope the store refuses", config: withName("", randomName("durable_")), scope: "credits\xff", refused: "WithScope"},
 		{name: "ordered", ordered: true, refused: "want explicit"},
 		{name: "ordered with a scope", ordered: true, scope: "credits", refused: "want explicit"},
 	} {
