@@ -188,6 +188,9 @@ func New(store *idempotency.Store, cons jetstream.Consumer, h Handler, opts ...O
 		return nil, errors.New("natsconsumer: New: store, consumer and handler are required")
 	}
 	info := cons.CachedInfo()
+	if info == nil {
+		return nil, errors.New("natsconsumer: New: the consumer has no info (CachedInfo is nil): pass a consumer that jetstream.Stream.Consumer or CreateOrUpdateConsumer returned")
+	}
 	if info.Config.AckPolicy != jetstream.AckExplicitPolicy {
 		return nil, fmt.Errorf("natsconsumer: consumer %s has ack policy %v, want explicit: each message must be acknowledged after its own commit",
 			info.Name, info.Config.AckPolicy)
