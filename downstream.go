@@ -50,8 +50,8 @@ var ErrCallEnded = &Error{code: codes.Internal, reason: "CALL_ENDED",
 // ErrUnnamedEffect is returned for an outgoing call that needs a key (a
 // POST or PATCH over HTTP, a gRPC method that protobuf does not mark
 // NO_SIDE_EFFECTS or IDEMPOTENT) made inside a running call with neither a
-// key of its own nor a name: nothing is sent. No key would keep it one
-// operation: a key counted by call order changes when a run makes its
+// key of its own nor a name: nothing is sent. A key counted by call order
+// would not keep it one operation: the count changes when a run makes its
 // calls in another order, makes one only on some runs, or retries one
 // with a new request, and the provider then charges twice. Name the
 // effect with [WithEffect] (one name per effect, the same on every run and
@@ -75,12 +75,12 @@ var ErrUnnamedEffect = &Error{code: codes.Internal, reason: "UNNAMED_EFFECT",
 // Like every derived key, it depends on the operation the running call
 // is, and on nothing the handler does: not on which other effects ran,
 // nor on their order, nor on the build that runs it. The operation is the
-// call's scope and key with its transport (a gRPC call, an HTTP request and a message
-// with the same key derive different keys), its method, the store (its
-// table as configured, and [WithDerivedKeyNamespace]) and its request (a
-// digest of the request's encoding that does not depend on the schema the
-// binary links in, so that a deploy between a crash and its re-run keeps
-// the keys). Two operations that differ in any of them, such as a
+// call's scope and key with its transport (a gRPC call, an HTTP request
+// and a message with the same key derive different keys), its method, the
+// store (its table as configured, and [WithDerivedKeyNamespace]) and its
+// request (a digest of the request's encoding that does not depend on the
+// schema the binary links in, so that a deploy between a crash and its
+// re-run keeps the keys). Two operations that differ in any of them, such as a
 // corrected request sent again under a key that was released, derive
 // different keys; a re-run of the same request derives the same ones.
 // The key is "dk2-" and 40 characters of URL-safe base64 of a SHA-256 of
@@ -264,9 +264,9 @@ func deriveKeyV1(scope, key, target string, n uint64) string {
 //	req, _ := http.NewRequestWithContext(idempotency.WithEffect(ctx, "charge "+orderID), "POST", providerURL+"/v1/charges", body)
 //	resp, err := client.Do(req) // ctx is the handler's: the key is derived
 //
-// Every request made with the context, a retry that builds a new request
-// or resends this one included, carries the same key, on every run of the
-// call. A redirect that keeps the method (307, 308) carries the key of the
+// Every request made with a context that names the effect (or sets the
+// key), a retry that builds a new request or resends this one included,
+// carries the same key, on every run of the call. A redirect that keeps the method (307, 308) carries the key of the
 // request it follows. A request made with the context of a call that has
 // ended is refused with [ErrCallEnded], nothing sent.
 type HTTPTransport struct {
