@@ -115,19 +115,19 @@
 //     name of [WithEffect]. One name, one key: the same on every run,
 //     whatever else the handler calls, in whatever order, concurrently or
 //     not, and across the handler's own retries of that effect;
-//   - counted: inside a running call, the key [DownstreamKey] gives for
-//     the target (the gRPC method, "METHOD path" over HTTP) and the call's
-//     ordinal among the run's calls to that target. The fallback for calls
-//     nobody named: it holds only when a re-run makes the same calls to a
-//     target in the same order, and a call made only on some runs, calls
-//     made concurrently, or a retry made as a new call shift it;
 //   - outside a running call, [UnaryClientInterceptor] and [HTTPClient]
 //     generate one per logical call and keep it across that call's
 //     retries; [HTTPTransport] sends none.
 //
-// Name every effect that matters ("charge " + orderID). A call made with
-// the context of a call that has ended (a goroutine the handler left
-// running) is refused with [ErrCallEnded].
+// Inside a running call, a call that needs a key (a POST or PATCH, a gRPC
+// method that protobuf does not mark NO_SIDE_EFFECTS or IDEMPOTENT) and
+// has neither a key nor a name is refused with [ErrUnnamedEffect], nothing
+// sent: no key counted by call order is given silently, since a re-run
+// that makes its calls otherwise (one only on some runs, concurrently, or
+// a retry with a new request) would send it for another operation. Name
+// every effect ("charge " + orderID). A call made with the context of a
+// call that has ended (a goroutine the handler left running) is refused
+// with [ErrCallEnded].
 //
 // The other way is an outbox: the handler writes the effect as a job in the
 // call's transaction (the job exists if and only if the call committed),

@@ -278,7 +278,7 @@ func WithIsolation(level pgx.TxIsoLevel) StoreOption {
 }
 
 // WithDerivedKeyNamespace names the store for the keys its calls derive for
-// downstream calls ([DownstreamKey], [EffectKey]), beside its table. Set
+// downstream calls ([EffectKey], [CountedKey]), beside its table. Set
 // it when two services (or two deployments of one) that may receive the
 // same client key and serve the same method share a key table name, so
 // that a downstream system they both call (one payment provider, one
@@ -289,18 +289,20 @@ func WithDerivedKeyNamespace(namespace string) StoreOption {
 	return func(o *storeOptions) { o.derivedKeyNamespace = namespace }
 }
 
-// WithDerivedKeyVersion chooses how derived keys are made. Version 2, the
-// default, derives from the whole operation (see [DownstreamKey]) and has
-// named effects ([EffectKey]); version 1, that of releases before it, from
-// the scope, the key, the target and the ordinal only, which gives two
-// operations under one client key the same downstream keys. A call whose
-// first run sent version 1 keys and that runs again under version 2 (its
-// process died before the commit, or its key was released, across the
-// deploy) sends other keys than the first run did, and a downstream
-// system charges it again: upgrade with WithDerivedKeyVersion(1), and drop
-// it in a later deploy, once no call of the old release can be run again
-// (its clients have stopped retrying it). Named effects ([EffectKey]), which
-// version 1 did not have, derive version 2 keys under either.
+// WithDerivedKeyVersion chooses how the keys of [CountedKey] are made.
+// Version 2, the default, derives from the whole operation (see
+// [EffectKey]); version 1, that of releases before it, from the scope, the
+// key, the target and the ordinal only, which gives two operations under
+// one client key the same downstream keys. A call whose first run sent
+// version 1 keys (a release that counted the calls nobody named) and that
+// runs again after the upgrade (its process died before the commit, or its
+// key was released, across the deploy) would send other keys than the
+// first run did, and a downstream system would charge it again: upgrade
+// with WithDerivedKeyVersion(1), sending those calls under CountedKey's
+// keys, and drop both in a later deploy, once no call of the old release
+// can be run again (its clients have stopped retrying it). Named effects
+// ([EffectKey]), which version 1 did not have, derive version 2 keys under
+// either.
 func WithDerivedKeyVersion(version int) StoreOption {
 	return func(o *storeOptions) { o.derivedKeyVersion = version }
 }

@@ -54,7 +54,7 @@ type callTx struct {
 	batches []pgx.BatchResults
 	config  *pgxpool.Config // Config's copy, made at its first use
 	// downstream is what the run's downstream keys derive from (see
-	// DownstreamKey): here rather than in a value of its own, so that a
+	// EffectKey): here rather than in a value of its own, so that a
 	// call that derives none allocates nothing for them.
 	downstream downstream
 }
