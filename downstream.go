@@ -103,8 +103,10 @@ type effectName struct{}
 // with the same key derive different keys), its method, the store (its
 // table as configured, and [WithDerivedKeyNamespace]) and its request as
 // the request comparison sees it: of a proto request, a digest of its
-// encoding that does not depend on the schema the binary links in, so
-// that a deploy between a crash and its re-run keeps the keys; of an HTTP
+// encoding written as the comparison reads it (-0 as 0, a field set to its
+// default as unset) that does not depend on the schema the binary links
+// in, so that a deploy between a crash and its re-run keeps the keys (its
+// unknown fields count, though the comparison cannot read them); of an HTTP
 // request, its method, target, host and Content-Type with its form, or
 // without one its body, by value for JSON (see [HTTPMiddleware]); of a
 // message, its body. Two operations that differ in any of them, such as a

@@ -216,7 +216,7 @@ func defaultStoreOptions() storeOptions {
 		finishTimeout:  10 * time.Second,
 		// The newest; 1 only while a deploy upgrades from a release that
 		// derived keys the first way.
-		derivedKeyVersion: 3,
+		derivedKeyVersion: defaultDerivedKeyVersion,
 	}
 }
 
@@ -289,24 +289,33 @@ func WithDerivedKeyNamespace(namespace string) StoreOption {
 	return func(o *storeOptions) { o.derivedKeyNamespace = namespace }
 }
 
+// defaultDerivedKeyVersion is the version of the derivation of derived
+// keys (see WithDerivedKeyVersion) a store uses unless told otherwise.
+const defaultDerivedKeyVersion = 3
+
 // WithDerivedKeyVersion chooses how derived keys are made. Version 3, the
 // default, derives from the whole operation, its request as the request
 // comparison sees it (see [DownstreamKey]), and has named effects
-// ([EffectKey]). Version 2, that of the release before, derives an HTTP
-// request's keys from its whole fingerprint, which for a JSON body or a
-// form the middleware read also holds the digest of the body's bytes: a
-// retry that the middleware calls the same request (JSON written another
-// way, a form parsed in front on one attempt only) derives other keys.
-// Versions 2 and 3 derive the same keys for every gRPC, connect and
-// message call, and for an HTTP request whose body is compared by its
-// bytes or is a form parsed in front (unless it names its charset in upper
-// case). Version 1, that of the releases before 2, derives from the scope,
-// the key, the target and the ordinal only, which gives two operations
-// under one client key the same downstream keys. A call whose first run
-// sent keys of one version and that runs again under another (its process
-// died before the commit, or its key was released, across the deploy)
-// sends other keys than the first run did, and a downstream system
-// charges it again: upgrade with the version of the release before
+// ([EffectKey]). Version 2, that of the release before, derives also from
+// what the comparison does not tell apart: an HTTP request's keys from its
+// whole fingerprint, which for a JSON body or a form the middleware read
+// holds the digest of the body's bytes; a proto request's from its
+// encoding with -0 and 0, a field with presence set to its default and
+// unset, and an Any's type URL prefix told apart. A retry that the
+// comparison calls the same request but that is written another way (JSON
+// members in another order, a form parsed in front on one attempt only)
+// derives other keys under version 2. Versions 2 and 3 derive the same
+// keys for every message, for every proto request written one way already
+// (no float of -0 or NaN, no field set to its default, Any URLs under
+// type.googleapis.com/), and for every HTTP request whose body is compared
+// by its bytes or is a form parsed in front (unless it names its charset
+// in upper case). Version 1, that of the releases before 2, derives from
+// the scope, the key, the target and the ordinal only, which gives two
+// operations under one client key the same downstream keys. A call whose
+// first run sent keys of one version and that runs again under another
+// (its process died before the commit, or its key was released, across
+// the deploy) sends other keys than the first run did, and a downstream
+// system charges it again: upgrade with the version of the release before
 // (WithDerivedKeyVersion(2), or 1), and drop it in a later deploy, once no
 // call of the old release can be run again (its clients have stopped
 // retrying it). Named effects, which version 1 did not have, derive
