@@ -155,7 +155,7 @@ func TestDerivedKeyVersion1KeepsTheFirstReleasesKeys(t *testing.T) {
 	require.True(t, strings.HasPrefix(keys[3], "dk2-"), "named effects, new with version 2, derive version 2 keys: %q", keys[3])
 	require.NotEqual(t, keys[3], again[3])
 
-	for _, v := range []int{0, 3} {
+	for _, v := range []int{0, 4} {
 		_, err := idempotency.NewStore(db.Pool, idempotency.WithDerivedKeyVersion(v))
 		require.ErrorContains(t, err, "WithDerivedKeyVersion")
 	}

@@ -26,7 +26,9 @@ type downstream struct {
 }
 
 // Prefixes of derived keys, so that an operator reading a key table can
-// tell one from a client's key; they name the derivation's version.
+// tell one from a client's key; they name the key's format: versions 2
+// and 3 of the derivation share one (they differ only in what an HTTP
+// request's base holds, see derivationInput).
 const (
 	derivedKeyPrefixV1 = "dk1-"
 	derivedKeyPrefix   = "dk2-"
@@ -78,11 +80,21 @@ var ErrUnnamedEffect = &Error{code: codes.Internal, reason: "UNNAMED_EFFECT",
 // call's scope and key with its transport (a gRPC call, an HTTP request
 // and a message with the same key derive different keys), its method, the
 // store (its table as configured, and [WithDerivedKeyNamespace]) and its
-// request (a digest of the request's encoding that does not depend on the
-// schema the binary links in, so that a deploy between a crash and its
-// re-run keeps the keys). Two operations that differ in any of them, such as a
-// corrected request sent again under a key that was released, derive
-// different keys; a re-run of the same request derives the same ones.
+// request as the request comparison sees it: of a proto request, a digest
+// of its encoding written as the comparison reads it (-0 as 0, a field set
+// to its default as unset) that does not depend on the schema the binary
+// links in, so that a deploy between a crash and its re-run keeps the keys
+// (its unknown fields count, though the comparison cannot read them); of
+// an HTTP request, its method, target, host and Content-Type with its
+// form, or without one its body, by value for JSON (see [HTTPMiddleware]);
+// of a message, its body. Two operations that differ in any of them, such
+// as a corrected request sent again under a key that was released, derive
+// different keys; a re-run of the same request derives the same ones, also
+// when it is written another way that the comparison calls the same (JSON
+// members in another order, a form parsed in front on one attempt only).
+// One exception: two bodies of one form ("a+b" and "a%20b") are two
+// requests to the comparison but derive one form's keys, as each is the
+// same request as that form parsed in front.
 // The key is "dk2-" and 40 characters of URL-safe base64 of a SHA-256 of
 // all that: 44 printable ASCII characters that contain neither the scope
 // nor the key. The hash has no secret: whoever can guess all of its inputs
@@ -198,8 +210,9 @@ func (t *callTx) countedKey(target string) string {
 }
 
 // baseLocked is the hash every key of the running call derives from:
-// version, store, scope, the key as stored, method and request, each
-// length-prefixed so that no two different tuples hash the same bytes.
+// version, store, scope, the key as stored, method and request (as the
+// request comparison sees it: see derivationInput), each length-prefixed
+// so that no two different tuples hash the same bytes.
 func (d *downstream) baseLocked(a *attempt) [sha256.Size]byte {
 	if d.hasBase {
 		return d.base
@@ -209,7 +222,7 @@ func (d *downstream) baseLocked(a *attempt) [sha256.Size]byte {
 	o := &a.s.opts
 	req := a.tp.digest
 	if !a.tp.hasDigest {
-		req = sha256.Sum256(a.call.Fingerprint)
+		req = sha256.Sum256(derivationInput(a.call.Fingerprint, o.derivedKeyVersion))
 	}
 	for _, s := range []string{"idempotency downstream key v2", o.derivedKeyNamespace, o.schema, o.table, a.call.Scope, a.key, a.call.Method, string(req[:])} {
 		h.Write(b[:binary.PutUvarint(b[:], uint64(len(s)))])
