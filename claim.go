@@ -70,7 +70,7 @@ type attempt struct {
 	// params are the settings PostgreSQL reports, as the attempt found them.
 	params sessionParams
 	// baseline is what the pool made of the session, which the reset after
-	// a commit sets again (see session.go); nil behind a pooler.
+	// a commit sets again (see session.go).
 	baseline *sessionBaseline
 	// pair holds the claim's batch, and commitBatch the commit's: the two
 	// every call sends, in storage of the attempt's.

@@ -416,3 +416,38 @@ func waitForPgBouncer(url string, exited <-chan struct{}) bool {
 	}
 	return false
 }
+
+// Through a transaction pooler the reset after each call (RESET ALL among
+// it) costs no client connection either, even when the client sets a
+// setting the pooler tracks (application_name), which RESET ALL takes back
+// on the server connection and the pooler sets again for the next
+// transaction.
+func TestThroughPgBouncerCallsKeepTheirConnection(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	cfg, err := pgxpool.ParseConfig(pgbouncerOfOne(t))
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	cfg.ConnConfig.RuntimeParams["application_name"] = "payments"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+	require.NoError(t, err)
+	ctx := context.Background()
+	for i := range 20 {
+		tenant := fmt.Sprint("tenant-", i)
+		var app string
+		res, err := store.Execute(ctx, idempotency.Call{Key: tenant, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			if _, err := tx.Exec(ctx, `SELECT set_config('app.tenant', $1, true)`, tenant); err != nil {
+				return nil, err
+			}
+			err := tx.QueryRow(ctx, `SELECT current_setting('application_name')`).Scan(&app)
+			return wrapperspb.String(tenant), err
+		})
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+		require.Equal(t, "payments", app, "the pooler set the client's application_name for the call")
+	}
+	require.LessOrEqual(t, pool.Stat().NewConnsCount(), int64(2), "20 calls on a pool of 2 opened %d client connections", pool.Stat().NewConnsCount())
+}

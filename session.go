@@ -34,13 +34,15 @@ import (
 // batch as one pipeline, with one Sync, and the pooler hands the server
 // connection on only at the ReadyForQuery that answers it).
 //
-// Three things still cost the connection, closed rather than returned to
-// the pool: a handler that had the connection itself (tx.Conn()), and so
-// may have changed pgx's own state of it; directly connected, statements
+// Some things still cost the connection, closed rather than returned to the
+// pool: a handler that had the connection itself (tx.Conn()), and so may
+// have changed pgx's own state of it, or that ended the call's transaction
+// itself; a statement the handler prepared by name with tx.Prepare, which
+// pgx keeps; a reset that failed; and, directly connected, statements
 // prepared with SQL's PREPARE, which only a DO block could deallocate (too
-// dear for every call), and which behind a pooler one does; and a setting
-// PostgreSQL reports to the client that still differs from its value
-// before the call (sessionParams), which no reset should leave.
+// dear for every call; behind a pooler one does), and a setting PostgreSQL
+// reports to the client that still differs from its value before the call
+// (sessionParams), which no reset should leave.
 
 // releaseHeld releases the session's advisory locks (the engine's own on
 // the key are released before it, see statements.finish and unlockIfHeld)
@@ -73,12 +75,19 @@ const restoreSettings = `SELECT pg_catalog.set_config(s.name, s.value, false) FR
 (pg_catalog.unnest($1::pg_catalog.text[]), pg_catalog.unnest($2::pg_catalog.text[])) AS s(name, value)`
 
 // sessionBaseline is what the pool made of a connection's session after it
-// connected (its AfterConnect, say): the settings it set, its role and
-// session authorization, in the order they are set again. Read once per
-// connection, directly connected; behind a pooler the session is the
-// pooler's server connection, which RESET ALL returns to how the pooler
-// made it.
+// connected, which RESET ALL would undo: directly connected, the settings
+// its AfterConnect (say) set, its role and session authorization, in the
+// order they are set again, read from the server once per connection.
+// Behind a pooler the session is the pooler's server connection, which
+// RESET ALL returns to how the pooler connected it, and the pooler, which
+// sets the client's own values of the settings it tracks on a server
+// connection when it hands it to the client, does not set them again after
+// a RESET ALL: the baseline is the client's values of those
+// (pooledSettings), as the client connected with them.
 type sessionBaseline struct{ names, values []string }
+
+// pooledSettings are the settings PgBouncer tracks for each client.
+var pooledSettings = []string{"client_encoding", "DateStyle", "TimeZone", "standard_conforming_strings", "application_name"}
 
 // baselineKey keys a connection's sessionBaseline in its CustomData.
 const baselineKey = "idempotency.sessionBaseline"
@@ -92,18 +101,21 @@ UNION ALL SELECT 1, name, pg_catalog.current_setting(name) FROM pg_catalog.pg_se
   WHERE source = 'session' AND name NOT IN ('role', 'session_authorization')
 UNION ALL SELECT 2, 'role', pg_catalog.current_setting('role') WHERE pg_catalog.current_setting('role') <> 'none') s`
 
-// loadBaseline returns the connection's sessionBaseline, read at its first
-// use (one round trip per connection), nil behind a pooler.
+// loadBaseline returns the connection's sessionBaseline, made at its first
+// use (directly connected, in one round trip).
 func (a *attempt) loadBaseline(ctx context.Context) (*sessionBaseline, error) {
-	if a.s.pooled.Load() {
-		return nil, nil
-	}
 	data := a.conn.PgConn().CustomData()
 	if b, ok := data[baselineKey].(*sessionBaseline); ok {
 		return b, nil
 	}
 	b := &sessionBaseline{}
-	if err := a.conn.QueryRow(ctx, readBaseline, pgx.QueryExecModeSimpleProtocol).Scan(&b.names, &b.values); err != nil {
+	if a.s.pooled.Load() {
+		for _, name := range pooledSettings {
+			if v := a.conn.PgConn().ParameterStatus(name); v != "" || name == "application_name" {
+				b.names, b.values = append(b.names, name), append(b.values, v)
+			}
+		}
+	} else if err := a.conn.QueryRow(ctx, readBaseline, pgx.QueryExecModeSimpleProtocol).Scan(&b.names, &b.values); err != nil {
 		return nil, err
 	}
 	data[baselineKey] = b
@@ -217,6 +229,13 @@ func (a *attempt) resetReason() string {
 		return "the handler had it (tx.Conn())"
 	case a.reset != "":
 		return a.reset
+	case a.s.pooled.Load():
+		// Closing the connection would reset nothing of the server
+		// connection; and the pooler sets what it tracks of the client's
+		// settings (application_name, TimeZone, ...) on whichever server
+		// connection serves the client's next transaction, which RESET ALL
+		// took back to how the pooler connected it.
+		return ""
 	}
 	if name := a.params.changed(a.conn.PgConn()); name != "" {
 		return "the handler changed " + name + " for the session"
