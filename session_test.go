@@ -216,62 +216,70 @@ CREATE FUNCTION set_tenant(tenant text) RETURNS void LANGUAGE plpgsql AS $$ BEGI
 	admin := testdb.Admin(t)
 
 	// Each kind: what call A leaves (leave), and what call B, on the same
-	// session, then finds (next), which must be want.
-	kinds := []struct {
+	// session, then finds (next), which must be want. lock is the advisory
+	// lock's key, one per way of connecting, which run side by side.
+	kinds := func(lock int) []struct {
 		name  string
 		leave []string
 		next  func(ctx context.Context, tx pgx.Tx) (string, error)
 		want  string
-	}{
-		{
-			name:  "temporary table",
-			leave: []string{`CREATE TEMP TABLE staging (note text)`, `INSERT INTO staging VALUES ('tenant-a')`},
-			next: func(ctx context.Context, tx pgx.Tx) (string, error) {
-				for _, sql := range []string{`CREATE TEMP TABLE IF NOT EXISTS staging (note text)`, `INSERT INTO staging VALUES ('tenant-b')`} {
-					if _, err := tx.Exec(ctx, sql); err != nil {
-						return "", err
+	} {
+		return []struct {
+			name  string
+			leave []string
+			next  func(ctx context.Context, tx pgx.Tx) (string, error)
+			want  string
+		}{
+			{
+				name:  "temporary table",
+				leave: []string{`CREATE TEMP TABLE staging (note text)`, `INSERT INTO staging VALUES ('tenant-a')`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					for _, sql := range []string{`CREATE TEMP TABLE IF NOT EXISTS staging (note text)`, `INSERT INTO staging VALUES ('tenant-b')`} {
+						if _, err := tx.Exec(ctx, sql); err != nil {
+							return "", err
+						}
 					}
-				}
-				var notes string
-				err := tx.QueryRow(ctx, `WITH w AS (INSERT INTO `+ledger+` (note) SELECT note FROM staging RETURNING note)
+					var notes string
+					err := tx.QueryRow(ctx, `WITH w AS (INSERT INTO `+ledger+` (note) SELECT note FROM staging RETURNING note)
 SELECT string_agg(note, ',' ORDER BY note) FROM w`).Scan(&notes)
-				return notes, err
+					return notes, err
+				},
+				want: "tenant-b",
 			},
-			want: "tenant-b",
-		},
-		{
-			name:  "session advisory lock",
-			leave: []string{`SELECT pg_advisory_lock(4242)`},
-			next: func(ctx context.Context, tx pgx.Tx) (string, error) {
-				// Another session asks for the lock.
-				var free bool
-				if err := admin.QueryRow(ctx, `SELECT pg_try_advisory_lock(4242)`).Scan(&free); err != nil || !free {
-					return "held", err
-				}
-				_, err := admin.Exec(ctx, `SELECT pg_advisory_unlock(4242)`)
-				return "free", err
+			{
+				name:  "session advisory lock",
+				leave: []string{fmt.Sprintf(`SELECT pg_advisory_lock(%d)`, lock)},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					// Another session asks for the lock.
+					var free bool
+					if err := admin.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, lock).Scan(&free); err != nil || !free {
+						return "held", err
+					}
+					_, err := admin.Exec(ctx, `SELECT pg_advisory_unlock($1)`, lock)
+					return "free", err
+				},
+				want: "free",
 			},
-			want: "free",
-		},
-		{
-			name:  "statement prepared by SQL",
-			leave: []string{`PREPARE staged AS SELECT 1`},
-			next: func(ctx context.Context, tx pgx.Tx) (string, error) {
-				_, err := tx.Exec(ctx, `PREPARE staged AS SELECT 2`)
-				return "prepared", err
+			{
+				name:  "statement prepared by SQL",
+				leave: []string{`PREPARE staged AS SELECT 1`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					_, err := tx.Exec(ctx, `PREPARE staged AS SELECT 2`)
+					return "prepared", err
+				},
+				want: "prepared",
 			},
-			want: "prepared",
-		},
-		{
-			name:  "setting set in a function",
-			leave: []string{`SELECT ` + setTenant + `('tenant-a')`},
-			next: func(ctx context.Context, tx pgx.Tx) (string, error) {
-				var tenant string
-				err := tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&tenant)
-				return "tenant=" + tenant, err
+			{
+				name:  "setting set in a function",
+				leave: []string{`SELECT ` + setTenant + `('tenant-a')`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					var tenant string
+					err := tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&tenant)
+					return "tenant=" + tenant, err
+				},
+				want: "tenant=",
 			},
-			want: "tenant=",
-		},
+		}
 	}
 	// Each outcome: how call A ends once it has left its state.
 	outcomes := []struct {
@@ -295,7 +303,7 @@ SELECT string_agg(note, ',' ORDER BY note) FROM w`).Scan(&notes)
 			return nil, ctx.Err()
 		}},
 	}
-	for _, path := range []struct {
+	for i, path := range []struct {
 		name string
 		url  func(t *testing.T) string
 	}{
@@ -312,7 +320,7 @@ SELECT string_agg(note, ',' ORDER BY note) FROM w`).Scan(&notes)
 			t.Cleanup(pool.Close)
 			store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
 			require.NoError(t, err)
-			for _, kind := range kinds {
+			for _, kind := range kinds(4242 + i) {
 				for _, outcome := range outcomes {
 					t.Run(kind.name+"/"+outcome.name, func(t *testing.T) {
 						key := strings.ReplaceAll(path.name+"/"+kind.name+"/"+outcome.name, " ", "-")
