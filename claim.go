@@ -222,7 +222,7 @@ func (a *attempt) end(ctx context.Context) {
 		}
 		if reset == "" {
 			cleanup := len(b.QueuedQueries)
-			a.queueReleaseHeld(b)
+			a.queueReleaseHeld(b, false)
 			br := a.conn.SendBatch(rctx, b)
 			var err error
 			for range cleanup {

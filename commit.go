@@ -79,19 +79,20 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 	}
 	b := &a.commitBatch
 	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
-	a.queueReleaseHeld(b)
+	a.queueReleaseHeld(b, true)
 	b.Queue("COMMIT")
 	a.queueResetCommitted(b)
 	start := time.Now()
 	br := a.conn.SendBatch(ctx, b)
 	var one int64
-	if err = br.QueryRow().Scan(&one); err != nil {
+	var unlocked, prepared bool
+	if err = br.QueryRow().Scan(&one, &unlocked, &prepared); err != nil {
 		_ = br.Close()
 		return a.finishRefused(ctx, err)
 	}
 	a.session = false // the row's statement ran, and released the lock
 	atCommit := false // the COMMIT itself failed, not a statement before it
-	if err = a.readReleaseHeld(br); err == nil {
+	if err = a.readDeallocated(br, prepared); err == nil {
 		var tag pgconn.CommandTag
 		if tag, err = br.Exec(); err == nil && tag.String() != "COMMIT" {
 			err = fmt.Errorf("transaction rolled back: COMMIT returned %s", tag)

@@ -50,7 +50,12 @@ import (
 // PREPARE: pgx prepares its own through the protocol, so they are never
 // counted. It takes no lock and writes nothing, inside the call's
 // transaction or outside any.
-const releaseHeld = `SELECT pg_catalog.pg_advisory_unlock_all() IS NULL, EXISTS (SELECT FROM pg_catalog.pg_prepared_statements WHERE from_sql)`
+// The commit's statement (statements.finish) does the same in its own
+// columns.
+const releaseHeld = `SELECT ` + releaseHeldColumns
+
+// releaseHeldColumns are releaseHeld's columns.
+const releaseHeldColumns = `pg_catalog.pg_advisory_unlock_all() IS NULL, EXISTS (SELECT FROM pg_catalog.pg_prepared_statements WHERE from_sql)`
 
 // deallocateSQL deallocates the statements prepared with SQL's PREPARE,
 // behind a pooler, where closing the connection would not: pgx's own
@@ -123,12 +128,15 @@ func (a *attempt) loadBaseline(ctx context.Context) (*sessionBaseline, error) {
 }
 
 // queueReleaseHeld queues releaseHeld at the end of b, for a call whose
-// handler ran, and behind a pooler deallocateSQL after it.
-func (a *attempt) queueReleaseHeld(b *pgx.Batch) {
+// handler ran, and behind a pooler deallocateSQL after it. held: b already
+// holds a statement with releaseHeld's columns (the commit's).
+func (a *attempt) queueReleaseHeld(b *pgx.Batch, held bool) {
 	if !a.ran {
 		return
 	}
-	b.Queue(releaseHeld)
+	if !held {
+		b.Queue(releaseHeld)
+	}
 	if a.s.pooled.Load() {
 		b.Queue(deallocateSQL)
 	}
@@ -143,6 +151,13 @@ func (a *attempt) readReleaseHeld(br pgx.BatchResults) error {
 	if err := br.QueryRow().Scan(&unlocked, &prepared); err != nil {
 		return err
 	}
+	return a.readDeallocated(br, prepared)
+}
+
+// readDeallocated reads the result of deallocateSQL behind a pooler;
+// directly connected, statements prepared with SQL's PREPARE cost the
+// connection.
+func (a *attempt) readDeallocated(br pgx.BatchResults, prepared bool) error {
 	if a.s.pooled.Load() {
 		_, err := br.Exec()
 		return err

@@ -51,7 +51,7 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 	}
 	b.Queue("COMMIT")
 	if a != nil {
-		a.queueReleaseHeld(b)
+		a.queueReleaseHeld(b, false)
 	}
 	br := conn.SendBatch(ctx, b)
 	exec := func() error { _, err := br.Exec(); return err }
@@ -171,7 +171,7 @@ func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err 
 		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
 	release := len(b.QueuedQueries)
-	a.queueReleaseHeld(b)
+	a.queueReleaseHeld(b, false)
 	br := a.conn.SendBatch(ctx, b)
 	for i := 0; i < release && err == nil; i++ {
 		tag, e := br.Exec()
