@@ -70,11 +70,14 @@
 // its statements failed, or leaves a query's rows open. The refusal only
 // makes the error clearer: what gets past it (a COMMIT in a disguise the
 // check does not read) is caught by the claim all the same. Nested
-// transactions (tx.Begin) are savepoints and work as usual. A handler
-// that changes its session past the transaction (SET without LOCAL,
-// set_config(..., false), RESET, DEALLOCATE, LISTEN, a DO block, CALL,
-// tx.Conn()) costs its connection: it is closed after the call rather than
-// returned to the pool, so that no later call inherits the change.
+// transactions (tx.Begin) are savepoints and work as usual. What a handler
+// leaves in its session past the transaction (settings and role, temporary
+// tables, session advisory locks, statements prepared with PREPARE, cursors
+// WITH HOLD, LISTEN), however it set it, is reset on every outcome in the
+// round trip that ends the call, behind a transaction pooler too, so that
+// no later call inherits it; SET LOCAL and set_config(..., true) cost
+// nothing. A handler that uses tx.Conn() costs its connection: it is closed
+// after the call rather than returned to the pool.
 //
 // The transaction runs at the database's default isolation level, or at
 // the one chosen with [WithIsolation], [Call.Isolation], the isolation field

@@ -32,8 +32,10 @@ type settled struct {
 // the key's lock (a duplicate took over the key); and the key's row is read
 // back, which is the answer of every caller. unlock releases the session's
 // lock on the key, after the transaction has taken it. row nil only
-// settles.
-func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, row *keyRow, unlock bool) (s settled, err error) {
+// settles. a, when set, is the attempt whose connection conn is: what the
+// call's rollback leaves of its session is released after the COMMIT (see
+// session.go).
+func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, row *keyRow, unlock bool, a *attempt) (s settled, err error) {
 	head := len(b.QueuedQueries)
 	// READ WRITE: a handler may have made the session's transactions
 	// read-only by default; on a standby this fails, as it must.
@@ -48,6 +50,9 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 		b.Queue(c.st.unlockIfHeld, c.call.Scope, c.key)
 	}
 	b.Queue("COMMIT")
+	if a != nil {
+		a.queueReleaseHeld(b, false)
+	}
 	br := conn.SendBatch(ctx, b)
 	exec := func() error { _, err := br.Exec(); return err }
 	for i := 0; i <= head && err == nil; i++ {
@@ -74,6 +79,15 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 		var commit interface{ String() string }
 		if commit, err = br.Exec(); err == nil && commit.String() != "COMMIT" {
 			err = fmt.Errorf("settling the key rolled back: COMMIT returned %s", commit)
+		}
+	}
+	if err == nil && a != nil {
+		if rerr := a.readReleaseHeld(br); rerr != nil {
+			// The key is settled: a session that could not be reset is the
+			// connection's to pay for (see end), not the call's.
+			a.resetFailed(rerr)
+			_ = br.Close()
+			return s, nil
 		}
 	}
 	if cerr := br.Close(); err == nil {
@@ -108,7 +122,7 @@ func (a *attempt) settle(ctx context.Context, row *keyRow, resp proto.Message, r
 	if err := a.endTx(ctx, b); err != nil {
 		return a.finishFailed(ctx, err)
 	}
-	s, err := a.settleOn(ctx, a.conn, b, row, a.session)
+	s, err := a.settleOn(ctx, a.conn, b, row, a.session, a)
 	if err != nil {
 		return a.finishFailed(ctx, err)
 	}
@@ -135,15 +149,16 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 		return settled{}, c.s.finishError("settle the key", err)
 	}
 	defer pc.Release()
-	s, err := c.settleOn(ctx, pc.Conn(), &pgx.Batch{}, row, false)
+	s, err := c.settleOn(ctx, pc.Conn(), &pgx.Batch{}, row, false, nil)
 	if err != nil {
 		return s, c.s.finishError("settle the key", err)
 	}
 	return s, nil
 }
 
-// release rolls the call's transaction back and releases the key, in one
-// round trip, for a call whose fn failed. abandoned reports that fn had
+// release rolls the call's transaction back, releases the key and resets
+// what the rollback leaves of the session (see session.go), in one round
+// trip, for a call whose fn failed. abandoned reports that fn had
 // committed the claim (it ended the transaction itself first), which the
 // same round trip settles.
 func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err error) {
@@ -155,12 +170,17 @@ func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err 
 	if a.session {
 		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
+	release := len(b.QueuedQueries)
+	a.queueReleaseHeld(b, false)
 	br := a.conn.SendBatch(ctx, b)
-	for i := 0; i < len(b.QueuedQueries) && err == nil; i++ {
+	for i := 0; i < release && err == nil; i++ {
 		tag, e := br.Exec()
 		if err = e; b.QueuedQueries[i].SQL == a.st.abandon {
 			abandoned = tag.RowsAffected() == 1
 		}
+	}
+	if err == nil {
+		err = a.readReleaseHeld(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
