@@ -93,7 +93,7 @@ func BenchmarkRequestDigest(b *testing.B) {
 			req := benchRequest(sz.bytes)
 			b.ReportAllocs()
 			for b.Loop() {
-				requestDigest(req)
+				requestDigest(req, defaultDerivedKeyVersion)
 			}
 		})
 	}

@@ -20,6 +20,10 @@ func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, er
 	a := &attempt{callRun: c, pc: pc, conn: pc.Conn()}
 	a.params.read(a.conn.PgConn())
 	defer a.end(ctx)
+	if a.baseline, err = a.loadBaseline(ctx); err != nil {
+		res, err := c.failed(ctx, "read the session's settings", err)
+		return res, attemptDone, err
+	}
 
 	start := c.tp.trace.now()
 	inserted, err := a.claim(ctx)
@@ -52,9 +56,6 @@ type attempt struct {
 	// ctid is the address of the claim's row, valid once the call's
 	// transaction inserted it.
 	ctid pgtype.TID
-	// tempSchema is the session's temporary schema as the claim found it,
-	// 0 for none yet (see finish).
-	tempSchema int64
 	// claimed is who made the claim: its transaction and session, which
 	// say whether anything of the attempt committed when its connection
 	// cannot (see claimFate).
@@ -67,14 +68,18 @@ type attempt struct {
 	// ended: fn left the connection outside any transaction.
 	ended bool
 	// reset, when set, says why the connection must be closed when the
-	// attempt ends rather than serve another call: the handler may have
-	// changed the session's state (see session.go).
+	// attempt ends rather than serve another call: the handler left the
+	// session in a state the engine does not reset (see session.go).
 	reset string
 	// params are the settings PostgreSQL reports, as the attempt found them.
 	params sessionParams
-	// pair holds the claim's batch, then the commit's: the two every call
-	// sends, in storage of the attempt's.
-	pair batchPair
+	// baseline is what the pool made of the session, which the reset after
+	// a commit sets again (see session.go).
+	baseline *sessionBaseline
+	// pair holds the claim's batch, and commitBatch the commit's: the two
+	// every call sends, in storage of the attempt's.
+	pair        batchPair
+	commitBatch pgx.Batch
 }
 
 // batchPair is a batch of two statements that allocates nothing of its
@@ -108,7 +113,7 @@ func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
 	br := a.conn.SendBatch(ctx, b)
 	var snapshotLevel bool
 	if _, err = br.Exec(); err == nil {
-		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel, &a.tempSchema, &a.claimed.xact, &a.claimed.pid, &a.claimed.at)
+		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel, &a.claimed.xact, &a.claimed.pid, &a.claimed.at)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			err = nil
@@ -195,11 +200,12 @@ func (a *attempt) claimFailed(ctx context.Context, err error) (result, attemptNe
 }
 
 // end ends the attempt on every path, panics included: whatever is still
-// open is rolled back and the session's lock released, in one round trip,
-// even when ctx is cancelled (until then the key stays locked). A
-// connection that cannot be cleaned up is closed, which releases both; so
-// is one whose session the handler may have changed (see session.go), so
-// that nothing of the call reaches a later one.
+// open is rolled back, the session's lock released and the session reset
+// (see session.go), in one round trip, even when ctx is cancelled (until
+// then the key stays locked). A connection that cannot be cleaned up is
+// closed, which releases both; so is one whose session the handler left in
+// a state the engine does not reset (see session.go), so that nothing of
+// the call reaches a later one.
 func (a *attempt) end(ctx context.Context) {
 	if a.released {
 		return
@@ -218,9 +224,26 @@ func (a *attempt) end(ctx context.Context) {
 		} else if a.session {
 			b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 		}
-		if reset == "" && len(b.QueuedQueries) > 0 {
-			if _, err := sendAll(rctx, a.conn, b); err != nil {
+		if reset == "" {
+			cleanup := len(b.QueuedQueries)
+			a.queueReleaseHeld(b, false)
+			br := a.conn.SendBatch(rctx, b)
+			var err error
+			for range cleanup {
+				if _, err = br.Exec(); err != nil {
+					break
+				}
+			}
+			if err == nil {
+				err = a.readReleaseHeld(br)
+			}
+			if cerr := br.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
 				reset = "it could not be cleaned up"
+			} else {
+				reset = a.resetReason()
 			}
 		}
 	}

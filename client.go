@@ -73,11 +73,12 @@ type captureKey struct {
 // different keys, fail with codes.InvalidArgument before anything is
 // sent, saying to set the key one way only), when ctx is inside a
 // running call (a handler calling another service: a re-run of the handler
-// sends the same key) the key of the effect [WithEffect] names or else the
-// key [DownstreamKey] counts for the method, or a new UUIDv7. A call made
-// with the context of a call that has ended is refused with
-// [ErrCallEnded]. No key is
-// generated for methods whose .proto says they need none: the
+// sends the same key) the key of the effect [WithEffect] names, or outside
+// one a new UUIDv7. Inside a running call, a call with neither a key nor a
+// name is refused with [ErrUnnamedEffect], and a call made with the
+// context of a call that has ended with [ErrCallEnded]: nothing is sent.
+// No key is generated, nor a name needed, for methods whose .proto says
+// they need none: the
 // (idempotency.v1.method) option with MODE_DISABLED or a key_field (the
 // request carries its key), or idempotency_level NO_SIDE_EFFECTS or
 // IDEMPOTENT without an explicit mode. Methods whose descriptor is not
@@ -372,7 +373,11 @@ func (o *clientOptions) keyWith(ctx context.Context, method string, pol methodPo
 	if isMarkedRetry(md) {
 		return "", false, ErrChainOrder.with(method, nil)
 	}
-	if k, how, err := derivedOutgoingKey(ctx, method); how != outgoingNone || err != nil {
+	fix := " (or, if calling it again changes nothing, mark it idempotency_level NO_SIDE_EFFECTS or IDEMPOTENT in its .proto)"
+	if !pol.known {
+		fix = " (its descriptor is not linked in, so it is taken to need a key: see WithKeysForUnknownMethods)"
+	}
+	if k, inCall, err := derivedOutgoingKey(ctx, method, fix); inCall || err != nil {
 		return k, false, err
 	}
 	k, err := uuid.NewV7()

@@ -99,7 +99,7 @@ func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 	k, ok = CallKeyFromContext(served)
 	require.True(t, ok)
 	require.Equal(t, "served-key", k)
-	chosen, _, err := evaluateClientOptions(nil).keyFor(served, "/no.such.Service/Charge", nil)
+	chosen, _, err := evaluateClientOptions(nil).keyFor(WithEffect(served, "charge"), "/no.such.Service/Charge", nil)
 	require.NoError(t, err)
 	require.NotEqual(t, "served-key", chosen, "a served call's key is not reused for outgoing calls by accident")
 }

@@ -30,6 +30,7 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 //	database aborted the transaction        Aborted             RetryInfo
 //	retry chained outside the key (client)  Internal            ErrorInfo
 //	outgoing call of an ended call (client) Internal            ErrorInfo
+//	unnamed outgoing call in a call (client) Internal           ErrorInfo
 //	attempt cut by its timeout (client)     DeadlineExceeded    ErrorInfo
 //	key or annotation on a streaming call   Unimplemented       ErrorInfo
 //

@@ -32,8 +32,10 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 	switch {
 	case txStatus == 'I':
 		// fn ended the call's transaction and began none: whether it
-		// committed the claim or rolled it back, settle says.
+		// committed the claim or rolled it back, settle says. What it set
+		// for the session after may have been committed on its own.
 		a.open, a.ended = false, true
+		a.reset = "the handler ended the call's transaction"
 		return a.settleWith(fctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
 	case h.refused != "":
 		return a.settleWith(fctx, grpcstatus.New(codes.Internal, h.refused))
@@ -52,10 +54,10 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 		}
 		return a.settle(fctx, &row, h.resp, h.err)
 	}
-	if a.reset != "" || a.rawConn {
-		// fn may have deallocated the connection's prepared statements
-		// (see sessionChange), the commit's among them: pgx and the server
-		// agree again once both have none.
+	if a.rawConn {
+		// fn may have deallocated the connection's prepared statements on
+		// it, the commit's among them: pgx and the server agree again once
+		// both have none.
 		if err := a.conn.DeallocateAll(fctx); err != nil {
 			return a.finishFailed(fctx, err)
 		}
@@ -63,9 +65,11 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 	return a.commit(fctx, h.resp)
 }
 
-// commit writes the call's result over its claim and commits: one round
-// trip, the statement that writes the row (and releases the session's
-// lock; the transaction's covers the COMMIT) and the COMMIT.
+// commit writes the call's result over its claim and commits, and resets
+// the session (see session.go): one round trip, the statement that writes
+// the row (and releases the session's lock; the transaction's covers the
+// COMMIT), what a rollback would leave of the session released, the
+// COMMIT, and what the commit kept of the session reset.
 func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attemptNext, error) {
 	row, err := a.keyRow(resp, nil, true)
 	if err != nil {
@@ -73,43 +77,33 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 		// fn committed the claim or left its transaction (see release).
 		return a.releaseFor(ctx, func() (result, error) { return result{Result: Result{Outcome: OutcomeReleased}}, err })
 	}
-	var b *pgx.Batch
-	if a.s.pooled.Load() && (a.reset != "" || a.rawConn) {
-		// Behind a pooler the session is the pooler's server connection,
-		// which outlives this client's: what fn set for it is reset, with
-		// the commit (RESET ALL keeps the values the server connection
-		// started with).
-		b = &pgx.Batch{}
-		b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
-		b.Queue("RESET ALL")
-		b.Queue("RESET ROLE")
-		b.Queue("COMMIT")
-	} else {
-		b = a.pair.of(a.st.finish, row.finishArgs(a.ctid), "COMMIT")
-	}
+	b := &a.commitBatch
+	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
+	a.queueReleaseHeld(b, true)
+	b.Queue("COMMIT")
+	a.queueResetCommitted(b)
 	start := time.Now()
 	br := a.conn.SendBatch(ctx, b)
-	var one, tempSchema int64
-	if err = br.QueryRow().Scan(&one, &tempSchema); err != nil {
+	var one int64
+	var unlocked, prepared bool
+	if err = br.QueryRow().Scan(&one, &unlocked, &prepared); err != nil {
 		_ = br.Close()
 		return a.finishRefused(ctx, err)
 	}
 	a.session = false // the row's statement ran, and released the lock
-	if tempSchema != a.tempSchema && a.reset == "" {
-		a.reset = "the handler created a temporary object"
-	}
 	atCommit := false // the COMMIT itself failed, not a statement before it
-	for _, q := range b.QueuedQueries[1:] {
-		tag, e := br.Exec()
-		if e == nil && q.SQL == "COMMIT" && tag.String() != "COMMIT" {
-			e = fmt.Errorf("transaction rolled back: COMMIT returned %s", tag)
+	if err = a.readDeallocated(br, prepared); err == nil {
+		var tag pgconn.CommandTag
+		if tag, err = br.Exec(); err == nil && tag.String() != "COMMIT" {
+			err = fmt.Errorf("transaction rolled back: COMMIT returned %s", tag)
 		}
-		if e != nil {
-			err, atCommit = e, q.SQL == "COMMIT"
-			break
-		}
+		atCommit = err != nil
 	}
-	if cerr := br.Close(); err == nil {
+	if err == nil && !a.readResetCommitted(br) {
+		// Committed: the batch's error is the reset's, which costs the
+		// connection (see readResetCommitted), not the call.
+		_ = br.Close()
+	} else if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {

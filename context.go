@@ -61,9 +61,10 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 // (the key the client sent, or the message's ID), on the server side. A
 // handler that calls another system (a payment provider, another service)
 // cannot take that system's effect into its transaction; the key it sends
-// there is best derived from this one ([EffectKey], [DownstreamKey], which
-// the client interceptor, [HTTPTransport] and [HTTPClient] use), so that a
-// re-run sends the same key and the other system deduplicates too.
+// there is best derived from this one ([EffectKey], which the client
+// interceptor, [HTTPTransport] and [HTTPClient] send for a call named with
+// [WithEffect]), so that a re-run sends the same key and the other system
+// deduplicates too.
 //
 // It does not read keys set for outgoing calls with [WithOutgoingKey].
 func CallKeyFromContext(ctx context.Context) (string, bool) {

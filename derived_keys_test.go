@@ -40,7 +40,7 @@ func derivedKeys(t *testing.T, store *idempotency.Store, call idempotency.Call) 
 	var got []string
 	_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		for _, target := range []string{"a", "b", "a"} {
-			k, ok := idempotency.DownstreamKey(ctx, target)
+			k, ok := idempotency.CountedKey(ctx, target)
 			require.True(t, ok)
 			got = append(got, k)
 		}
@@ -106,7 +106,7 @@ func TestEffectKeysDoNotDependOnOrderOrConcurrency(t *testing.T) {
 		var mu sync.Mutex
 		_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 			for range extraCalls { // a conditional call, counted: it shifts nothing named
-				idempotency.DownstreamKey(ctx, "POST /v1/charges")
+				idempotency.CountedKey(ctx, "POST /v1/charges")
 			}
 			var wg sync.WaitGroup
 			for i := range 16 {
@@ -155,7 +155,7 @@ func TestDerivedKeyVersion1KeepsTheFirstReleasesKeys(t *testing.T) {
 	require.True(t, strings.HasPrefix(keys[3], "dk2-"), "named effects, new with version 2, derive version 2 keys: %q", keys[3])
 	require.NotEqual(t, keys[3], again[3])
 
-	for _, v := range []int{0, 3} {
+	for _, v := range []int{0, 4} {
 		_, err := idempotency.NewStore(db.Pool, idempotency.WithDerivedKeyVersion(v))
 		require.ErrorContains(t, err, "WithDerivedKeyVersion")
 	}
@@ -224,8 +224,8 @@ func TestNamedDownstreamGRPCCallsKeepTheirKeys(t *testing.T) {
 	outer := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		run := runs.Add(1)
 		if run == 1 {
-			// Only on the first run: an unnamed, counted call.
-			if err := invoke(ctx, "audit"); err != nil {
+			// Only on the first run: an effect of its own.
+			if err := invoke(idempotency.WithEffect(ctx, "audit"), "audit"); err != nil {
 				return nil, err
 			}
 		}
@@ -256,7 +256,7 @@ func TestNamedDownstreamGRPCCallsKeepTheirKeys(t *testing.T) {
 	err := invoke(ended, "after the call")
 	require.ErrorIs(t, err, idempotency.ErrCallEnded)
 	require.Len(t, innerKeys.all(), 5, "nothing was sent")
-	_, ok := idempotency.DownstreamKey(ended, "x")
+	_, ok := idempotency.CountedKey(ended, "x")
 	require.False(t, ok, "no key from a call that has ended")
 	_, ok = idempotency.EffectKey(ended, "x")
 	require.False(t, ok)

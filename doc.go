@@ -70,11 +70,14 @@
 // its statements failed, or leaves a query's rows open. The refusal only
 // makes the error clearer: what gets past it (a COMMIT in a disguise the
 // check does not read) is caught by the claim all the same. Nested
-// transactions (tx.Begin) are savepoints and work as usual. A handler
-// that changes its session past the transaction (SET without LOCAL,
-// set_config(..., false), RESET, DEALLOCATE, LISTEN, a DO block, CALL,
-// tx.Conn()) costs its connection: it is closed after the call rather than
-// returned to the pool, so that no later call inherits the change.
+// transactions (tx.Begin) are savepoints and work as usual. What a handler
+// leaves in its session past the transaction (settings and role, temporary
+// tables, session advisory locks, statements prepared with PREPARE, cursors
+// WITH HOLD, LISTEN), however it set it, is reset on every outcome in the
+// round trip that ends the call, behind a transaction pooler too, so that
+// no later call inherits it; SET LOCAL and set_config(..., true) cost
+// nothing. A handler that uses tx.Conn() costs its connection: it is closed
+// after the call rather than returned to the pool.
 //
 // The transaction runs at the database's default isolation level, or at
 // the one chosen with [WithIsolation], [Call.Isolation], the isolation field
@@ -115,19 +118,19 @@
 //     name of [WithEffect]. One name, one key: the same on every run,
 //     whatever else the handler calls, in whatever order, concurrently or
 //     not, and across the handler's own retries of that effect;
-//   - counted: inside a running call, the key [DownstreamKey] gives for
-//     the target (the gRPC method, "METHOD path" over HTTP) and the call's
-//     ordinal among the run's calls to that target. The fallback for calls
-//     nobody named: it holds only when a re-run makes the same calls to a
-//     target in the same order, and a call made only on some runs, calls
-//     made concurrently, or a retry made as a new call shift it;
 //   - outside a running call, [UnaryClientInterceptor] and [HTTPClient]
 //     generate one per logical call and keep it across that call's
 //     retries; [HTTPTransport] sends none.
 //
-// Name every effect that matters ("charge " + orderID). A call made with
-// the context of a call that has ended (a goroutine the handler left
-// running) is refused with [ErrCallEnded].
+// Inside a running call, a call that needs a key (a POST or PATCH, a gRPC
+// method that protobuf does not mark NO_SIDE_EFFECTS or IDEMPOTENT) and
+// has neither a key nor a name is refused with [ErrUnnamedEffect], nothing
+// sent: no key counted by call order is given silently, since a re-run
+// that makes its calls otherwise (one only on some runs, concurrently, or
+// a retry with a new request) would send it for another operation. Name
+// every effect ("charge " + orderID). A call made with the context of a
+// call that has ended (a goroutine the handler left running) is refused
+// with [ErrCallEnded].
 //
 // The other way is an outbox: the handler writes the effect as a job in the
 // call's transaction (the job exists if and only if the call committed),

@@ -8,14 +8,14 @@ import (
 	"net/http"
 	"strings"
 	"sync"
-	"weak"
 
 	"google.golang.org/grpc/codes"
 )
 
 // downstream is what a running call's downstream keys derive from, and
-// the counters of its counted keys. It lives in the call's transaction
-// (callTx), so that a call that derives no key allocates nothing for it.
+// the counters of the keys CountedKey hands out. It lives in the call's
+// transaction (callTx), so that a call that derives no key allocates
+// nothing for it.
 type downstream struct {
 	mu sync.Mutex
 	// base hashes what tells this operation from every other one (see
@@ -23,15 +23,12 @@ type downstream struct {
 	base    [sha256.Size]byte
 	hasBase bool
 	n       map[string]uint64 // counted keys handed out, per target
-	// sent remembers the counted key HTTPTransport gave each request, so
-	// that a request sent again (a retrying client or transport above it
-	// calls RoundTrip once per attempt with the same *http.Request) keeps
-	// its key rather than take the next ordinal.
-	sent map[weak.Pointer[http.Request]]sentRequest
 }
 
 // Prefixes of derived keys, so that an operator reading a key table can
-// tell one from a client's key; they name the derivation's version.
+// tell one from a client's key; they name the key's format: versions 2
+// and 3 of the derivation share one (they differ only in what an HTTP
+// request's base holds, see derivationInput).
 const (
 	derivedKeyPrefixV1 = "dk1-"
 	derivedKeyPrefix   = "dk2-"
@@ -52,6 +49,22 @@ const derivedKeySum = 30
 var ErrCallEnded = &Error{code: codes.Internal, reason: "CALL_ENDED",
 	msg: "an outgoing call was made with the context of an idempotent call that has ended; derive its key while the handler runs, or give it a key of its own"}
 
+// ErrUnnamedEffect is returned for an outgoing call that needs a key (a
+// POST or PATCH over HTTP, a gRPC method that protobuf does not mark
+// NO_SIDE_EFFECTS or IDEMPOTENT) made inside a running call with neither a
+// key of its own nor a name: nothing is sent. A key counted by call order
+// would not keep it one operation: the count changes when a run makes its
+// calls in another order, makes one only on some runs, or retries one
+// with a new request, and the provider then charges twice. Name the
+// effect with [WithEffect] (one name per effect, the same on every run and
+// every retry of it), or set its key with [WithOutgoingKey]; over HTTP,
+// [HTTPClient] retries a request under the one key it chose. It is a
+// configuration error of the handler: retrying cannot help.
+var ErrUnnamedEffect = &Error{code: codes.Internal, reason: "UNNAMED_EFFECT",
+	msg: "an outgoing call inside an idempotent call has neither a key nor a name; " +
+		"name its effect with idempotency.WithEffect(ctx, name), the same name on every run and every retry of it, " +
+		"or set its key with idempotency.WithOutgoingKey"}
+
 // EffectKey returns the key of the downstream effect named name of the
 // call running in ctx, and false when no call runs in ctx (or it has
 // ended). The same name gives the same key, however many times and in
@@ -61,9 +74,34 @@ var ErrCallEnded = &Error{code: codes.Internal, reason: "CALL_ENDED",
 // retries included. Calls made with a context from [WithEffect] send this
 // key.
 //
-// Like every derived key, it depends on the running call's operation (see
-// [DownstreamKey]) and on nothing the handler does: not on which other
-// effects ran, nor on their order, nor on the build that runs it.
+// Like every derived key, it depends on the operation the running call
+// is, and on nothing the handler does: not on which other effects ran,
+// nor on their order, nor on the build that runs it. The operation is the
+// call's scope and key with its transport (a gRPC call, an HTTP request
+// and a message with the same key derive different keys), its method, the
+// store (its table as configured, and [WithDerivedKeyNamespace]) and its
+// request as the request comparison sees it: of a proto request, a digest
+// of its encoding written as the comparison reads it (-0 as 0, a field set
+// to its default as unset) that does not depend on the schema the binary
+// links in, so that a deploy between a crash and its re-run keeps the keys
+// (its unknown fields count, though the comparison cannot read them); of
+// an HTTP request, its method, target, host and Content-Type with its
+// form, or without one its body, by value for JSON (see [HTTPMiddleware]);
+// of a message, its body. Two operations that differ in any of them, such
+// as a corrected request sent again under a key that was released, derive
+// different keys; a re-run of the same request derives the same ones, also
+// when it is written another way that the comparison calls the same (JSON
+// members in another order, a form parsed in front on one attempt only).
+// One exception: two bodies of one form ("a+b" and "a%20b") are two
+// requests to the comparison but derive one form's keys, as each is the
+// same request as that form parsed in front.
+// The key is "dk2-" and 40 characters of URL-safe base64 of a SHA-256 of
+// all that: 44 printable ASCII characters that contain neither the scope
+// nor the key. The hash has no secret: whoever can guess all of its inputs
+// can confirm the guess, so do not rely on derived keys to hide guessable
+// ones. A parent key used again for the same request after its record
+// expired derives the same keys as before: a client must never reuse a key
+// for another operation.
 func EffectKey(ctx context.Context, name string) (string, bool) {
 	t, ok := liveCall(ctx)
 	if !ok {
@@ -74,45 +112,39 @@ func EffectKey(ctx context.Context, name string) (string, bool) {
 
 // WithEffect returns ctx naming the downstream effect of the calls made
 // with it: inside a running call, [UnaryClientInterceptor], [HTTPTransport]
-// and [HTTPClient] send the key [EffectKey] gives for name, instead of a
-// counted one, unless the call carries a key of its own. A call made only
-// on some runs, calls made concurrently, and a call the handler retries
-// itself keep their keys this way. Outside a running call it changes
-// nothing. An empty name is ignored.
+// and [HTTPClient] send the key [EffectKey] gives for name, unless the call
+// carries a key of its own; a call that needs a key and has neither is
+// refused with [ErrUnnamedEffect]. A call made only on some runs, calls
+// made concurrently, and a call the handler retries itself, with the same
+// request or a new one, keep their keys this way. Outside a running call
+// it changes nothing. An empty name is ignored.
 func WithEffect(ctx context.Context, name string) context.Context {
 	return context.WithValue(ctx, effectName{}, name)
 }
 
 type effectName struct{}
 
-// DownstreamKey returns the key for the next call the call running in ctx
-// makes to target, and false when no call runs in ctx (or it has ended).
-// target names what is called, the same way on every run: a gRPC method,
-// "POST /v1/charges". Each call of DownstreamKey returns the next
-// ordinal's key (0, 1, ... per target): call it once per downstream call,
-// and keep the key for that call's retries. Counting is the fallback for
-// calls nobody named: a call made only on some runs, concurrent calls to
-// one target, or a retry counted as a call shift the ordinals, and a
-// re-run then sends a key under which the first run asked for something
-// else. Name effects that can happen so ([EffectKey], [WithEffect]).
+// CountedKey returns the key counted for the next call to target of the
+// call running in ctx, and false when no call runs in ctx (or it has
+// ended): each call of CountedKey returns the next ordinal's key (0, 1,
+// ... per target), derived from the operation as [EffectKey]'s are.
 //
-// A derived key depends on the operation the running call is: its scope
-// and key with its transport (a gRPC call, an HTTP request and a message
-// with the same key derive different keys), its method, the store (its
-// table as configured, and [WithDerivedKeyNamespace]) and its request (a
-// digest of the request's encoding that does not depend on the schema the
-// binary links in, so that a deploy between a crash and its re-run keeps
-// the keys). Two operations that differ in any of them, such as a
-// corrected request sent again under a key that was released, derive
-// different keys; a re-run of the same request derives the same ones.
-// The key is "dk2-" and 40 characters of URL-safe base64 of a SHA-256 of
-// all that: 44 printable ASCII characters that contain neither the scope
-// nor the key. The hash has no secret: whoever can guess all of its inputs
-// can confirm the guess, so do not rely on derived keys to hide guessable
-// ones. A parent key used again for the same request after its record
-// expired derives the same keys as before: a client must never reuse a key
-// for another operation.
-func DownstreamKey(ctx context.Context, target string) (string, bool) {
+// Use with care: the key depends on how many times the run asked before,
+// so a re-run gets the first run's key only if it asks in the same order.
+// A call made only on some runs, concurrent calls, or a retry that asks
+// again shift the ordinals, and a re-run then sends a key under which the
+// first run asked for something else: the provider charges twice. Name
+// effects instead ([WithEffect], [EffectKey]).
+//
+// It is here for calls whose first run, under a release before
+// [ErrUnnamedEffect], got a counted key without asking (the client
+// interceptor, [HTTPTransport] and [HTTPClient] counted the calls nobody
+// named; they now refuse them): until no such call can run again, send
+// those calls with WithOutgoingKey(ctx, key) of the key CountedKey gives
+// for the target they counted, in the order they made them: the gRPC
+// method's full name, or "METHOD path" over HTTP (the URL's escaped path,
+// without host or query).
+func CountedKey(ctx context.Context, target string) (string, bool) {
 	t, ok := liveCall(ctx)
 	if !ok {
 		return "", false
@@ -129,32 +161,27 @@ func liveCall(ctx context.Context) (*callTx, bool) {
 	return t, true
 }
 
-// outgoing is how an outgoing call's key was chosen.
-type outgoing int
-
-const (
-	outgoingNone     outgoing = iota // no key: outside a running call, none chosen
-	outgoingExplicit                 // WithOutgoingKey
-	outgoingNamed                    // WithEffect inside a running call
-	outgoingCounted                  // DownstreamKey's ordinal
-)
-
 // derivedOutgoingKey is the key of an outgoing call to target made with
-// ctx that carries none of its own: named by WithEffect, or counted, when
-// ctx is inside a running call; none outside. A call that has ended is
-// ErrCallEnded.
-func derivedOutgoingKey(ctx context.Context, target string) (string, outgoing, error) {
+// ctx that needs a key and carries none of its own, and whether ctx is
+// inside a running call: there, the key of the effect WithEffect names,
+// and for a call nobody named ErrUnnamedEffect, whose message ends with
+// fix, what the caller's protocol offers besides. Outside, none. A call
+// that has ended is ErrCallEnded.
+func derivedOutgoingKey(ctx context.Context, target, fix string) (key string, inCall bool, err error) {
 	t, ok := callFrom(ctx)
 	switch {
 	case !ok:
-		return "", outgoingNone, nil
+		return "", false, nil
 	case t.ended():
-		return "", outgoingNone, ErrCallEnded.with(target, nil)
+		return "", true, ErrCallEnded.with(target, nil)
 	}
-	if name, _ := ctx.Value(effectName{}).(string); name != "" {
-		return t.effectKey(name), outgoingNamed, nil
+	name, _ := ctx.Value(effectName{}).(string)
+	if name == "" {
+		// Not a key counted by call order: a re-run or a retry that makes
+		// its calls otherwise would send one key for two operations.
+		return "", true, ErrUnnamedEffect.with(target+fix, nil)
 	}
-	return t.countedKey(target), outgoingCounted, nil
+	return t.effectKey(name), true, nil
 }
 
 func (t *callTx) effectKey(name string) string {
@@ -183,8 +210,9 @@ func (t *callTx) countedKey(target string) string {
 }
 
 // baseLocked is the hash every key of the running call derives from:
-// version, store, scope, the key as stored, method and request, each
-// length-prefixed so that no two different tuples hash the same bytes.
+// version, store, scope, the key as stored, method and request (as the
+// request comparison sees it: see derivationInput), each length-prefixed
+// so that no two different tuples hash the same bytes.
 func (d *downstream) baseLocked(a *attempt) [sha256.Size]byte {
 	if d.hasBase {
 		return d.base
@@ -194,7 +222,7 @@ func (d *downstream) baseLocked(a *attempt) [sha256.Size]byte {
 	o := &a.s.opts
 	req := a.tp.digest
 	if !a.tp.hasDigest {
-		req = sha256.Sum256(a.call.Fingerprint)
+		req = sha256.Sum256(derivationInput(a.call.Fingerprint, o.derivedKeyVersion))
 	}
 	for _, s := range []string{"idempotency downstream key v2", o.derivedKeyNamespace, o.schema, o.table, a.call.Scope, a.key, a.call.Method, string(req[:])} {
 		h.Write(b[:binary.PutUvarint(b[:], uint64(len(s)))])
@@ -239,28 +267,21 @@ func deriveKeyV1(scope, key, target string, n uint64) string {
 // providers such as Stripe and Adyen, and [HTTPMiddleware]. The key is, in
 // order: the request's own header, the key of [WithOutgoingKey] in the
 // request's context, or, when the request's context is inside a running
-// call, the key of the effect [WithEffect] names, or else the key
-// [DownstreamKey] counts for the target "METHOD path" (the URL's path
-// without host or query, so that a re-run that reaches another host of the
-// same service sends the same key). Any other request is sent as it is:
-// outside a running call, nothing would make a generated key the same on a
-// retry ([HTTPClient] keeps one across its own retries).
+// call, the key of the effect [WithEffect] names. Inside a running call, a
+// POST or PATCH with none of them is refused with [ErrUnnamedEffect],
+// nothing sent. Any other request is sent as it is: outside a running
+// call, nothing would make a generated key the same on a retry
+// ([HTTPClient] keeps one across its own retries).
 //
 //	client := &http.Client{Transport: &idempotency.HTTPTransport{}}
 //	req, _ := http.NewRequestWithContext(idempotency.WithEffect(ctx, "charge "+orderID), "POST", providerURL+"/v1/charges", body)
 //	resp, err := client.Do(req) // ctx is the handler's: the key is derived
 //
-// A redirect that keeps the method (307, 308) carries the key of the
-// request it follows, so a re-run that is not redirected sends the same
-// keys. The same *http.Request sent again to the same target in one run
-// of the call (a retrying transport above this one that resends it) keeps
-// its counted key. Any other retry needs a name ([WithEffect]), a key set
-// before the first attempt, or [HTTPClient], or it counts as the next
-// call: one that builds a new request, and one that calls http.Client.Do
-// again with the same request when the client copies it for the
-// transport (it does when it has a Timeout, when the URL has a user, or
-// when the request's Header is nil). A request made with the context of a call that has ended
-// is refused with [ErrCallEnded], nothing sent.
+// Every request made with a context that names the effect (or sets the
+// key), a retry that builds a new request or resends this one included,
+// carries the same key, on every run of the call. A redirect that keeps the method (307, 308) carries the key of the
+// request it follows. A request made with the context of a call that has
+// ended is refused with [ErrCallEnded], nothing sent.
 type HTTPTransport struct {
 	// Base sends the requests; nil means [http.DefaultTransport].
 	Base http.RoundTripper
@@ -268,7 +289,8 @@ type HTTPTransport struct {
 
 // RoundTrip implements [http.RoundTripper]. It does not modify req: a
 // request that gets a key is sent as a shallow copy with its own header.
-// An invalid key from [WithOutgoingKey] is an error of [ErrInvalidKey] and
+// An invalid key from [WithOutgoingKey] is an error of [ErrInvalidKey], an
+// unnamed POST or PATCH inside a running call one of [ErrUnnamedEffect]:
 // nothing is sent. The response's Request is the copy sent, with the key,
 // also when Base answers without one.
 func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -295,8 +317,8 @@ func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	resp, err := base.RoundTrip(r)
 	if resp != nil && resp.Request == nil {
 		// http.Client builds a redirect's request on this response's
-		// Request: without it, the redirect would look like a call of its
-		// own and take the next ordinal.
+		// Request: without it, the redirect would not find the key it
+		// follows.
 		resp.Request = r
 	}
 	return resp, err
@@ -308,10 +330,11 @@ func keyedMethod(method string) bool {
 	return method == http.MethodPost || method == http.MethodPatch
 }
 
-// httpRequestKey is the key HTTPTransport and HTTPClient give req, which
-// carries no header of its own, and false for none: WithOutgoingKey's, the
-// key of the request a redirect follows, the key this run sent the same
-// request with before, or a derived one inside a running call.
+// httpRequestKey is the key HTTPTransport and HTTPClient give req, a POST
+// or PATCH which carries no header of its own, and false for none:
+// WithOutgoingKey's, the key of the request a redirect follows, or inside
+// a running call the key of the effect WithEffect names (an unnamed
+// request there is ErrUnnamedEffect).
 func httpRequestKey(req *http.Request) (string, bool, error) {
 	ctx := req.Context()
 	if key, ok := ctx.Value(outgoingKey{}).(string); ok {
@@ -322,51 +345,19 @@ func httpRequestKey(req *http.Request) (string, bool, error) {
 	}
 	t, inCall := callFrom(ctx)
 	if inCall && t.ended() {
-		// Whatever the key would be (a redirect's, a resent request's),
-		// it was derived for a call that is over.
+		// Whatever the key would be (a redirect's too), it was derived for
+		// a call that is over.
 		return "", false, ErrCallEnded.with(req.Method+" "+req.URL.EscapedPath(), nil)
 	}
 	if key, ok := redirectedKey(req); ok {
 		// The key of the request the call made: a redirect is no call of
-		// its own, and must not take the next ordinal.
+		// its own.
 		return key, true, nil
 	}
-	target := req.Method + " " + req.URL.EscapedPath()
-	if inCall {
-		if key, ok := t.downstream.resent(req, target); ok {
-			return key, true, nil
-		}
-	}
-	key, how, err := derivedOutgoingKey(ctx, target)
-	if how == outgoingCounted {
-		t.downstream.remember(req, target, key)
-	}
-	return key, how != outgoingNone, err
-}
-
-// sentRequest is a request HTTPTransport gave a counted key, as the call
-// remembers it: weakly, so that a request the handler dropped (and its
-// body) can be collected before the call ends.
-type sentRequest struct {
-	target, key string
-}
-
-// resent is the counted key req was sent with before in this run, to the
-// same target: a request used again for another target is another call.
-func (d *downstream) resent(req *http.Request, target string) (string, bool) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	s, ok := d.sent[weak.Make(req)]
-	return s.key, ok && s.target == target
-}
-
-func (d *downstream) remember(req *http.Request, target, key string) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.sent == nil {
-		d.sent = make(map[weak.Pointer[http.Request]]sentRequest)
-	}
-	d.sent[weak.Make(req)] = sentRequest{target: target, key: key}
+	key, derived, err := derivedOutgoingKey(ctx, req.Method+" "+req.URL.EscapedPath(),
+		" (every request made with that context carries its key, a retry with a new request too; "+
+			"idempotency.HTTPClient retries a request under one key)")
+	return key, derived && err == nil, err
 }
 
 // redirectedKey is the key the transport sent with the request that req

@@ -46,7 +46,7 @@ func TestHTTPClientSendsNoRetryAfterTheCallEnded(t *testing.T) {
 	done := make(chan error, 1)
 	_, err := store.Execute(context.Background(), idempotency.Call{Key: "order-5", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		go func() {
-			req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/charges", strings.NewReader("charge"))
+			req, err := http.NewRequestWithContext(idempotency.WithEffect(ctx, "charge"), http.MethodPost, srv.URL+"/v1/charges", strings.NewReader("charge"))
 			if err != nil {
 				done <- err
 				return

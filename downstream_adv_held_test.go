@@ -66,7 +66,7 @@ func TestDerivingWhileTheHandlerReturns(t *testing.T) {
 						}
 						after := ended.Load()
 						_, ok1 := idempotency.EffectKey(ctx, fmt.Sprint("e", i))
-						_, ok2 := idempotency.DownstreamKey(ctx, "t")
+						_, ok2 := idempotency.CountedKey(ctx, "t")
 						req, _ := http.NewRequestWithContext(idempotency.WithEffect(ctx, "x"), http.MethodPost, "http://p.invalid/v1", strings.NewReader("b"))
 						var err error
 						if i%2 == 0 {

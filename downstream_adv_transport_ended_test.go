@@ -35,7 +35,7 @@ func TestHTTPTransportRefusesARedirectHopAfterTheCallEnded(t *testing.T) {
 	done := make(chan error, 1)
 	_, err := store.Execute(context.Background(), idempotency.Call{Key: "order-4", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		go func() {
-			_, err := post(ctx, client, http.MethodPost, old.URL+"/v1/charges", "charge")
+			_, err := post(idempotency.WithEffect(ctx, "charge"), client, http.MethodPost, old.URL+"/v1/charges", "charge")
 			done <- err
 		}()
 		<-arrived // the request went out while the call ran

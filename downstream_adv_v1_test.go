@@ -25,7 +25,7 @@ func TestVersion1EffectKeysDoNotCollideWithCountedKeys(t *testing.T) {
 		var named, counted string
 		_, err := store.Execute(context.Background(), idempotency.Call{Scope: "s", Key: "k", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 			named, _ = idempotency.EffectKey(ctx, "charge")
-			counted, _ = idempotency.DownstreamKey(ctx, "effect charge")
+			counted, _ = idempotency.CountedKey(ctx, "effect charge")
 			return nil, errRelease
 		})
 		require.ErrorIs(t, err, errRelease)

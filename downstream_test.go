@@ -76,11 +76,11 @@ func requireDerived(t *testing.T, keys []string, secrets ...string) {
 	}
 }
 
-// A handler that calls another gRPC service through the client interceptor
-// runs twice for one key: its first run fails in a way that releases the
-// key, after its downstream calls succeeded. The re-run must send the same
-// downstream keys, so the downstream service executes each of its calls
-// once, not twice.
+// A handler that calls another gRPC service through the client interceptor,
+// naming each effect, runs twice for one key: its first run fails in a way
+// that releases the key, after its downstream calls succeeded. The re-run
+// must send the same downstream keys, so the downstream service executes
+// each of its calls once, not twice.
 func TestDownstreamCallsOfARerunSendTheSameKeys(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
@@ -94,7 +94,7 @@ func TestDownstreamCallsOfARerunSendTheSameKeys(t *testing.T) {
 			{methodCharge, req.GetValue() + "/a"}, {methodCharge, req.GetValue() + "/b"}, {methodRefund, req.GetValue() + "/r"},
 		} {
 			resp := &wrapperspb.StringValue{}
-			if err := innerConn.Invoke(ctx, c.method, wrapperspb.String(c.body), resp); err != nil {
+			if err := innerConn.Invoke(idempotency.WithEffect(ctx, c.method+" "+c.body), c.method, wrapperspb.String(c.body), resp); err != nil {
 				return nil, err
 			}
 			out = append(out, resp.GetValue())
@@ -129,7 +129,8 @@ func TestDownstreamCallsOfARerunSendTheSameKeys(t *testing.T) {
 }
 
 // Outside a running call the client interceptor generates keys as before;
-// inside one, an explicit key (WithOutgoingKey or the metadata) still wins.
+// inside one, an explicit key (WithOutgoingKey or the metadata) wins over
+// the name of the effect.
 func TestDownstreamExplicitKeysWin(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
@@ -140,13 +141,14 @@ func TestDownstreamExplicitKeysWin(t *testing.T) {
 	}
 
 	outer := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-		if err := call(idempotency.WithOutgoingKey(ctx, "chosen-by-handler"), "explicit"); err != nil {
+		named := idempotency.WithEffect(ctx, "charge")
+		if err := call(idempotency.WithOutgoingKey(named, "chosen-by-handler"), "explicit"); err != nil {
 			return nil, err
 		}
-		if err := call(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "in-metadata"), "metadata"); err != nil {
+		if err := call(metadata.AppendToOutgoingContext(named, idempotency.MetadataKey, "in-metadata"), "metadata"); err != nil {
 			return nil, err
 		}
-		return req, call(ctx, "derived")
+		return req, call(named, "derived")
 	}})
 	require.NoError(t, outer.call(context.Background(), methodCharge, "outer-1", "x").err)
 	require.NoError(t, call(context.Background(), "outside"))
@@ -160,21 +162,21 @@ func TestDownstreamExplicitKeysWin(t *testing.T) {
 	require.NoError(t, idempotency.ValidateKey(keys[3]))
 }
 
-// DownstreamKey depends on the scope, the key, the target and the ordinal,
+// CountedKey depends on the scope, the key, the target and the ordinal,
 // and on nothing else: the same inputs on another run give the same key.
-func TestDownstreamKeyDependsOnScopeKeyTargetAndOrdinal(t *testing.T) {
+func TestCountedKeyDependsOnScopeKeyTargetAndOrdinal(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	store := migratedStore(t, db)
 	ctx := context.Background()
-	_, ok := idempotency.DownstreamKey(ctx, "x")
+	_, ok := idempotency.CountedKey(ctx, "x")
 	require.False(t, ok, "no running call, no derived key")
 
 	derive := func(scope, key string) []string {
 		var got []string
 		_, err := store.Execute(ctx, idempotency.Call{Scope: scope, Key: key, Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 			for _, target := range []string{"a", "b", "a"} {
-				k, ok := idempotency.DownstreamKey(ctx, target)
+				k, ok := idempotency.CountedKey(ctx, target)
 				require.True(t, ok)
 				got = append(got, k)
 			}
@@ -191,7 +193,7 @@ func TestDownstreamKeyDependsOnScopeKeyTargetAndOrdinal(t *testing.T) {
 	var fromMessage []string
 	_, err := store.ProcessMessage(ctx, idempotency.Message{Scope: "tenant-1", ID: "k"}, func(ctx context.Context, _ pgx.Tx) error {
 		for _, target := range []string{"a", "b", "a"} {
-			k, _ := idempotency.DownstreamKey(ctx, target)
+			k, _ := idempotency.CountedKey(ctx, target)
 			fromMessage = append(fromMessage, k)
 		}
 		return nil
@@ -256,9 +258,10 @@ func post(ctx context.Context, client *http.Client, method, url, body string) (i
 	return resp.StatusCode, nil
 }
 
-// A call that charges a provider over HTTP through HTTPTransport and then
-// fails in a way that releases its key: its re-run sends the same
-// Idempotency-Key headers, and the provider executes each request once.
+// A call that charges a provider over HTTP through HTTPTransport, naming
+// each effect, and then fails in a way that releases its key: its re-run
+// sends the same Idempotency-Key headers, and the provider executes each
+// request once. The GET, unnamed, is sent without a key.
 func TestHTTPTransportRerunSendsTheSameKeys(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t)
@@ -272,7 +275,11 @@ func TestHTTPTransportRerunSendsTheSameKeys(t *testing.T) {
 			for _, c := range []struct{ method, path, body string }{
 				{"POST", "/v1/charges", "charge 1"}, {"POST", "/v1/charges", "charge 2"}, {"PATCH", "/v1/orders/9", "ship"}, {"GET", "/v1/orders/9", ""},
 			} {
-				code, err := post(ctx, client, c.method, p.url+c.path, c.body)
+				effect := ctx
+				if c.method != http.MethodGet {
+					effect = idempotency.WithEffect(ctx, c.method+" "+c.path+" "+c.body)
+				}
+				code, err := post(effect, client, c.method, p.url+c.path, c.body)
 				if err != nil || code != http.StatusOK {
 					return nil, status.Errorf(codes.Unavailable, "%s %s: %d %v", c.method, c.path, code, err)
 				}
@@ -297,9 +304,9 @@ func TestHTTPTransportRerunSendsTheSameKeys(t *testing.T) {
 }
 
 // A request that is redirected (307, 308: the method and body are kept)
-// reaches the provider with the key of the request the call made, not
-// with the next derived key: a re-run that is not redirected, because the
-// move has finished, sends the provider the same keys.
+// reaches the provider with the key of the request the call made: a
+// re-run that is not redirected, because the move has finished, sends the
+// provider the same keys.
 func TestHTTPTransportRedirectKeepsTheKey(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t)
@@ -314,7 +321,7 @@ func TestHTTPTransportRedirectKeepsTheKey(t *testing.T) {
 	run := func(base string) error {
 		_, err := store.Execute(context.Background(), idempotency.Call{Scope: "shop", Key: "order-10", Method: "Checkout"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 			for _, body := range []string{"charge 1", "charge 2"} {
-				code, err := post(ctx, client, "POST", base+"/v1/charges", body)
+				code, err := post(idempotency.WithEffect(ctx, body), client, "POST", base+"/v1/charges", body)
 				if err != nil || code != http.StatusOK {
 					return nil, status.Errorf(codes.Unavailable, "%s: %d %v", body, code, err)
 				}
@@ -385,7 +392,7 @@ func TestHTTPTransportRequestWithoutHeaderMap(t *testing.T) {
 	})}
 	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k-1", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		u, _ := url.Parse("http://provider.invalid/v1/charges")
-		req := (&http.Request{Method: http.MethodPost, URL: u}).WithContext(ctx)
+		req := (&http.Request{Method: http.MethodPost, URL: u}).WithContext(idempotency.WithEffect(ctx, "charge"))
 		resp, err := tr.RoundTrip(req)
 		if err == nil {
 			_ = resp.Body.Close()

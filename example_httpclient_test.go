@@ -70,8 +70,9 @@ func ExampleHTTPClient() {
 
 // A named effect: the provider's charge of an order has one key, whatever
 // else the handler calls and in whatever order. The first run makes an
-// extra call before the charge and then fails (the key is released); the
-// second run does not, and its charge gets the provider's first answer.
+// extra call (a quote, an effect of its own) before the charge and then
+// fails (the key is released); the second run does not, and its charge
+// gets the provider's first answer.
 func ExampleWithEffect() {
 	ctx := context.Background()
 	pool, done := testdb.ForExample(ctx)
@@ -97,8 +98,11 @@ func ExampleWithEffect() {
 			return "", err
 		}
 		resp, err := hc.Do(req) // one key for all of its attempts
-		if err != nil {
+		var unreachable *idempotency.HTTPRetryError
+		if errors.As(err, &unreachable) {
 			return "", status.Errorf(codes.Unavailable, "provider: %v", err)
+		} else if err != nil {
+			return "", err // refused before sending: a configuration error
 		}
 		defer resp.Body.Close()
 		body, _ := io.ReadAll(resp.Body)
@@ -108,7 +112,7 @@ func ExampleWithEffect() {
 	for run := 1; run <= 2; run++ {
 		_, err := store.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 			if run == 1 {
-				if _, err := post(ctx, "/v1/quotes"); err != nil { // made on this run only
+				if _, err := post(idempotency.WithEffect(ctx, "quote order-1001"), "/v1/quotes"); err != nil { // made on this run only
 					return nil, err
 				}
 			}

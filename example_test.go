@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log"
@@ -142,8 +143,8 @@ func ExampleWithOutgoingKey() {
 }
 
 // A handler reads the key of the call it runs, to log it. The keys of the
-// calls it makes to other systems are derived from it (see DownstreamKey
-// and HTTPTransport), never the key itself.
+// calls it makes to other systems are derived from it (see EffectKey and
+// HTTPTransport), never the key itself.
 func ExampleCallKeyFromContext() {
 	handler := func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		key, _ := idempotency.CallKeyFromContext(ctx)
@@ -155,7 +156,7 @@ func ExampleCallKeyFromContext() {
 
 // A call charges a provider that honours Idempotency-Key, then fails in a
 // way that releases its key; its re-run sends the provider the same
-// derived key and gets the first charge back.
+// derived key, the charge effect's, and gets the first charge back.
 func ExampleHTTPTransport() {
 	ctx := context.Background()
 	pool, done := testdb.ForExample(ctx)
@@ -176,13 +177,18 @@ func ExampleHTTPTransport() {
 
 	providerHTTP := &http.Client{Transport: &idempotency.HTTPTransport{}}
 	charge := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-		// ctx is the call's: the provider sees the same Idempotency-Key on every run.
+		// ctx is the call's, naming the effect: the provider sees the same
+		// Idempotency-Key on every run.
+		ctx = idempotency.WithEffect(ctx, "charge order-1001")
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, provider.URL+"/v1/charges", strings.NewReader(`{"cents":100}`))
 		if err != nil {
 			return nil, err
 		}
 		resp, err := providerHTTP.Do(req)
-		if err != nil {
+		var refused *idempotency.Error
+		if errors.As(err, &refused) {
+			return nil, err // refused before sending (ErrUnnamedEffect, ErrInvalidKey): retrying cannot help
+		} else if err != nil {
 			return nil, status.Errorf(codes.Unavailable, "provider: %v", err)
 		}
 		defer resp.Body.Close()

@@ -26,7 +26,7 @@ var SleepContext = sleepContext
 
 // RequestDigest is what the keys a call derives know of its proto request.
 func RequestDigest(req proto.Message) [32]byte {
-	return requestDigest(req)
+	return requestDigest(req, defaultDerivedKeyVersion)
 }
 
 // PreviousHTTPFingerprint is the fingerprint an HTTP request had before

@@ -34,8 +34,9 @@ import (
 //
 // Two version 2 fingerprints are compared only when their schema agrees.
 //
-// Versions 4 and 5 (HTTP requests; 5 compares JSON bodies by value, and
-// compares with 4 as 4 did): see httpfingerprint.go.
+// Versions 4, 5 and 6 (HTTP requests; 5 compares JSON bodies by value, 6
+// reads a Content-Type as RFC 9110 does, and each compares with a row of
+// the others as that row's release did): see httpfingerprint.go.
 //
 // Version 3 (proto requests) has a part per field present, and says once
 // per message type which fields its schema knows, so that two releases of
@@ -256,18 +257,17 @@ func sameRequest(stored, current []byte) bool {
 	if malformedHTTP(stored) || malformedHTTP(current) {
 		return false
 	}
+	if a, ok := readHTTP(stored); ok {
+		if b, ok := readHTTP(current); ok {
+			return sameHTTP(a, b) // of any version: see sameHTTP
+		}
+	}
 	sv, cv := versionOf(stored), versionOf(current)
 	switch {
-	case sv == httpVersion4 && cv == httpVersion:
-		return sameHTTPAcross(stored, current)
-	case sv == httpVersion && cv == httpVersion4:
-		return sameHTTPAcross(current, stored)
 	case sv != cv:
 		return true // another algorithm: not comparable
 	case sv == fieldsVersion:
 		return sameFields(stored, current)
-	case sv == httpVersion, sv == httpVersion4:
-		return sameHTTP(stored, current)
 	case sv == fingerprintVersion:
 		head := len(fingerprintMagic) + 1 + 8
 		return !bytes.Equal(stored[:head], current[:head]) // another schema: not comparable
@@ -286,8 +286,10 @@ func versionOf(fp []byte) byte {
 		return v
 	case v == fieldsVersion && len(fp) > fieldsHeadLen:
 		return v
-	case (v == httpVersion || v == httpVersion4) && validHTTP(fp):
-		return v
+	case v == httpVersion || v == httpVersion5 || v == httpVersion4:
+		if _, ok := readHTTP(fp); ok {
+			return v
+		}
 	}
 	return 0
 }

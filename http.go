@@ -70,13 +70,18 @@ const ReplayedHeader = "Idempotency-Replayed"
 // the draft's structured-field string ("abc") or a bare token (abc).
 //
 // The request is the same request when its method, path (with query),
-// host and body are the same: the path and host the client sent
-// (r.RequestURI, r.Host), whatever a router in front (http.StripPrefix)
-// rewrote; the body by its bytes (JSON, application/json or a +json type,
-// by its value: spacing, member order and string escapes do not count,
-// numbers as written do), and a form a middleware in front parsed
-// (consuming them) by its fields and files, so that a form is one request
-// whether or not something in front parsed it.
+// host, Content-Type and body are the same: the path and host the client
+// sent (r.RequestURI, r.Host), whatever a router in front
+// (http.StripPrefix) rewrote; the Content-Type as RFC 9110 reads it (the
+// media type, parameter names and a charset's name in any case); the body
+// by its bytes (JSON, application/json or a +json type, by its value:
+// spacing, member order and string escapes do not count, numbers as
+// written do), and a form by its fields and files, also when a middleware
+// in front parsed it (consuming the bytes), so that a form is one request
+// whether or not something in front parsed it. The keys the handler
+// derives for its downstream calls ([EffectKey], [HTTPTransport]) follow
+// the same comparison: a retry that is the same request derives the same
+// keys, however it is written (see [EffectKey]).
 // The scope ([WithHTTPScope]) is asked before the body is read. Trailers go
 // out as trailers and are stored and replayed by the same list as headers;
 // a 1xx response other than 101 goes out at once, unstored. Which handler

@@ -23,13 +23,19 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // jsonServer serves POST /v1/charges behind the middleware with a handler
 // that answers with its run's number and what it read.
 func jsonServer(t *testing.T) (*httptest.Server, *atomic.Int64) {
 	t.Helper()
-	db := suiteDB(t)
+	return jsonServerOn(t, suiteDB(t))
+}
+
+// jsonServerOn is jsonServer on db, whose rows a test reads or rewrites.
+func jsonServerOn(t *testing.T, db *testdb.DB) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
 	store := migratedStore(t, db)
 	var runs atomic.Int64
 	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -259,7 +265,7 @@ func TestHTTPJSONRetryAcrossTheFingerprintUpgradeIsComparedAsBefore(t *testing.T
 		var stored []byte
 		require.NoError(t, db.Pool.QueryRow(context.Background(), `SELECT fingerprint FROM idempotency_keys WHERE key LIKE '%'||$1`, key).Scan(&stored))
 		require.Equal(t, old[5:5+32], stored[5:5+32], "the request's digest is version 4's")
-		require.EqualValues(t, 5, stored[4], "stored as version 5")
+		require.EqualValues(t, 6, stored[4], "stored as version 6")
 		tag, err := db.Pool.Exec(context.Background(), `UPDATE idempotency_keys SET fingerprint = $1 WHERE key LIKE '%'||$2`, c.row, key)
 		require.NoError(t, err)
 		require.EqualValues(t, 1, tag.RowsAffected())

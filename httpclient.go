@@ -35,20 +35,17 @@ import (
 //     [HTTPMiddleware] reads it: a bare token or a structured-field string);
 //   - the key of [WithOutgoingKey] in the request's context;
 //   - when the request's context is inside a running call (a handler's):
-//     the key of the effect [WithEffect] names, or else the key
-//     [DownstreamKey] counts for the target "METHOD path", taken once per
-//     Do however many attempts it makes. These are the keys [HTTPTransport]
-//     derives, so a handler may use both. A re-run of the handler sends the
-//     same keys. A handler that retries a call itself keeps its key by
-//     naming the effect (or by giving Do the same *http.Request again,
-//     which keeps its counted key for the rest of the run);
+//     the key of the effect [WithEffect] names, the key [HTTPTransport]
+//     derives too, so a handler may use both. A re-run of the handler, and
+//     a handler that retries the call itself, send the same key;
 //   - outside a running call, a new UUIDv7.
 //
 // An invalid key (in the header or from WithOutgoingKey) is an error of
-// [ErrInvalidKey], and a POST or PATCH that would derive its key from the
-// context of a call that has ended is refused with [ErrCallEnded]: in both
-// cases nothing is sent and the request's body is closed. Other methods are sent without a key of
-// Do's choosing (a header the request carries is sent as it is). A Client
+// [ErrInvalidKey]; a POST or PATCH inside a running call with neither a
+// key nor a name is refused with [ErrUnnamedEffect], and one that would
+// derive its key from the context of a call that has ended with
+// [ErrCallEnded]: nothing is sent and the request's body is closed.
+// Other methods are sent without a key of Do's choosing (a header the request carries is sent as it is). A Client
 // whose Transport is an HTTPTransport works the same: the request already
 // carries its key, which HTTPTransport passes through. Redirects the
 // Client follows carry the key too: http.Client copies the request's
@@ -212,8 +209,8 @@ func (c *HTTPClient) settings() (httpClientSettings, error) {
 
 // Do sends req under its key, retrying as the type's documentation says,
 // and returns the last attempt's response, or an [*HTTPRetryError]. An
-// invalid key, an ended call or an invalid field of c is an error before
-// anything is sent. As with http.Client, the caller closes the response's
+// invalid key, an unnamed effect, an ended call or an invalid field of c
+// is an error before anything is sent. As with http.Client, the caller closes the response's
 // body.
 func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
 	s, err := c.settings()

@@ -128,14 +128,14 @@ func keysOf(p *provider) []string {
 	return keys
 }
 
-// countedKeys are the keys DownstreamKey counts for target in a run of
-// call, ordinals 0 to n-1; the run releases the key.
-func countedKeys(t *testing.T, store *idempotency.Store, call idempotency.Call, target string, n int) []string {
+// effectKeys are the keys EffectKey gives names in a run of call; the run
+// releases the key.
+func effectKeys(t *testing.T, store *idempotency.Store, call idempotency.Call, names ...string) []string {
 	t.Helper()
 	var keys []string
 	_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
-		for range n {
-			k, ok := idempotency.DownstreamKey(ctx, target)
+		for _, name := range names {
+			k, ok := idempotency.EffectKey(ctx, name)
 			require.True(t, ok)
 			keys = append(keys, k)
 		}
@@ -208,8 +208,9 @@ func TestHTTPClientDroppedResponsesExecuteEachRequestOnce(t *testing.T) {
 	t.Logf("%d requests, %d attempts reached the provider, %d responses dropped, %d executions", n, len(arrivals), dropped, p.execs.Load())
 }
 
-// Inside a running call, HTTPClient derives the call's key, through a
-// network that drops the first response of each run. The call fails after
+// Inside a running call, HTTPClient derives the key of the effect the
+// request's context names, through a network that drops the first
+// response of each run. The call fails after
 // the provider answered, releasing its key; its re-run sends the provider
 // the same key, which executes once.
 func TestHTTPClientRerunOfACallSendsTheSameKey(t *testing.T) {
@@ -224,7 +225,7 @@ func TestHTTPClientRerunOfACallSendsTheSameKey(t *testing.T) {
 	run := func() error {
 		_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 			proxy.DropNextResponse()
-			resp, err := hc.Do(newPost(t, ctx, url+"/v1/charges", "charge 11"))
+			resp, err := hc.Do(newPost(t, idempotency.WithEffect(ctx, "charge 11"), url+"/v1/charges", "charge 11"))
 			if err != nil {
 				return nil, status.Errorf(codes.Unavailable, "provider: %v", err)
 			}
@@ -239,9 +240,9 @@ func TestHTTPClientRerunOfACallSendsTheSameKey(t *testing.T) {
 	require.Equal(t, codes.Unavailable, status.Code(run()))
 	require.Equal(t, codes.Unavailable, status.Code(run()))
 
-	want := countedKeys(t, store, call, "POST /v1/charges", 1)[0]
+	want := effectKeys(t, store, call, "charge 11")[0]
 	requireDerived(t, []string{want}, "order-11", "shop")
-	require.Equal(t, []string{want, want}, sent, "both runs sent the key of the call's first POST /v1/charges")
+	require.Equal(t, []string{want, want}, sent, "both runs sent the key of the effect")
 	require.Equal(t, []string{want, want, want, want}, keysOf(p), "each run: the attempt whose response was dropped, and its retry")
 	require.EqualValues(t, 2, proxy.Stats().ResponsesDropped)
 	require.EqualValues(t, 1, p.execs.Load(), "the provider executed the charge once")
@@ -306,8 +307,8 @@ func closedAddr(t *testing.T) string {
 }
 
 // The first attempt finds the provider's port closed (connection refused),
-// the second reaches it: both carry the key the call counted once, and the
-// call's next request gets the next ordinal's key.
+// the second reaches it: both carry the key of the effect the request
+// names, and the call's next request its own effect's key.
 func TestHTTPClientRetryAfterConnectionRefusedKeepsTheKey(t *testing.T) {
 	t.Parallel()
 	p := startProvider(t)
@@ -330,7 +331,7 @@ func TestHTTPClientRetryAfterConnectionRefusedKeepsTheKey(t *testing.T) {
 	var sent []string
 	_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		for _, body := range []string{"charge 1", "charge 2"} {
-			resp, err := hc.Do(newPost(t, ctx, p.url+"/v1/charges", body))
+			resp, err := hc.Do(newPost(t, idempotency.WithEffect(ctx, body), p.url+"/v1/charges", body))
 			if err != nil {
 				return nil, err
 			}
@@ -345,8 +346,8 @@ func TestHTTPClientRetryAfterConnectionRefusedKeepsTheKey(t *testing.T) {
 	require.NoError(t, log.errs[1])
 	require.NoError(t, log.errs[2])
 	require.Equal(t, []string{sent[0], sent[0], sent[1]}, log.keys, "the refused attempt and its retry carried one key")
-	require.Equal(t, countedKeys(t, store, call, "POST /v1/charges", 2), sent,
-		"the two requests got ordinals 0 and 1: the retry took none")
+	require.Equal(t, effectKeys(t, store, call, "charge 1", "charge 2"), sent,
+		"the two requests got their effects' keys")
 	require.Equal(t, []string{"POST " + sent[0], "POST " + sent[1]}, p.headers.all())
 	require.EqualValues(t, 2, p.execs.Load())
 }
@@ -792,9 +793,9 @@ func (rt *resending) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 // A retrying transport above HTTPTransport resends the request whose
-// response the network dropped: HTTPTransport gives it the key it sent it
-// with, not the next ordinal's, so the provider replays it, and the
-// call's next request still gets ordinal 1's key.
+// response the network dropped: it carries the key of the effect it
+// names, so the provider replays it, and the call's next request gets its
+// own effect's key.
 func TestHTTPTransportBelowAResendingTransportKeepsTheKey(t *testing.T) {
 	t.Parallel()
 	p, _, addr := startH2CProvider(t, 0)
@@ -806,15 +807,15 @@ func TestHTTPTransportBelowAResendingTransportKeepsTheKey(t *testing.T) {
 	_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 		proxy.DropNextResponse()
 		for _, body := range []string{"charge a", "charge b"} {
-			if code, err := post(ctx, client, http.MethodPost, url+"/v1/charges", body); err != nil || code != http.StatusOK {
+			if code, err := post(idempotency.WithEffect(ctx, body), client, http.MethodPost, url+"/v1/charges", body); err != nil || code != http.StatusOK {
 				return nil, status.Errorf(codes.Unavailable, "%s: %d %v", body, code, err)
 			}
 		}
 		return nil, status.Error(codes.Unavailable, "release the key, so that a re-run can read the keys")
 	})
 	require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
-	want := countedKeys(t, store, call, "POST /v1/charges", 2)
-	require.Equal(t, []string{want[0], want[0], want[1]}, keysOf(p), "the resent request kept its key; the next request got ordinal 1's")
+	want := effectKeys(t, store, call, "charge a", "charge b")
+	require.Equal(t, []string{want[0], want[0], want[1]}, keysOf(p), "the resent request kept its key; the next request got its own")
 	require.EqualValues(t, 1, proxy.Stats().ResponsesDropped)
 	require.EqualValues(t, 2, p.execs.Load(), "the provider executed each charge once")
 }
@@ -840,7 +841,7 @@ func TestRequestsWithTheContextOfAnEndedCallAreRefused(t *testing.T) {
 		return nil, nil
 	})
 	require.NoError(t, err)
-	_, ok := idempotency.DownstreamKey(ended, "POST /v1/charges")
+	_, ok := idempotency.CountedKey(ended, "POST /v1/charges")
 	require.False(t, ok, "an ended call counts no keys")
 	_, ok = idempotency.EffectKey(ended, "charge")
 	require.False(t, ok, "an ended call names no keys")
@@ -927,8 +928,8 @@ func TestHTTPClientRefusesBeforeSending(t *testing.T) {
 
 // A redirect (307) through a transport that answers without
 // Response.Request keeps the key of the request it follows, inside a
-// running call: the old address and the provider see the call's first
-// key, and the call's next request gets ordinal 1's key, as if there had
+// running call: the old address and the provider see the first effect's
+// key, and the call's next request its own effect's, as if there had
 // been no redirect. For HTTPTransport, HTTPClient, and the two stacked.
 func TestRedirectThroughATransportWithoutResponseRequestKeepsTheKey(t *testing.T) {
 	t.Parallel()
@@ -962,7 +963,8 @@ func TestRedirectThroughATransportWithoutResponseRequestKeepsTheKey(t *testing.T
 			var sent []string
 			_, err := store.Execute(context.Background(), call, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
 				for i, base := range []string{old.URL, p.url} {
-					resp, err := tc.send(newPost(t, ctx, base+"/v1/charges", fmt.Sprint("charge ", i)))
+					body := fmt.Sprint("charge ", i)
+					resp, err := tc.send(newPost(t, idempotency.WithEffect(ctx, body), base+"/v1/charges", body))
 					if err != nil {
 						return nil, err
 					}
@@ -975,9 +977,9 @@ func TestRedirectThroughATransportWithoutResponseRequestKeepsTheKey(t *testing.T
 				return nil, status.Error(codes.Unavailable, "release the key, so that a re-run can read the keys")
 			})
 			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
-			want := countedKeys(t, store, call, "POST /v1/charges", 2)
-			require.Equal(t, want[:1], moved.all(), "the old address got the call's first key")
-			require.Equal(t, []string{"POST " + want[0], "POST " + want[1]}, p.headers.all(), "the redirect kept the key and took no ordinal")
+			want := effectKeys(t, store, call, "charge 0", "charge 1")
+			require.Equal(t, want[:1], moved.all(), "the old address got the first effect's key")
+			require.Equal(t, []string{"POST " + want[0], "POST " + want[1]}, p.headers.all(), "the redirect kept the key")
 			require.Equal(t, want, sent, "each response's Request carries its key")
 			require.EqualValues(t, 2, p.execs.Load())
 		})

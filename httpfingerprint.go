@@ -16,15 +16,17 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// Version 5 of the fingerprint format (see fingerprint.go) identifies an
+// Version 6 of the fingerprint format (see fingerprint.go) identifies an
 // HTTP request:
 //
 //	request    32 bytes: SHA-256 of the method, the target and the host the
-//	           client sent (lower case), and the Content-Type (its media
-//	           type and parameters but a multipart boundary), each
-//	           length-prefixed
+//	           client sent (lower case), and the Content-Type as RFC 9110
+//	           reads it (its media type and parameters but a multipart
+//	           boundary, as mime.FormatMediaType writes them, with a
+//	           charset's name in lower case), each length-prefixed
 //	flags      1 byte: 1 the form's digest follows, 2 the body's, 4 (with
-//	           2) the body's digest is of its canonical JSON
+//	           2) the body's digest is of its canonical JSON, 8 the
+//	           request's digest as version 5 had it follows
 //	form       32 bytes: SHA-256 of the form's fields (url.Values.Encode:
 //	           names sorted, values in order) and, for a multipart form,
 //	           each file in field order: field, name, type, SHA-256 of the
@@ -33,10 +35,14 @@ import (
 //	           canonical JSON (see jsonDigest)
 //	bytes      with flag 4 only, 32 bytes: SHA-256 of the body's bytes, as
 //	           version 4 had it, to compare with a row of that release
+//	request5   with flag 8 only, 32 bytes: the request's digest as version
+//	           5 had it (a charset's value as spelled), when it differs, to
+//	           compare with a row of that release
 //
 // A body has a form digest when net/http would parse it as a form (its
 // Content-Type, read as ParseForm reads it; a multipart body that does not
-// parse has the digest of one that does not), and a body digest when its
+// parse has the digest of one that does not, and so had every multipart
+// body the middleware read before version 6), and a body digest when its
 // bytes were there to read: a middleware in front that parsed the form
 // (r.ParseForm, r.PostFormValue, r.ParseMultipartForm; CSRF middleware
 // does, on some requests and not on others) consumed them. A body whose
@@ -44,26 +50,40 @@ import (
 // as its canonical JSON, so that whitespace, the order of an object's keys
 // and the escaping of a string do not count; any other body, and a JSON
 // one that does not parse, by its bytes. Two requests are the same when
-// their requests agree and, when both have a body digest, their bodies (of
-// one kind: under one Content-Type, a body that parses as JSON is never
-// the same as one that does not); else their forms. So a form is the same
-// request parsed in front or not, while two bodies the handler could read
+// their requests agree, their forms when either has one (one form for
+// both, parsed in front or not), and their bodies when both have a body
+// digest (of one kind: under one Content-Type, a body that parses as JSON
+// is never the same as one that does not). So a form is the same request
+// parsed in front or not, while two bodies the handler could read
 // differently (JSON sent as a form, "a+b" and "a b") are never one.
 //
-// Version 4, the release before, is version 5 without flag 4 (and without
-// the bytes' digest): a JSON body was digested by its bytes. A row it
-// stored is compared with a version 5 fingerprint as version 4 compared
-// two (sameHTTPAcross): the same request and body bytes, or form; one
-// that does not parse as version 4 is the same request as nothing
-// (malformedHTTP).
+// The keys a request derives for downstream calls follow the comparison
+// (see httpParts.identity): they hash its request and its form, or
+// without a form its body's digest, never the bytes of a body compared by
+// value. Two requests the comparison calls the same derive the same keys;
+// two it tells apart derive different ones, but two bodies of one form
+// (the same form sent as "a+b" and as "a%20b"), which are each the same
+// request as that form parsed in front.
+//
+// Version 5, the release before, is version 6 with the Content-Type's
+// parameters as spelled but for their names, and without flag 8; version
+// 4, the one before, is version 5 without flag 4 (and without the bytes'
+// digest): a JSON body was digested by its bytes. A row of either is
+// compared with a version 6 fingerprint as its release compared two (by
+// request5 or the request, see sameHTTP); one that does not parse as its
+// version is the same request as nothing (malformedHTTP).
 const (
-	httpVersion   = 5
-	httpVersion4  = 4 // read only, to tell a damaged row
-	httpHeadLen   = len(fingerprintMagic) + 1 + sha256.Size + 1
-	httpHasForm   = 1
-	httpHasBody   = 2
-	httpJSONBody  = 4
-	httpFlagsMask = httpHasForm | httpHasBody | httpJSONBody
+	httpVersion    = 6
+	httpVersion5   = 5 // read only, to compare with a row of that release
+	httpVersion4   = 4 // likewise
+	httpHeadLen    = len(fingerprintMagic) + 1 + sha256.Size + 1
+	httpHasForm    = 1
+	httpHasBody    = 2
+	httpJSONBody   = 4
+	httpRequest5   = 8
+	httpFlagsMask  = httpHasForm | httpHasBody | httpJSONBody | httpRequest5
+	httpFlagsMask5 = httpHasForm | httpHasBody | httpJSONBody
+	httpFlagsMask4 = httpHasForm | httpHasBody
 )
 
 // httpFingerprint returns the fingerprint of r, whose target is as the
@@ -81,10 +101,14 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	// As ParseForm reads the type: a malformed parameter does not keep it
 	// from being a form's type.
 	mediaType, params, typeErr := mime.ParseMediaType(ct)
-	h := sha256.New()
-	writeParts(h, []byte(r.Method), []byte(target), []byte(strings.ToLower(r.Host)), []byte(contentType(ct, mediaType, params, typeErr)))
+	spelled, read := contentType(ct, mediaType, params, typeErr)
+	request := func(contentType string) []byte {
+		h := sha256.New()
+		writeParts(h, []byte(r.Method), []byte(target), []byte(strings.ToLower(r.Host)), []byte(contentType))
+		return h.Sum(nil)
+	}
 	out := append([]byte(fingerprintMagic), httpVersion)
-	out = h.Sum(out)
+	out = append(out, request(read)...)
 	flags := len(out)
 	out = append(out, 0)
 
@@ -116,6 +140,10 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 			out = append(out, raw[:]...)
 		}
 	}
+	if spelled != read {
+		out[flags] |= httpRequest5
+		out = append(out, request(spelled)...)
+	}
 	return out, 0, nil
 }
 
@@ -135,15 +163,26 @@ func bodyDigest(mediaType string, params map[string]string, body []byte) (sum [s
 
 // contentType is the request's Content-Type as it bears on the body's
 // meaning: its media type and parameters, but for a multipart boundary,
-// which changes with every encoding of the same form.
-func contentType(raw, mediaType string, params map[string]string, err error) string {
+// which changes with every encoding of the same form. read is it as RFC
+// 9110 reads it: the media type and parameter names (which
+// mime.ParseMediaType gives in lower case) and a charset's name are
+// case-insensitive, a quoted value is its token; any other parameter's
+// value counts as spelled, as its meaning may. spelled is it as version 5
+// wrote it, with a charset's name as sent.
+func contentType(raw, mediaType string, params map[string]string, err error) (spelled, read string) {
 	if err == nil {
+		// A copy: the form is parsed with the boundary.
+		params = maps.Clone(params)
 		delete(params, "boundary")
-		if t := mime.FormatMediaType(mediaType, params); t != "" {
-			return t
+		if spelled = mime.FormatMediaType(mediaType, params); spelled != "" {
+			if cs, ok := params["charset"]; ok {
+				params["charset"] = strings.ToLower(cs)
+			}
+			return spelled, mime.FormatMediaType(mediaType, params)
 		}
 	}
-	return strings.ToLower(strings.TrimSpace(raw))
+	t := strings.ToLower(strings.TrimSpace(raw))
+	return t, t
 }
 
 // errTooLarge is the error of a body over the limit.
@@ -231,87 +270,186 @@ func multipartDigest(form *multipart.Form) (*formSum, error) {
 	return f, nil
 }
 
-// malformedHTTP reports whether fp carries the tag of version 5 or 4 but
-// not its form: a damaged row, which is the same request as nothing.
+// malformedHTTP reports whether fp carries the tag of version 6, 5 or 4
+// but not its form: a damaged row, which is the same request as nothing.
 func malformedHTTP(fp []byte) bool {
 	tag := len(fingerprintMagic) + 1
 	if len(fp) < tag || string(fp[:len(fingerprintMagic)]) != fingerprintMagic {
 		return false
 	}
-	v := fp[tag-1]
-	return (v == httpVersion || v == httpVersion4) && !validHTTP(fp)
+	switch fp[tag-1] {
+	case httpVersion, httpVersion5, httpVersion4:
+		_, ok := readHTTP(fp)
+		return !ok
+	}
+	return false
 }
 
-// validHTTP reports whether fp is a well-formed fingerprint of version 5,
-// or of version 4 (which has no flag 4).
-func validHTTP(fp []byte) bool {
-	if len(fp) < httpHeadLen {
-		return false
-	}
-	flags, known := fp[httpHeadLen-1], byte(httpFlagsMask)
-	if fp[len(fingerprintMagic)] == httpVersion4 {
-		known = httpHasForm | httpHasBody
-	}
-	n := 0
-	for _, f := range []byte{httpHasForm, httpHasBody} {
-		if flags&f != 0 {
-			n++
-		}
-	}
-	if flags&httpJSONBody != 0 {
-		n++ // the bytes' digest
-	}
-	jsonWithoutBody := flags&httpJSONBody != 0 && flags&httpHasBody == 0
-	return flags&^known == 0 && !jsonWithoutBody && len(fp) == httpHeadLen+n*sha256.Size
+// httpParts is a well-formed HTTP fingerprint of version 4, 5 or 6, read.
+type httpParts struct {
+	version byte
+	flags   byte   // but httpRequest5
+	request []byte // as its version writes it
+	// request5 is the request as versions 5 and 4 wrote it: the Content-
+	// Type's parameters as spelled.
+	request5 []byte
+	// form and body are the digests of the form and the body, nil when
+	// absent; bytes is the digest of the body's bytes (body's, but for a
+	// body digested as its canonical JSON).
+	form, body, bytes []byte
 }
 
-// httpPart is the digest of a well-formed HTTP fingerprint of version 4 or
-// 5 named by which (httpHasForm, httpHasBody, or httpJSONBody for a body's
-// bytes, which version 5 keeps beside its canonical JSON), nil if it has
-// none.
-func httpPart(fp []byte, which byte) []byte {
-	flags, rest := fp[httpHeadLen-1], fp[httpHeadLen:]
-	bytesOf := which == httpJSONBody
-	if bytesOf {
-		if flags&httpJSONBody == 0 {
-			which = httpHasBody // the body's digest is of its bytes
-		} else {
-			return rest[len(rest)-sha256.Size:]
+// readHTTP reads fp as an HTTP fingerprint of version 4, 5 or 6, and
+// false when it is not a well-formed one.
+func readHTTP(fp []byte) (httpParts, bool) {
+	if len(fp) < httpHeadLen || string(fp[:len(fingerprintMagic)]) != fingerprintMagic {
+		return httpParts{}, false
+	}
+	p := httpParts{version: fp[len(fingerprintMagic)], request: fp[len(fingerprintMagic)+1 : httpHeadLen-1]}
+	flags := fp[httpHeadLen-1]
+	switch p.version {
+	case httpVersion:
+		if flags&^httpFlagsMask != 0 {
+			return httpParts{}, false
 		}
+	case httpVersion5:
+		if flags&^httpFlagsMask5 != 0 {
+			return httpParts{}, false
+		}
+	case httpVersion4:
+		if flags&^httpFlagsMask4 != 0 {
+			return httpParts{}, false
+		}
+	default:
+		return httpParts{}, false
 	}
-	if flags&which == 0 {
-		return nil
+	if flags&httpJSONBody != 0 && flags&httpHasBody == 0 {
+		return httpParts{}, false
 	}
-	if which == httpHasBody && flags&httpHasForm != 0 {
+	p.flags = flags &^ httpRequest5
+	rest := fp[httpHeadLen:]
+	next := func() []byte {
+		if len(rest) < sha256.Size {
+			return nil
+		}
+		d := rest[:sha256.Size:sha256.Size]
 		rest = rest[sha256.Size:]
+		return d
 	}
-	return rest[:sha256.Size]
+	ok := true
+	take := func(flag byte) []byte {
+		if flags&flag == 0 {
+			return nil
+		}
+		d := next()
+		ok = ok && d != nil
+		return d
+	}
+	p.form = take(httpHasForm)
+	p.body = take(httpHasBody)
+	p.bytes = p.body
+	if flags&httpJSONBody != 0 {
+		p.bytes = take(httpJSONBody)
+	}
+	p.request5 = p.request
+	if flags&httpRequest5 != 0 {
+		p.request5 = take(httpRequest5)
+	}
+	return p, ok && len(rest) == 0
 }
 
-// sameHTTPAcross compares a version 4 fingerprint with a version 5 one as
-// version 4 compared two: the same request, and the same body bytes when
-// both have a body digest, else the same form.
-func sameHTTPAcross(v4, v5 []byte) bool {
-	tag := len(fingerprintMagic)
-	if !bytes.Equal(v4[tag+1:httpHeadLen-1], v5[tag+1:httpHeadLen-1]) {
+// sameHTTP compares two HTTP fingerprints (see above). Two of version 6
+// compare their requests as RFC 9110 reads a Content-Type; a row of
+// version 5 or 4 is compared as its release compared two: by its request
+// as spelled, and a row of version 4 by the bytes of the body, a JSON one
+// too, when both have a body, else by the form.
+func sameHTTP(a, b httpParts) bool {
+	if a.version == httpVersion && b.version == httpVersion {
+		return bytes.Equal(a.request, b.request) && sameContent(a, b)
+	}
+	if !bytes.Equal(a.request5, b.request5) {
 		return false
 	}
-	if a, b := httpPart(v4, httpJSONBody), httpPart(v5, httpJSONBody); a != nil && b != nil {
-		return bytes.Equal(a, b)
-	}
-	a, b := httpPart(v4, httpHasForm), httpPart(v5, httpHasForm)
-	return a != nil && b != nil && bytes.Equal(a, b)
-}
-
-// sameHTTP compares two version 5 fingerprints (see above).
-func sameHTTP(stored, current []byte) bool {
-	if !bytes.Equal(stored[:httpHeadLen-1], current[:httpHeadLen-1]) {
-		return false
-	}
-	if a, b := httpPart(stored, httpHasBody), httpPart(current, httpHasBody); a != nil && b != nil {
+	switch {
+	case a.version == httpVersion4 || b.version == httpVersion4:
+		if a.bytes != nil && b.bytes != nil {
+			return bytes.Equal(a.bytes, b.bytes)
+		}
+	case a.body != nil && b.body != nil:
 		// A digest of canonical JSON is never one of bytes.
-		return (stored[httpHeadLen-1]^current[httpHeadLen-1])&httpJSONBody == 0 && bytes.Equal(a, b)
+		return (a.flags^b.flags)&httpJSONBody == 0 && bytes.Equal(a.body, b.body)
 	}
-	a, b := httpPart(stored, httpHasForm), httpPart(current, httpHasForm)
-	return a != nil && b != nil && bytes.Equal(a, b)
+	// Those releases gave a multipart body the middleware parsed the form
+	// digest of one that does not parse: compared by its bytes, or, parsed
+	// in front on one side, another form.
+	return a.form != nil && b.form != nil && bytes.Equal(a.form, b.form)
+}
+
+// sameContent compares the forms and bodies of two requests whose
+// requests agree: the forms when either has one, and the bodies, of one
+// kind, when both have one. So every pair it calls the same has one
+// identity (see identity).
+func sameContent(a, b httpParts) bool {
+	if (a.form != nil || b.form != nil) && !bytes.Equal(a.form, b.form) {
+		return false
+	}
+	if a.body != nil && b.body != nil {
+		// A digest of canonical JSON is never one of bytes.
+		return (a.flags^b.flags)&httpJSONBody == 0 && bytes.Equal(a.body, b.body)
+	}
+	return a.form != nil // else one of them consumed what is no form
+}
+
+// identity is what the keys a request derives for downstream calls know
+// of it (see derivationInput): its request and its form, or without a form
+// its body's digest and kind, which every request that sameContent calls
+// the same as it holds alike. The bytes of a body that has a form, or that
+// is compared as JSON, are left out: a request parsed in front has no
+// bytes, and JSON written another way other ones.
+//
+// It is written as version 5 wrote a fingerprint with those parts alone,
+// so that a request whose version 5 fingerprint held nothing else (a body
+// compared by its bytes, a form parsed in front) keeps the keys the
+// release before derived from its whole fingerprint, unless its charset's
+// name was spelled in upper case.
+func (p httpParts) identity() []byte {
+	out := make([]byte, 0, httpHeadLen+sha256.Size)
+	out = append(append(out, fingerprintMagic...), httpVersion5)
+	out = append(out, p.request...)
+	if p.form != nil {
+		return append(append(out, httpHasForm), p.form...)
+	}
+	return append(append(out, p.flags&(httpHasBody|httpJSONBody)), p.body...)
+}
+
+// previous is the fingerprint version 5 stored for the request p, from
+// which the release before derived its keys (WithDerivedKeyVersion(2)).
+func (p httpParts) previous() []byte {
+	out := make([]byte, 0, httpHeadLen+3*sha256.Size)
+	out = append(append(out, fingerprintMagic...), httpVersion5)
+	out = append(append(out, p.request5...), p.flags)
+	for _, d := range [][]byte{p.form, p.body} {
+		out = append(out, d...)
+	}
+	if p.flags&httpJSONBody != 0 {
+		out = append(out, p.bytes...)
+	}
+	return out
+}
+
+// derivationInput is what the keys of a call derive from of its
+// fingerprint, when its transport gave no digest of its request (see
+// downstream.baseLocked): an HTTP request's identity (under version 2 of
+// the derivation, its whole fingerprint as the release before stored it),
+// or the fingerprint whole, which the comparison compares byte for byte (a
+// message's body, a caller's own bytes).
+func derivationInput(fp []byte, version int) []byte {
+	p, ok := readHTTP(fp)
+	switch {
+	case !ok:
+		return fp
+	case version < 3:
+		return p.previous()
+	}
+	return p.identity()
 }

@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"bytes"
-	"cmp"
 	"crypto/sha256"
 	"hash"
 	"math"
@@ -33,10 +32,11 @@ func isJSONType(mediaType string) bool {
 // protojson) cannot see is dropped:
 //
 //   - whitespace between tokens;
-//   - the order of an object's members: they are sorted by key (by the
-//     bytes of its canonical text), and members of one key keep the order
-//     they were sent in, so {"a":1,"a":2} (which encoding/json reads as 2)
-//     is never {"a":2,"a":1} (read as 1), nor {"a":2};
+//   - the order of an object's members: they are sorted by key (by its
+//     canonical text case folded, as encoding/json matches a key to a
+//     field), and members whose keys fold alike keep the order they were
+//     sent in, so {"a":1,"a":2} (which encoding/json reads as 2) is never
+//     {"a":2,"a":1} (read as 1), nor {"a":2};
 //   - how a string is escaped: it counts as the text it decodes to, so
 //     "\u00e9", "\u00E9" and "é" are one string, and "\/" is "/".
 //
@@ -55,9 +55,12 @@ func isJSONType(mediaType string) bool {
 // longer than the body), where a closed object or array longer than
 // jsonInline bytes is replaced by its SHA-256 (so sorting a level moves
 // only what that level holds: no byte is copied again for every level it
-// is nested in); and each member of an open object is held as three
-// offsets (12 bytes, against the 5 bytes or more the member takes in the
-// body).
+// is nested in); each member of an open object is held as five offsets
+// (20 bytes, against the 5 bytes or more the member takes in the body);
+// and each key is case folded once, when it is read, into a text no
+// longer than the key, which the sort compares as bytes (comparing the
+// keys' runes folded at each comparison cost seconds for a body of keys
+// that share a long prefix).
 func jsonDigest(body []byte) (sum [sha256.Size]byte, ok bool) {
 	if len(body) == 0 || len(body) > math.MaxUint32 {
 		return sum, false
@@ -88,22 +91,27 @@ type jsonCanon struct {
 	out     []byte       // the canonical text of what was read, containers closed or open
 	frames  []jsonFrame  // the open containers, innermost last
 	members []jsonMember // the members of the open objects, in the order read
+	folds   []byte       // their keys case folded (see foldKey), in the same order
 	h       hash.Hash
 	sum     [sha256.Size]byte // h's output, here so that it is not allocated per container
+	folded  int               // bytes of keys case folded: the body's size bounds them
 }
 
 // jsonFrame is an open object or array.
 type jsonFrame struct {
 	start   uint32 // its '{' or '[' in out
 	members uint32 // an object's first member in members
+	folds   uint32 // and its key's fold in folds
 	object  bool
 }
 
 // jsonMember is an object's member in out: its key (quoted) in from:value,
-// its value in value:to. Its ':' and ',' are not written until the object
-// is closed and its members sorted.
+// its value in value:to; its key case folded in folds, fold:folded. Its
+// ':' and ',' are not written until the object is closed and its members
+// sorted.
 type jsonMember struct {
 	from, value, to uint32
+	fold, folded    uint32
 }
 
 // run reads one JSON value and nothing else but whitespace.
@@ -183,7 +191,7 @@ func (c *jsonCanon) value() (opened, ok bool) {
 			c.out = append(c.out, open, open+2)
 			return false, true
 		}
-		c.frames = append(doubled(c.frames), jsonFrame{start: uint32(len(c.out)), members: uint32(len(c.members)), object: object})
+		c.frames = append(doubled(c.frames, 1), jsonFrame{start: uint32(len(c.out)), members: uint32(len(c.members)), folds: uint32(len(c.folds)), object: object})
 		if object {
 			c.out = append(c.out, '{')
 			return true, c.key()
@@ -217,18 +225,21 @@ func (c *jsonCanon) key() bool {
 		return false
 	}
 	c.pos++
-	c.members = append(doubled(c.members), jsonMember{from: from, value: uint32(len(c.out))})
+	fold := uint32(len(c.folds))
+	c.folds = foldKey(doubled(c.folds, int(uint32(len(c.out))-from)), c.out[from:])
+	c.folded += len(c.out) - int(from)
+	c.members = append(doubled(c.members, 1), jsonMember{from: from, value: uint32(len(c.out)), fold: fold, folded: uint32(len(c.folds))})
 	return true
 }
 
-// doubled returns s with room for one more element: when full, copied into
-// twice its capacity, not grown by a quarter as append grows a large slice,
-// so that what is allocated in all stays under twice what is held.
-func doubled[E any](s []E) []E {
-	if len(s) < cap(s) {
+// doubled returns s with room for n more elements: when short, copied
+// into twice what it needs, not grown by a quarter as append grows a large
+// slice, so that what is allocated in all stays under twice what is held.
+func doubled[E any](s []E, n int) []E {
+	if len(s)+n <= cap(s) {
 		return s
 	}
-	grown := make([]E, len(s), 2*len(s)+16)
+	grown := make([]E, len(s), 2*(len(s)+n)+16)
 	copy(grown, s)
 	return grown
 }
@@ -254,8 +265,9 @@ func (c *jsonCanon) close() {
 	// order they were sent in, as a handler's decoder reads them;
 	// reordering them would be another request.
 	slices.SortStableFunc(ms, func(a, b jsonMember) int {
-		return compareFolded(c.out[a.from:a.value], c.out[b.from:b.value])
+		return bytes.Compare(c.folds[a.fold:a.folded], c.folds[b.fold:b.folded])
 	})
+	c.folds = c.folds[:f.folds]
 	// '{', each member as key ':' value, the commas between them, '}'.
 	size := 1 + 2*len(ms)
 	for _, m := range ms {
@@ -484,34 +496,50 @@ func appendJSONRune(out []byte, r rune) []byte {
 	return utf8.AppendRune(out, r)
 }
 
-// compareFolded orders two keys (canonical JSON strings) by their runes
-// case folded as encoding/json folds a key: the smallest rune of each
-// rune's simple folding orbit, ASCII letters as upper case.
-func compareFolded(x, y []byte) int {
-	for len(x) > 0 && len(y) > 0 {
-		rx, nx := foldedRune(x)
-		ry, ny := foldedRune(y)
-		if rx != ry {
-			return cmp.Compare(rx, ry)
+// foldKey appends key (a canonical JSON string, UTF-8) case folded as
+// encoding/json folds a key: each rune as the smallest rune of its simple
+// folding orbit, ASCII letters as upper case. Two folded keys compare as
+// bytes as their runes compare (UTF-8 keeps the order of code points), and
+// a folded key is never longer than the key: the smallest rune of an orbit
+// takes no more bytes than any other.
+func foldKey(dst, key []byte) []byte {
+	for len(key) > 0 {
+		if c := key[0]; c < utf8.RuneSelf {
+			if 'a' <= c && c <= 'z' {
+				c -= 'a' - 'A'
+			}
+			dst = append(dst, c)
+			key = key[1:]
+			continue
 		}
-		x, y = x[nx:], y[ny:]
+		r, n := utf8.DecodeRune(key)
+		if r < rune(len(twoByteFolds)) {
+			r = rune(twoByteFolds[r])
+		} else {
+			r = smallestFold(r)
+		}
+		dst = utf8.AppendRune(dst, r)
+		key = key[n:]
 	}
-	return cmp.Compare(len(x), len(y))
+	return dst
 }
 
-// foldedRune is the first rune of b, folded, and its length.
-func foldedRune(b []byte) (rune, int) {
-	if c := b[0]; c < utf8.RuneSelf {
-		if 'a' <= c && c <= 'z' {
-			c -= 'a' - 'A'
-		}
-		return rune(c), 1
+// twoByteFolds holds smallestFold of the runes UTF-8 writes in one or two
+// bytes (Latin, Greek, Cyrillic, combining marks): those of the longest
+// orbits, such as U+0345's four, are folded without a search.
+var twoByteFolds = func() (t [0x800]uint16) {
+	for r := range t {
+		t[r] = uint16(smallestFold(rune(r)))
 	}
-	r, n := utf8.DecodeRune(b)
+	return t
+}()
+
+// smallestFold is the smallest rune of r's simple folding orbit.
+func smallestFold(r rune) rune {
 	for {
 		f := unicode.SimpleFold(r)
 		if f <= r {
-			return f, n
+			return f
 		}
 		r = f
 	}

@@ -2,7 +2,9 @@ package idempotency
 
 import (
 	"bytes"
+	"cmp"
 	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -105,6 +107,66 @@ func TestJSONDigestSameAndDifferent(t *testing.T) {
 	require.False(t, ok, "nesting deeper than encoding/json reads is compared by its bytes")
 }
 
+// It failed when the sort of an object's members case folded both keys
+// again at each comparison: 500 keys sharing a prefix of 1,000 U+0345
+// (which folds in four steps), in descending order, under the default
+// 1 MiB limit, cost seconds. Each key is folded once, so the folding
+// costs no more than the body's size, whatever its shape.
+func TestJSONCanonicalFormFoldsEachKeyOnce(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name string
+		body []byte
+	}{
+		{"keys sharing a prefix of U+0345", sharedPrefixKeys("\u0345", 1000, 500)},
+		{"keys sharing a prefix of 'k'", sharedPrefixKeys("k", 2000, 500)},
+		{"keys sharing an escaped prefix", sharedPrefixKeys(`\u0345`, 1000, 150)},
+		{"many tiny members", []byte(`{` + strings.Repeat(`"a":0,`, 100_000) + `"b":0}`)},
+		{"nested objects", []byte(strings.Repeat(`{"b":0,"a":`, 5000) + "0" + strings.Repeat("}", 5000))},
+	} {
+		canon := jsonCanon{in: c.body, out: make([]byte, 0, len(c.body))}
+		require.True(t, canon.run(), c.name)
+		require.LessOrEqual(t, canon.folded, len(c.body), "%s: bytes of keys case folded, against the body's %d", c.name, len(c.body))
+	}
+}
+
+// Keys are ordered as the release before ordered them, folding each pair
+// of keys' runes at each comparison (compareRunesFolded, kept here): so a
+// body's canonical digest is the one it had, and a stored row compares
+// across the upgrade.
+func TestJSONFoldedKeysOrderAsBefore(t *testing.T) {
+	t.Parallel()
+	keys := []string{`""`, `"a"`, `"A"`, `"_"`, `"b"`, `"aa"`, `"a\""`, `"a\\"`, `"ſ"`, `"s"`, `"S"`, `"K"`, `"k"`,
+		`"K"`, `"ͅ"`, `"ι"`, `"Ι"`, `"ι"`, `"é"`, `"É"`, `"éx"`, `"😀"`, `"ǅ"`, `"ǆ"`, `"Ǆ"`, `"ẞ"`, `"ß"`, `"\u0000"`, "\"\ufffd\""}
+	for _, x := range keys {
+		for _, y := range keys {
+			want := compareRunesFolded([]byte(x), []byte(y))
+			got := bytes.Compare(foldKey(nil, []byte(x)), foldKey(nil, []byte(y)))
+			require.Equal(t, want, got, "%s against %s", x, y)
+		}
+		require.LessOrEqual(t, len(foldKey(nil, []byte(x))), len(x), "%s: its fold is no longer", x)
+	}
+	body := `{"b":1,"_":2,"A":3,"a":4,"ſ":5,"S":6,"s":7,"K":8,"k":9,"ͅ":10,"ι":11,"Ι":12,"é":13,"É":14,"\u00e9x":15,"":16,"a\"":17,"a\\":18,"aa":19,"😀":20,"z":{"Y":1,"y":2,"x":[{"q":1,"Q":2}]}}`
+	d, ok := jsonDigest([]byte(body))
+	require.True(t, ok)
+	require.Equal(t, "bdc5f5bcb3fe206c873b7604c23b6f8d261d077c0299278fc4645fdcca3d159f", hex.EncodeToString(d[:]), "the digest the release before computed")
+}
+
+// compareRunesFolded is how the release before ordered two keys: rune by
+// rune, each folded to the smallest rune of its orbit (ASCII letters upper
+// case), then the shorter first.
+func compareRunesFolded(x, y []byte) int {
+	for len(x) > 0 && len(y) > 0 {
+		rx, nx := utf8.DecodeRune(x)
+		ry, ny := utf8.DecodeRune(y)
+		if rx, ry = smallestFold(rx), smallestFold(ry); rx != ry {
+			return cmp.Compare(rx, ry)
+		}
+		x, y = x[nx:], y[ny:]
+	}
+	return cmp.Compare(len(x), len(y))
+}
+
 // FuzzJSONDigest checks the canonical form against encoding/json: two
 // bodies with one canonical digest decode to the same value (with
 // json.Number, so a number counts as its literal), a body re-encoded by
@@ -185,7 +247,9 @@ func decodeJSON(b []byte) (any, error) {
 }
 
 // hasDuplicateKey reports whether an object in b (valid JSON) has a key
-// twice, or a string that is not UTF-8 (encoding/json would change it).
+// twice, or two that fold alike (the canonical form keeps them in the
+// order sent, encoding/json writes them sorted), or a string that is not
+// UTF-8 (encoding/json would change it).
 func hasDuplicateKey(b []byte) bool {
 	if !utf8.Valid(b) || bytes.Contains(b, []byte(`\ud`)) || bytes.Contains(b, []byte(`\uD`)) {
 		return true // a surrogate escape: let the other checks speak
@@ -213,7 +277,7 @@ func hasDuplicateKey(b []byte) bool {
 				valueDone()
 				continue
 			}
-			k := tok.(string)
+			k := string(foldKey(nil, []byte(tok.(string))))
 			if top.keys[k] {
 				return true
 			}
@@ -232,6 +296,23 @@ func hasDuplicateKey(b []byte) bool {
 			valueDone()
 		}
 	}
+}
+
+// sharedPrefixKeys is an object of n members whose keys are prefix
+// repeated count times and then a number, in descending order: a sort
+// that compares each pair of keys from their start reads the prefix every
+// time.
+func sharedPrefixKeys(prefix string, count, n int) []byte {
+	var buf bytes.Buffer
+	buf.WriteByte('{')
+	for i := n - 1; i >= 0; i-- {
+		fmt.Fprintf(&buf, `"%s%04d":0`, strings.Repeat(prefix, count), i)
+		if i > 0 {
+			buf.WriteByte(',')
+		}
+	}
+	buf.WriteByte('}')
+	return buf.Bytes()
 }
 
 // BenchmarkJSONDigest measures a 1 MiB body (WithHTTPMaxRequestBytes's
@@ -269,6 +350,13 @@ func BenchmarkJSONDigest(b *testing.B) {
 		{"array_of_empty_objects", fill(func(int) string { return "{}" }, "[", ",", "]")},
 		{"long_string", []byte(`"` + strings.Repeat("é", (size-2)/2) + `"`)},
 		{"nested_to_the_limit", []byte(strings.Repeat(`{"a":[`, maxJSONDepth/2) + strings.Repeat("]}", maxJSONDepth/2))},
+		{"keys_sharing_a_folding_prefix", sharedPrefixKeys("\u0345", 1000, 500)},
+		{"keys_sharing_an_ascii_prefix", sharedPrefixKeys("k", 2000, 500)},
+		{"one_key_of_cased_runes", []byte(`{"` + strings.Repeat("ͅΣσςſKǅẞ", size/20) + `":0}`)},
+		{"one_key_of_uncased_runes", []byte(`{"` + strings.Repeat("中", (size-6)/3) + `":0}`)},
+		{"escaped_string", []byte(`"` + strings.Repeat(`\u00e9`, (size-2)/6) + `"`)},
+		{"long_numbers", fill(func(int) string { return "-" + strings.Repeat("9", 500) + ".5e-99" }, "[", ",", "]")},
+		{"nested_objects_of_two_members", []byte(strings.Repeat(`{"b":0,"a":`, maxJSONDepth-1) + "0" + strings.Repeat("}", maxJSONDepth-1))},
 	}
 	for _, s := range shapes {
 		if _, ok := jsonDigest(s.body); !ok {

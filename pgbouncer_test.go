@@ -4,13 +4,21 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
@@ -314,4 +322,132 @@ func TestThroughPgBouncerEveryFailureReleasesTheKey(t *testing.T) {
 		require.NoError(t, err, name)
 		require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, name)
 	}
+}
+
+// pgbouncerOfOne starts a PgBouncer of t's own in front of the test
+// database, in transaction pooling mode with a single server connection,
+// and returns its URL (exec query mode): every transaction through it runs
+// on that one server connection, so what a call leaves on the session
+// meets the next call, as it does in production whenever the pooler hands
+// the same server connection on. It is stopped when t ends.
+func pgbouncerOfOne(t *testing.T) string {
+	t.Helper()
+	bin, err := exec.LookPath("pgbouncer")
+	if err != nil {
+		bin = "/usr/sbin/pgbouncer"
+	}
+	if _, err := os.Stat(bin); err != nil {
+		t.Fatalf("no pgbouncer binary (apt-get install pgbouncer; `bash scripts/services.sh` installs it): %v", err)
+	}
+	db, err := pgconn.ParseConfig(testdb.URL())
+	require.NoError(t, err)
+	var cred *syscall.Credential
+	if os.Geteuid() == 0 {
+		// PgBouncer refuses to run as root.
+		u, err := user.Lookup("postgres")
+		require.NoError(t, err, "running as root, PgBouncer needs another user")
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		cred = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	}
+	dir, err := os.MkdirTemp("", "idempotency-pgbouncer-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	require.NoError(t, os.Chmod(dir, 0o777))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "userlist.txt"), fmt.Appendf(nil, "%q %q\n", db.User, db.Password), 0o644))
+	for try := 0; ; try++ {
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		port := lis.Addr().(*net.TCPAddr).Port
+		_ = lis.Close()
+		ini := filepath.Join(dir, "pgbouncer.ini")
+		require.NoError(t, os.WriteFile(ini, fmt.Appendf(nil, `[databases]
+%s = host=%s port=%d dbname=%s
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = %d
+unix_socket_dir =
+auth_type = trust
+auth_file = %s
+pool_mode = transaction
+default_pool_size = 1
+max_client_conn = 100
+ignore_startup_parameters = extra_float_digits
+logfile = %s
+`, db.Database, db.Host, db.Port, db.Database, port, filepath.Join(dir, "userlist.txt"), filepath.Join(dir, "pgbouncer.log")), 0o644))
+		cmd := exec.Command(bin, "-q", ini)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
+		require.NoError(t, cmd.Start())
+		exited := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(exited) }()
+		t.Cleanup(func() {
+			_ = cmd.Process.Kill()
+			<-exited
+		})
+		url := fmt.Sprintf("postgres://%s:%s@127.0.0.1:%d/%s?sslmode=disable&default_query_exec_mode=exec", db.User, db.Password, port, db.Database)
+		if waitForPgBouncer(url, exited) {
+			return url
+		}
+		if try == 2 {
+			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
+			t.Fatalf("PgBouncer did not start: %s", log)
+		}
+	}
+}
+
+// waitForPgBouncer reports whether a PgBouncer at url accepts a session
+// before its process exits (it may have lost its port to another) or ten
+// seconds pass.
+func waitForPgBouncer(url string, exited <-chan struct{}) bool {
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		conn, err := pgx.Connect(ctx, url)
+		cancel()
+		if err == nil {
+			_ = conn.Close(context.Background())
+			return true
+		}
+		select {
+		case <-exited:
+			return false
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return false
+}
+
+// Through a transaction pooler the reset after each call (RESET ALL among
+// it) costs no client connection either, even when the client sets a
+// setting the pooler tracks (application_name), which RESET ALL takes back
+// on the server connection and the pooler sets again for the next
+// transaction.
+func TestThroughPgBouncerCallsKeepTheirConnection(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	cfg, err := pgxpool.ParseConfig(pgbouncerOfOne(t))
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	cfg.ConnConfig.RuntimeParams["application_name"] = "payments"
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+	require.NoError(t, err)
+	ctx := context.Background()
+	for i := range 20 {
+		tenant := fmt.Sprint("tenant-", i)
+		var app string
+		res, err := store.Execute(ctx, idempotency.Call{Key: tenant, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			if _, err := tx.Exec(ctx, `SELECT set_config('app.tenant', $1, true)`, tenant); err != nil {
+				return nil, err
+			}
+			err := tx.QueryRow(ctx, `SELECT current_setting('application_name')`).Scan(&app)
+			return wrapperspb.String(tenant), err
+		})
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+		require.Equal(t, "payments", app, "the pooler set the client's application_name for the call")
+	}
+	require.LessOrEqual(t, pool.Stat().NewConnsCount(), int64(2), "20 calls on a pool of 2 opened %d client connections", pool.Stat().NewConnsCount())
 }

@@ -157,7 +157,8 @@ func TestTemporaryObjectFromAFunctionCostsAReset(t *testing.T) {
 }
 
 // A session-level advisory lock taken through query_to_xml does not
-// outlive the call: its connection is closed.
+// outlive the call: the round trip that commits it releases the session's
+// advisory locks.
 func TestSessionAdvisoryLockCostsAReset(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
@@ -168,9 +169,8 @@ func TestSessionAdvisoryLockCostsAReset(t *testing.T) {
 		return "a", err
 	})
 	require.NoError(t, err)
-	// The closed connection's backend exits a moment after the call
-	// returns: another session gets the lock once it has, and never while
-	// a pooled connection holds it (the wait would end at lock_timeout).
+	// Another session gets the lock, never while a pooled connection holds
+	// it (the wait would end at lock_timeout).
 	ctx := context.Background()
 	tx, err := testdb.Admin(t).Begin(ctx)
 	require.NoError(t, err)

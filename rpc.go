@@ -229,7 +229,7 @@ func (s *UnaryServer) execute(ctx context.Context, tp *transport, call UnaryCall
 	}
 	c := Call{Scope: scope, Key: p.key, Method: call.Method, Fingerprint: fp, TTL: ttl, Retry: isRetryAttempt(call.Metadata), Isolation: p.pol.isolation}
 	tp.responseType = p.pol.responseType
-	tp.digest, tp.hasDigest = requestDigest(call.Request), true
+	tp.digest, tp.hasDigest = requestDigest(call.Request, s.store.opts.derivedKeyVersion), true
 	var md ResponseMetadata
 	tp.metadata = func() ([]byte, error) { return encodeResponseMetadata(md) }
 	res, err := s.store.execute(ctx, c, tp, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {

@@ -2,6 +2,9 @@ package idempotency_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -39,9 +42,14 @@ current_setting('default_transaction_read_only') || ' ' || current_user || ' ' |
 		"UPDATE pg_settings":                               {sql: `UPDATE pg_settings SET setting = '123kB' WHERE name = 'work_mem'`},
 		// The call's result is written as the role the call began with,
 		// which the handler changed: it fails once (see TestHandlerRole).
-		"SET ROLE for the session":     {sql: `SET ROLE pg_monitor`, fails: "role the handler set"},
-		"DEALLOCATE ALL in a DO block": {sql: `DO $$ BEGIN EXECUTE 'DEALLOCATE ALL'; END $$`},
-		"DEALLOCATE ALL in a function the engine cannot read": {
+		"SET ROLE for the session": {sql: `SET ROLE pg_monitor`, fails: "role the handler set"},
+		// The engine reads no handler SQL for what it does to the session:
+		// a DEALLOCATE in a DO block is one in a function.
+		"DEALLOCATE ALL in a DO block": {
+			sql:   `DO $$ BEGIN EXECUTE 'DEALLOCATE ALL'; END $$`,
+			fails: "prepared statements vanished",
+		},
+		"DEALLOCATE ALL in a function": {
 			sql:   `SELECT deallocate_everything()`,
 			fails: "prepared statements vanished",
 		},
@@ -185,4 +193,216 @@ func TestHandlerRole(t *testing.T) {
 	res, err = limitedStore.Execute(ctx, idempotency.Call{Key: "limited", Method: "m"}, plain)
 	require.NoError(t, err)
 	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+}
+
+// What a handler leaves in its session, whatever the call's outcome, never
+// reaches the next call on the same server connection: directly, on a pool
+// of one connection, and through a PgBouncer in transaction mode with one
+// server connection, where closing the client's connection resets nothing.
+// Each kind of state is left the way the engine cannot read in the SQL (a
+// function, a lock taken by a call that then fails), and the next call does
+// what a tenant's handler would: copy its staging table into its writes,
+// take the lock, prepare its statement, read its tenant.
+func TestSessionStateResetOnEveryOutcome(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	migratedStore(t, db)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL);
+CREATE FUNCTION set_tenant(tenant text) RETURNS void LANGUAGE plpgsql AS $$ BEGIN PERFORM set_config('app.tenant', tenant, false); END $$`)
+	require.NoError(t, err)
+	ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
+	setTenant := pgx.Identifier{db.Schema, "set_tenant"}.Sanitize()
+	admin := testdb.Admin(t)
+
+	// Each kind: what call A leaves (leave), and what call B, on the same
+	// session, then finds (next), which must be want. lock is the advisory
+	// lock's key, one per way of connecting, which run side by side.
+	kinds := func(lock int) []struct {
+		name  string
+		leave []string
+		next  func(ctx context.Context, tx pgx.Tx) (string, error)
+		want  string
+	} {
+		return []struct {
+			name  string
+			leave []string
+			next  func(ctx context.Context, tx pgx.Tx) (string, error)
+			want  string
+		}{
+			{
+				name:  "temporary table",
+				leave: []string{`CREATE TEMP TABLE staging (note text)`, `INSERT INTO staging VALUES ('tenant-a')`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					for _, sql := range []string{`CREATE TEMP TABLE IF NOT EXISTS staging (note text)`, `INSERT INTO staging VALUES ('tenant-b')`} {
+						if _, err := tx.Exec(ctx, sql); err != nil {
+							return "", err
+						}
+					}
+					var notes string
+					err := tx.QueryRow(ctx, `WITH w AS (INSERT INTO `+ledger+` (note) SELECT note FROM staging RETURNING note)
+SELECT string_agg(note, ',' ORDER BY note) FROM w`).Scan(&notes)
+					return notes, err
+				},
+				want: "tenant-b",
+			},
+			{
+				name:  "session advisory lock",
+				leave: []string{fmt.Sprintf(`SELECT pg_advisory_lock(%d)`, lock)},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					// Another session asks for the lock.
+					var free bool
+					if err := admin.QueryRow(ctx, `SELECT pg_try_advisory_lock($1)`, lock).Scan(&free); err != nil || !free {
+						return "held", err
+					}
+					_, err := admin.Exec(ctx, `SELECT pg_advisory_unlock($1)`, lock)
+					return "free", err
+				},
+				want: "free",
+			},
+			{
+				name:  "statement prepared by SQL",
+				leave: []string{`PREPARE staged AS SELECT 1`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					_, err := tx.Exec(ctx, `PREPARE staged AS SELECT 2`)
+					return "prepared", err
+				},
+				want: "prepared",
+			},
+			{
+				name:  "setting set in a function",
+				leave: []string{`SELECT ` + setTenant + `('tenant-a')`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					var tenant string
+					err := tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&tenant)
+					return "tenant=" + tenant, err
+				},
+				want: "tenant=",
+			},
+		}
+	}
+	// Each outcome: how call A ends once it has left its state.
+	outcomes := []struct {
+		name string
+		end  func(ctx context.Context, tx pgx.Tx, cancel func()) (proto.Message, error)
+	}{
+		{"committed", func(context.Context, pgx.Tx, func()) (proto.Message, error) { return wrapperspb.String("a"), nil }},
+		{"failed", func(context.Context, pgx.Tx, func()) (proto.Message, error) {
+			return nil, errors.New("tenant a failed")
+		}},
+		{"stored error", func(context.Context, pgx.Tx, func()) (proto.Message, error) {
+			return nil, idempotency.Final(status.Error(codes.InvalidArgument, "tenant a refused"))
+		}},
+		{"aborted", func(ctx context.Context, tx pgx.Tx, _ func()) (proto.Message, error) {
+			_, _ = tx.Exec(ctx, `SELECT 1/0`) // the error ignored: the transaction is aborted
+			return wrapperspb.String("a"), nil
+		}},
+		{"panicked", func(context.Context, pgx.Tx, func()) (proto.Message, error) { panic("tenant a panicked") }},
+		{"cancelled", func(ctx context.Context, _ pgx.Tx, cancel func()) (proto.Message, error) {
+			cancel()
+			return nil, ctx.Err()
+		}},
+	}
+	for i, path := range []struct {
+		name string
+		url  func(t *testing.T) string
+	}{
+		{"direct", func(*testing.T) string { return testdb.URL() }},
+		{"pgbouncer", pgbouncerOfOne},
+	} {
+		t.Run(path.name, func(t *testing.T) {
+			t.Parallel()
+			cfg, err := pgxpool.ParseConfig(path.url(t))
+			require.NoError(t, err)
+			cfg.MaxConns = 1 // the next call gets the same connection, unless it was closed
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+			require.NoError(t, err)
+			for _, kind := range kinds(4242 + i) {
+				for _, outcome := range outcomes {
+					t.Run(kind.name+"/"+outcome.name, func(t *testing.T) {
+						key := strings.ReplaceAll(path.name+"/"+kind.name+"/"+outcome.name, " ", "-")
+						var pidA, pidB uint32
+						func() {
+							defer func() { _ = recover() }()
+							actx, cancel := context.WithCancel(ctx)
+							defer cancel()
+							_, _ = store.Execute(actx, idempotency.Call{Key: key + "/a", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+								if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pidA); err != nil {
+									return nil, err
+								}
+								for _, sql := range kind.leave {
+									if _, err := tx.Exec(ctx, sql); err != nil {
+										return nil, err
+									}
+								}
+								return outcome.end(ctx, tx, cancel)
+							})
+						}()
+						var got string
+						res, err := store.Execute(ctx, idempotency.Call{Key: key + "/b", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+							if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pidB); err != nil {
+								return nil, err
+							}
+							var err error
+							got, err = kind.next(ctx, tx)
+							return wrapperspb.String(got), err
+						})
+						require.NoError(t, err)
+						require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+						require.Equal(t, kind.want, got, "what the next call found of the session")
+						if path.name == "pgbouncer" {
+							require.Equal(t, pidA, pidB, "through PgBouncer both calls ran on the one server connection")
+						}
+					})
+				}
+			}
+		})
+	}
+}
+
+// Transaction-local settings (SET LOCAL, set_config(name, value, true)),
+// the way a handler binds a tenant for row-level security, end with the
+// call's transaction: the connection goes back to the pool, and calls on a
+// pool of two connections run on at most two server processes.
+func TestTransactionLocalSettingsKeepTheConnection(t *testing.T) {
+	t.Parallel()
+	for name, set := range map[string]func(ctx context.Context, tx pgx.Tx, tenant string) error{
+		"set_config(name, value, true)": func(ctx context.Context, tx pgx.Tx, tenant string) error {
+			_, err := tx.Exec(ctx, `SELECT set_config('app.tenant', $1, true)`, tenant)
+			return err
+		},
+		"SET LOCAL": func(ctx context.Context, tx pgx.Tx, tenant string) error {
+			_, err := tx.Exec(ctx, `SET LOCAL app.tenant = `+pgx.Identifier{tenant}.Sanitize())
+			return err
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, 2)
+			store := migratedStore(t, db)
+			ctx := context.Background()
+			const calls = 20
+			pids := map[uint32]bool{}
+			for i := range calls {
+				tenant := fmt.Sprint("tenant-", i)
+				var pid uint32
+				var seen string
+				res, err := store.Execute(ctx, idempotency.Call{Key: tenant, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+					if err := set(ctx, tx, tenant); err != nil {
+						return nil, err
+					}
+					err := tx.QueryRow(ctx, `SELECT pg_backend_pid(), current_setting('app.tenant')`).Scan(&pid, &seen)
+					return wrapperspb.String(seen), err
+				})
+				require.NoError(t, err)
+				require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+				require.Equal(t, tenant, seen, "the call sees its own tenant")
+				pids[pid] = true
+			}
+			require.LessOrEqual(t, len(pids), 2, "%d calls on a pool of 2 ran on %d server processes: connections were closed after calls", calls, len(pids))
+		})
+	}
 }

@@ -34,8 +34,10 @@ type settled struct {
 // the key's lock (a duplicate took over the key); and the key's row is read
 // back, which is the answer of every caller. unlock releases the session's
 // lock on the key, after the transaction has taken it. row nil only
-// settles.
-func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, row *keyRow, unlock bool) (s settled, err error) {
+// settles. a, when set, is the attempt whose connection conn is: what the
+// call's rollback leaves of its session is released after the COMMIT (see
+// session.go).
+func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, row *keyRow, unlock bool, a *attempt) (s settled, err error) {
 	head := len(b.QueuedQueries)
 	// READ WRITE: a handler may have made the session's transactions
 	// read-only by default; on a standby this fails, as it must.
@@ -50,6 +52,9 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 		b.Queue(c.st.unlockIfHeld, c.call.Scope, c.key)
 	}
 	b.Queue("COMMIT")
+	if a != nil {
+		a.queueReleaseHeld(b, false)
+	}
 	br := conn.SendBatch(ctx, b)
 	exec := func() error { _, err := br.Exec(); return err }
 	for i := 0; i <= head && err == nil; i++ {
@@ -76,6 +81,15 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 		var commit interface{ String() string }
 		if commit, err = br.Exec(); err == nil && commit.String() != "COMMIT" {
 			err = fmt.Errorf("settling the key rolled back: COMMIT returned %s", commit)
+		}
+	}
+	if err == nil && a != nil {
+		if rerr := a.readReleaseHeld(br); rerr != nil {
+			// The key is settled: a session that could not be reset is the
+			// connection's to pay for (see end), not the call's.
+			a.resetFailed(rerr)
+			_ = br.Close()
+			return s, nil
 		}
 	}
 	if cerr := br.Close(); err == nil {
@@ -110,7 +124,7 @@ func (a *attempt) settle(ctx context.Context, row *keyRow, resp proto.Message, r
 	if err := a.endTx(ctx, b); err != nil {
 		return a.finishFailed(ctx, err)
 	}
-	s, err := a.settleOn(ctx, a.conn, b, row, a.session)
+	s, err := a.settleOn(ctx, a.conn, b, row, a.session, a)
 	if err != nil {
 		return a.finishFailed(ctx, err)
 	}
@@ -137,15 +151,16 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 		return settled{}, c.s.finishError("settle the key", err)
 	}
 	defer pc.Release()
-	s, err := c.settleOn(ctx, pc.Conn(), &pgx.Batch{}, row, false)
+	s, err := c.settleOn(ctx, pc.Conn(), &pgx.Batch{}, row, false, nil)
 	if err != nil {
 		return s, c.s.finishError("settle the key", err)
 	}
 	return s, nil
 }
 
-// release rolls the call's transaction back and releases the key, in one
-// round trip, for a call whose fn failed. settled reports that the key was
+// release rolls the call's transaction back, releases the key and resets
+// what the rollback leaves of the session (see session.go), in one round
+// trip, for a call whose fn failed. settled reports that the key was
 // settled instead, res and err being its answer: fn had committed the
 // claim (it ended the transaction itself first), which the same round trip
 // settles, or had left the claim's transaction for another (see
@@ -154,11 +169,12 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 func (a *attempt) release(ctx context.Context) (res result, settled bool, err error) {
 	b := &pgx.Batch{}
 	// In a transaction that has not failed, the round trip first checks
-	// that it is still the claim's; a failed one runs nothing but its
-	// ROLLBACK (see rollbackAborted).
-	check := a.open && a.conn.PgConn().TxStatus() == 'T'
+	// that it is still the claim's, and only then releases what the
+	// session holds; a failed one runs nothing but its ROLLBACK (see
+	// rollbackAborted).
+	check := a.ran && a.open && a.conn.PgConn().TxStatus() == 'T'
 	if check {
-		b.Queue(a.st.releaseCheck, a.call.Scope, a.key, a.claimed.xact, a.session)
+		b.Queue(a.st.releaseCheck, a.claimed.xact)
 	}
 	if err := a.endTx(ctx, b); err != nil {
 		return result{}, false, err
@@ -167,13 +183,15 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 	if a.session && !check {
 		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
-	claims, abandoned := true, false
+	release := len(b.QueuedQueries)
+	a.queueReleaseHeld(b, check)
+	claims, abandoned, prepared := true, false, false
 	br := a.conn.SendBatch(ctx, b)
-	for _, q := range b.QueuedQueries {
+	for _, q := range b.QueuedQueries[:release] {
 		switch q.SQL {
 		case a.st.releaseCheck:
 			var unlocked *bool
-			err = br.QueryRow().Scan(&claims, &unlocked)
+			err = br.QueryRow().Scan(&claims, &unlocked, &prepared)
 		case a.st.abandon:
 			var tag pgconn.CommandTag
 			tag, err = br.Exec()
@@ -184,6 +202,11 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		if err != nil {
 			break
 		}
+	}
+	if err == nil && check {
+		err = a.readDeallocated(br, prepared)
+	} else if err == nil {
+		err = a.readReleaseHeld(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
@@ -200,9 +223,11 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		return result{Result: Result{Outcome: OutcomeExecuted}}, true, storedFinal(grpcstatus.New(codes.Internal, errAbandoned))
 	case !claims:
 		// fn ended the claim's transaction, and the session still holds
-		// the key's lock: settled as for a handler that returns outside
-		// any transaction (see finish).
+		// what it held, the key's lock among them: settled as for a
+		// handler that returns outside any transaction (see finish), the
+		// session released in the settle's round trip.
 		a.ended = true
+		a.reset = "the handler ended the call's transaction"
 		res, _, err := a.settleWith(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
 		return res, true, err
 	}

@@ -64,7 +64,8 @@ func renderStatements(ident string, pooled bool) statements {
 		claimLock, unlock = "pg_catalog.pg_try_advisory_xact_lock("+key+")", "true"
 	}
 	r := strings.NewReplacer("{{table}}", ident, "{{lock_key}}", key, "{{lock_key_k}}", lockKey("k"),
-		"{{record}}", record(""), "{{record_k}}", record("k."), "{{claim_lock}}", claimLock, "{{unlock}}", unlock)
+		"{{record}}", record(""), "{{record_k}}", record("k."), "{{claim_lock}}", claimLock, "{{unlock}}", unlock,
+		"{{release_held}}", releaseHeldColumns)
 	return statements{
 		table: ident,
 		// The claim, in one statement, the first of the call's transaction:
@@ -101,7 +102,7 @@ func renderStatements(ident string, pooled bool) statements {
 		claim: r.Replace(claimInsert + ` FROM (SELECT pg_catalog.clock_timestamp() AS now) t
 WHERE {{claim_lock}}
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'), pg_catalog.pg_my_temp_schema()::bigint,
+RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'),
 pg_catalog.txid_current(), pg_catalog.pg_backend_pid(), (extract(epoch FROM pg_catalog.now()) * 1000000)::bigint`),
 		// After a claim that inserted nothing (the lock was held, or the key
 		// has a row), in the same round trip as the call's ROLLBACK: an
@@ -118,14 +119,16 @@ AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})`),
 WHERE scope = $1::text AND key = $2::text AND expires_at < pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'`),
 		unlockIfHeld: r.Replace(`SELECT CASE WHEN pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) THEN pg_catalog.pg_advisory_unlock({{lock_key}}) END`),
 		// Before the ROLLBACK that releases a key: whether the transaction
-		// is still the claim's ($3, its txid_current), which no handler can
-		// fake, and only then the session's lock released, when it holds
-		// one ($4; see unlockIfHeld: a session's lock does not wait for the
-		// transaction's end). A session that left the claim's transaction
-		// may have committed anything since: its key is settled, the lock
-		// still held.
-		releaseCheck: r.Replace(`SELECT c.claims, CASE WHEN c.claims AND $4::boolean AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) THEN pg_catalog.pg_advisory_unlock({{lock_key}}) END
-FROM (SELECT pg_catalog.txid_current_if_assigned() IS NOT DISTINCT FROM $3::bigint AS claims) c`),
+		// is still the claim's ($1, its txid_current), which no handler can
+		// fake, and only then the session's advisory locks released (the
+		// key's covered by the transaction's lock, which the claim took,
+		// until the ROLLBACK) and what the session holds of statements
+		// prepared with SQL's PREPARE reported (see releaseHeld). A session
+		// that left the claim's transaction may have committed anything
+		// since: its key is settled, the lock still held.
+		releaseCheck: `SELECT c.claims, CASE WHEN c.claims THEN pg_catalog.pg_advisory_unlock_all() IS NULL END,
+EXISTS (SELECT FROM pg_catalog.pg_prepared_statements WHERE from_sql)
+FROM (SELECT pg_catalog.txid_current_if_assigned() IS NOT DISTINCT FROM $1::bigint AS claims) c`,
 		// The result, written over the claim, with the COMMIT after it. The
 		// row is found by its address (a TID scan reads no index, so
 		// SERIALIZABLE tracks no conflict with other keys), and only if
@@ -139,16 +142,18 @@ FROM (SELECT pg_catalog.txid_current_if_assigned() IS NOT DISTINCT FROM $3::bigi
 		// than half of its TTL ($9), which then counts from now, in the
 		// same commit: a retry right after the call always finds it. (An
 		// UPDATE that leaves every indexed column as it was can be a
-		// heap-only tuple update.) It also reads the session's temporary
-		// schema, which the claim read too: a handler that created a
-		// temporary object, by any path, changed its session.
+		// heap-only tuple update.) Once the row is written, the session's
+		// other advisory locks are released too, and what the session holds
+		// of statements prepared with SQL's PREPARE reported (see
+		// releaseHeld): the reset of the call's session, at no statement of
+		// its own.
 		finish: r.Replace(`WITH u AS (UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
 metadata = $8::bytea, completed_at = pg_catalog.clock_timestamp(),
 expires_at = CASE WHEN expires_at < pg_catalog.clock_timestamp() + $9::bigint * interval '0.5 microsecond'
   THEN pg_catalog.clock_timestamp() + $9::bigint * interval '1 microsecond' ELSE expires_at END
 WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND xmin = pg_catalog.pg_current_xact_id()::xid
 RETURNING {{unlock}})
-SELECT 1 / pg_catalog.count(*)::int, pg_catalog.pg_my_temp_schema()::bigint FROM u`),
+SELECT 1 / pg_catalog.count(*)::int, {{release_held}} FROM u`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
 		// is taken and released within the statement).

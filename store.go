@@ -216,7 +216,7 @@ func defaultStoreOptions() storeOptions {
 		finishTimeout:  10 * time.Second,
 		// The newest; 1 only while a deploy upgrades from a release that
 		// derived keys the first way.
-		derivedKeyVersion: 2,
+		derivedKeyVersion: defaultDerivedKeyVersion,
 	}
 }
 
@@ -253,8 +253,8 @@ func (o storeOptions) validate() error {
 		return fmt.Errorf("idempotency: WithSuggestedRetryDelay: must not be negative, got %v", o.retryDelay)
 	case o.finishTimeout <= 0:
 		return fmt.Errorf("idempotency: WithFinishTimeout: must be positive, got %v", o.finishTimeout)
-	case o.derivedKeyVersion != 1 && o.derivedKeyVersion != 2:
-		return fmt.Errorf("idempotency: WithDerivedKeyVersion: %d is not a version of the derivation (1 or 2)", o.derivedKeyVersion)
+	case o.derivedKeyVersion < 1 || o.derivedKeyVersion > 3:
+		return fmt.Errorf("idempotency: WithDerivedKeyVersion: %d is not a version of the derivation (1, 2 or 3)", o.derivedKeyVersion)
 	case !utf8.ValidString(o.derivedKeyNamespace):
 		return errors.New("idempotency: WithDerivedKeyNamespace: the namespace is not valid UTF-8")
 	}
@@ -278,7 +278,7 @@ func WithIsolation(level pgx.TxIsoLevel) StoreOption {
 }
 
 // WithDerivedKeyNamespace names the store for the keys its calls derive for
-// downstream calls ([DownstreamKey], [EffectKey]), beside its table. Set
+// downstream calls ([EffectKey], [CountedKey]), beside its table. Set
 // it when two services (or two deployments of one) that may receive the
 // same client key and serve the same method share a key table name, so
 // that a downstream system they both call (one payment provider, one
@@ -289,18 +289,37 @@ func WithDerivedKeyNamespace(namespace string) StoreOption {
 	return func(o *storeOptions) { o.derivedKeyNamespace = namespace }
 }
 
-// WithDerivedKeyVersion chooses how derived keys are made. Version 2, the
-// default, derives from the whole operation (see [DownstreamKey]) and has
-// named effects ([EffectKey]); version 1, that of releases before it, from
+// defaultDerivedKeyVersion is the version of the derivation of derived
+// keys (see WithDerivedKeyVersion) a store uses unless told otherwise.
+const defaultDerivedKeyVersion = 3
+
+// WithDerivedKeyVersion chooses how derived keys are made. Version 3, the
+// default, derives from the whole operation, its request as the request
+// comparison sees it (see [EffectKey]). Version 2, that of the release before, derives also from
+// what the comparison does not tell apart: an HTTP request's keys from its
+// whole fingerprint, which for a JSON body or a form the middleware read
+// holds the digest of the body's bytes; a proto request's from its
+// encoding with -0 and 0, a field with presence set to its default and
+// unset, and an Any's type URL prefix told apart. A retry that the
+// comparison calls the same request but that is written another way (JSON
+// members in another order, a form parsed in front on one attempt only)
+// derives other keys under version 2. Versions 2 and 3 derive the same
+// keys for every message, for every proto request written one way already
+// (no float of -0 or NaN, no field set to its default, Any URLs under
+// type.googleapis.com/), and for every HTTP request whose body is compared
+// by its bytes or is a form parsed in front (unless it names its charset
+// in upper case). Version 1, that of the releases before 2, derives from
 // the scope, the key, the target and the ordinal only, which gives two
 // operations under one client key the same downstream keys. A call whose
-// first run sent version 1 keys and that runs again under version 2 (its
-// process died before the commit, or its key was released, across the
-// deploy) sends other keys than the first run did, and a downstream
-// system charges it again: upgrade with WithDerivedKeyVersion(1), and drop
-// it in a later deploy, once no call of the old release can be run again
-// (its clients have stopped retrying it). Named effects ([EffectKey]), which
-// version 1 did not have, derive version 2 keys under either.
+// first run sent keys of one version and that runs again under another
+// (its process died before the commit, or its key was released, across
+// the deploy) sends other keys than the first run did, and a downstream
+// system charges it again: upgrade with the version of the release before
+// (WithDerivedKeyVersion(2), or 1), and drop it in a later deploy, once no
+// call of the old release can be run again (its clients have stopped
+// retrying it). Under version 1, only [CountedKey] derives version 1
+// keys; named effects, which version 1 did not have, derive version 2
+// keys.
 func WithDerivedKeyVersion(version int) StoreOption {
 	return func(o *storeOptions) { o.derivedKeyVersion = version }
 }

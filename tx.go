@@ -54,7 +54,7 @@ type callTx struct {
 	batches []pgx.BatchResults
 	config  *pgxpool.Config // Config's copy, made at its first use
 	// downstream is what the run's downstream keys derive from (see
-	// DownstreamKey): here rather than in a value of its own, so that a
+	// EffectKey): here rather than in a value of its own, so that a
 	// call that derives none allocates nothing for them.
 	downstream downstream
 }
@@ -118,9 +118,7 @@ var ErrTxOwned = errors.New("idempotency: the transaction belongs to the idempot
 
 // allow refuses SQL that would end or reshape the call's transaction. The
 // first refusal decides the call's outcome, whatever the handler does next.
-// SQL that may change the session's state past the call marks the
-// connection to be closed when the call ends (see session.go). Its caller
-// holds t.use.
+// Its caller holds t.use.
 func (t *callTx) allow(ctx context.Context, sql string) error {
 	if t.conn.PgConn().TxStatus() == 'I' {
 		// The call's transaction has ended (a COMMIT or ROLLBACK got
@@ -128,13 +126,10 @@ func (t *callTx) allow(ctx context.Context, sql string) error {
 		// outside the call. A fact of the protocol, not of the SQL.
 		return t.refuseEnded()
 	}
-	v := checkedSQL(sql)
-	if v.session != "" {
-		t.resetSession(v.session)
-	}
 	if t.attempt.s.opts.noSQLCheck {
 		return nil
 	}
+	v := checkedSQL(sql)
 	what := v.what
 	if v.preparedName != "" {
 		what = t.preparedStatement(ctx, v.preparedName)
@@ -145,13 +140,14 @@ func (t *callTx) allow(ctx context.Context, sql string) error {
 	return t.refuse(what)
 }
 
-// resetSession notes that the statement what may have changed the
-// session's state, so that the connection is closed when the call ends.
+// resetSession notes that the handler left what on the session, which the
+// engine does not reset, so that the connection is closed when the call
+// ends.
 func (t *callTx) resetSession(what string) {
 	t.state.Lock()
 	defer t.state.Unlock()
 	if t.attempt.reset == "" {
-		t.attempt.reset = "the handler sent " + what + ", which may change the session"
+		t.attempt.reset = "the handler left " + what + " on the session"
 	}
 }
 
@@ -182,8 +178,8 @@ func (t *callTx) refuseEnded() error {
 	return fmt.Errorf("%w: the call's transaction has ended; the statement was not sent", ErrTxOwned)
 }
 
-// checkedSQL is txControl and sessionChange, remembered for the
-// statements a process sends again and again (most handlers' SQL is
+// checkedSQL is txControl, remembered for the statements a process sends
+// again and again (most handlers' SQL is
 // constant), up to a bound, so that SQL built afresh for each call cannot
 // grow it.
 func checkedSQL(sql string) sqlVerdict {
@@ -192,7 +188,6 @@ func checkedSQL(sql string) sqlVerdict {
 	}
 	var v sqlVerdict
 	v.what, v.preparedName = txControl(sql)
-	v.session = sessionChange(sql)
 	if checkedCount.Load() < maxChecked && len(sql) <= maxCheckedLen {
 		if _, loaded := checked.LoadOrStore(sql, v); !loaded {
 			checkedCount.Add(1)
@@ -202,9 +197,9 @@ func checkedSQL(sql string) sqlVerdict {
 }
 
 // sqlVerdict is what checkedSQL finds in a statement: what of it would end
-// or reshape the call's transaction, the name of the prepared statement it
-// may be, and what of it may change the session's state.
-type sqlVerdict struct{ what, preparedName, session string }
+// or reshape the call's transaction, and the name of the prepared statement
+// it may be.
+type sqlVerdict struct{ what, preparedName string }
 
 var (
 	checked      sync.Map // SQL text -> sqlVerdict
@@ -527,7 +522,8 @@ func (t *callTx) prepare(ctx context.Context, closed *atomic.Bool, name, sql str
 		return nil, err
 	}
 	if name != "" {
-		// A named prepared statement outlives the call on its session.
+		// A named prepared statement outlives the call on its session, and
+		// pgx keeps it under that name.
 		t.resetSession("a statement prepared as " + strconv.Quote(name))
 	}
 	return t.conn.Prepare(ctx, name, sql)

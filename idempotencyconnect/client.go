@@ -20,8 +20,10 @@ import (
 // the server's RetryInfo, a 30 s budget, no timeout per attempt). The key
 // is, in order: an Idempotency-Key header already on the request,
 // [idempotency.WithOutgoingKey]'s (both at once, different, is an error),
-// one derived from the call running in ctx (a handler's downstream call:
-// a re-run sends the same key), or a new one. Methods that need no key
+// inside a running call (a handler's downstream call: a re-run sends the
+// same key) the key of the effect [idempotency.WithEffect] names, or
+// outside one a new one. Inside a running call, a call with neither a key
+// nor a name is refused with [idempotency.ErrUnnamedEffect], nothing sent. Methods that need no key
 // ((idempotency.v1.method) MODE_DISABLED, idempotency_level NO_SIDE_EFFECTS
 // or IDEMPOTENT) get none and are retried all the same; a call without a
 // key that nothing would deduplicate is never retried.

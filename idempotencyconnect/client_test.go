@@ -118,7 +118,8 @@ func TestAnApplicationRetryWithTheCapturedKeyIsAReplay(t *testing.T) {
 }
 
 // A handler's downstream connect call, through the client interceptor,
-// carries a key derived from the call the handler runs: when the handler
+// carries the key of the effect it names, derived from the call the
+// handler runs: when the handler
 // fails after the downstream call and runs again (the client retried it),
 // the downstream call is sent with the same key, and the downstream
 // service answers it from its store. Two upstream runs, one downstream
@@ -133,7 +134,7 @@ func TestDownstreamCallsOfARerunSendTheSameKey(t *testing.T) {
 	up := newEnv(t)
 	var runs atomic.Int64
 	up.handle = func(ctx context.Context, req *testingv1.Request) (*testingv1.Response, error) {
-		resp, err := downstream.CallUnary(ctx, connect.NewRequest(&testingv1.Request{Body: "provider " + req.GetBody()}))
+		resp, err := downstream.CallUnary(idempotency.WithEffect(ctx, "charge"), connect.NewRequest(&testingv1.Request{Body: "provider " + req.GetBody()}))
 		if err != nil {
 			return nil, err
 		}

@@ -44,7 +44,7 @@ func TestReview32RerunInAnotherEncodingSendsTheSameDownstreamKey(t *testing.T) {
 	up := newEnv(t)
 	var runs atomic.Int64
 	url := r32Mount(t, up.store, func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
-		resp, err := downstream.CallUnary(ctx, connect.NewRequest(&testingv1.Request{Body: "provider " + req.Msg.GetBody()}))
+		resp, err := downstream.CallUnary(idempotency.WithEffect(ctx, "charge"), connect.NewRequest(&testingv1.Request{Body: "provider " + req.Msg.GetBody()}))
 		if err != nil {
 			return nil, err
 		}

@@ -70,7 +70,7 @@ func TestReview32bDownstreamReplayedFinalErrorPassedOn(t *testing.T) {
 	upURL := r32Mount(t, up.store, func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
 		n := runs.Add(1)
 		dc := client(t, downURL, procRequired, protocols[1], false)
-		_, err := dc.CallUnary(ctx, connect.NewRequest(req.Msg))
+		_, err := dc.CallUnary(idempotency.WithEffect(ctx, "charge"), connect.NewRequest(req.Msg))
 		if n == 1 {
 			// The run fails after the downstream answered (its own
 			// database hiccuped): the key is released and retried.

@@ -176,11 +176,21 @@ type failures struct {
 // deliveries, and its effect is lost ([WithMaxAttempts] is the consumer's
 // bound, which counts only the handler's failures). An invalid option is
 // an error that names it.
+//
+// cons must be durable (ConsumerConfig.Durable), unless [WithScope] gives
+// the scope: the default scope is named after the durable, and a consumer
+// without one (an ephemeral, named or not) may have another name each time
+// the program creates it, under which every message delivered again would
+// be applied again. An ordered consumer acknowledges nothing, and is
+// refused with or without a scope.
 func New(store *idempotency.Store, cons jetstream.Consumer, h Handler, opts ...Option) (*Consumer, error) {
 	if store == nil || cons == nil || h == nil {
 		return nil, errors.New("natsconsumer: New: store, consumer and handler are required")
 	}
 	info := cons.CachedInfo()
+	if info == nil {
+		return nil, errors.New("natsconsumer: New: the consumer has no info (CachedInfo is nil): pass a consumer that jetstream.Stream.Consumer or CreateOrUpdateConsumer returned")
+	}
 	if info.Config.AckPolicy != jetstream.AckExplicitPolicy {
 		return nil, fmt.Errorf("natsconsumer: consumer %s has ack policy %v, want explicit: each message must be acknowledged after its own commit",
 			info.Name, info.Config.AckPolicy)
@@ -190,7 +200,23 @@ func New(store *idempotency.Store, cons jetstream.Consumer, h Handler, opts ...O
 		return nil, err
 	}
 	if o.scope == "" {
-		o.scope = info.Stream + "/" + info.Name
+		// Only a durable's name is sure to come back when the program
+		// starts again. A consumer without one may be named afresh on
+		// every creation (nats.go names an unnamed one itself, and the
+		// server reports that name as it does one the program chose):
+		// under a new scope, every message it is delivered again would
+		// be applied again.
+		if info.Config.Durable == "" {
+			return nil, fmt.Errorf("natsconsumer: consumer %s of stream %s is not durable: its name, the default scope, may be new each time it is created, "+
+				"and every message delivered again after a restart would be applied again: "+
+				"create it with ConsumerConfig.Durable, or give a scope that stays the same across restarts with natsconsumer.WithScope",
+				info.Name, info.Stream)
+		}
+		o.scope = info.Stream + "/" + info.Config.Durable
+	}
+	// A scope the store refuses would fail every message, nacked forever.
+	if err := idempotency.ValidateScope(o.scope); err != nil {
+		return nil, fmt.Errorf("natsconsumer: scope %.60q: %w: give one the store takes with natsconsumer.WithScope", o.scope, err)
 	}
 	return &Consumer{store: store, cons: cons, handler: h, opts: o, failures: map[delivered]*failures{}}, nil
 }

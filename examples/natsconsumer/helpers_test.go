@@ -239,6 +239,12 @@ func waitAcked(t *testing.T, js jetstream.JetStream, stream, durable string, las
 	t.Helper()
 	cons, err := js.Consumer(context.Background(), stream, durable)
 	require.NoError(t, err)
+	waitConsumerAcked(t, cons, last, done)
+}
+
+// waitConsumerAcked is waitAcked for a consumer in hand, durable or not.
+func waitConsumerAcked(t *testing.T, cons jetstream.Consumer, last uint64, done func() bool) {
+	t.Helper()
 	require.Eventually(t, func() bool {
 		info, err := cons.Info(context.Background())
 		return err == nil && info.AckFloor.Stream >= last && info.NumAckPending == 0 && done()

@@ -57,8 +57,17 @@ func (o *options) staleAfter() time.Duration {
 // WithScope sets the scope of the consumer's message IDs in the key table.
 // Consumers that apply the same effect must share a scope; consumers that
 // apply different effects of the same stream (a billing and a mailing
-// consumer, say) must not, or one would skip the other's messages.
-// Defaults to "<stream>/<consumer name>".
+// consumer, say) must not, or one would skip the other's messages. The
+// scope names the effect, not the messages: consumers of one scope may
+// filter different subjects. [New] refuses a scope the store would
+// ([idempotency.ValidateScope]). Defaults to "<stream>/<durable name>".
+//
+// A consumer that is not durable has no default and needs this option
+// ([New]), with a scope that is the same each time the program starts.
+// Such a consumer, made again after a restart, is delivered the stream
+// again from its DeliverPolicy (by default, the first message): keep the
+// IDs ([WithTTL]) longer than the stream keeps its messages (MaxAge), or
+// those older than the TTL are applied again.
 func WithScope(scope string) Option {
 	return func(o *options) { o.scope = scope }
 }

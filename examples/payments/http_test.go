@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -14,6 +15,7 @@ import (
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
+	"github.com/exactlyonce/idempotency/examples/payments/provider"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
@@ -117,6 +119,48 @@ func TestHTTPCallersKeysAreTheirOwn(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode, "the scheme is case-insensitive")
 	require.Equal(t, "true", resp.Header.Get(idempotency.ReplayedHeader), "bob's own charge, replayed")
 	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger WHERE account_id = 'acct-shared'`))
+}
+
+// It failed when the keys a call derives hashed the bytes of its JSON
+// body: the charge's run died after the provider answered (its handler
+// aborted: nothing committed, the key free), and the client's retry, the
+// same JSON with its members in another order, which the middleware calls
+// the same request, charged the provider under another key: 2 provider
+// charges, 1 ledger row.
+func TestHTTPRetryWrittenAnotherWayAfterTheProviderAnsweredChargesOnce(t *testing.T) {
+	// Not parallel: with its provider it needs 14 of the server's
+	// connections, as the provider's tests do.
+	w := newWorld(t, 0)
+	var answers atomic.Int64
+	svc := payments.NewServer(w.db.Pool, payments.WithProvider(&provider.Client{BaseURL: w.providerURL, Merchant: "test"}),
+		payments.WithAfterProvider(func(context.Context) {
+			if answers.Add(1) == 1 {
+				panic(http.ErrAbortHandler) // the run dies with the provider's answer
+			}
+		}))
+	srv := httptest.NewServer(payments.NewHTTPHandler(svc, w.store, payments.DemoCallers()))
+	t.Cleanup(srv.Close)
+	charge := func(body string) (*http.Response, error) {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/charges", strings.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set(idempotency.HeaderKey, "order-77")
+		req.Header.Set("Authorization", "Bearer demo-token-alice")
+		req.Header.Set("Content-Type", "application/json")
+		return srv.Client().Do(req)
+	}
+
+	_, err := charge(`{"account_id":"acct-1","amount_cents":250}`)
+	require.Error(t, err, "the first run died before it answered")
+	require.Equal(t, counts{providerCharges: 1}, w.counts(t), "the provider charged; the dead run committed nothing")
+	resp, err := charge(`{"amount_cents":250,"account_id":"acct-1"}`)
+	require.NoError(t, err)
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+	require.Equal(t, http.StatusOK, resp.StatusCode, string(b))
+	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t), "the retry got the provider's first charge back")
+	require.EqualValues(t, 1, w.provider.executed.Load())
+	require.EqualValues(t, 1, w.provider.replayed.Load())
 }
 
 // newHTTPService serves the HTTP API with the demo callers on a database

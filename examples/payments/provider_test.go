@@ -346,6 +346,77 @@ func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 	}
 }
 
+// The provider refuses a charge's key when the service sends it other
+// bytes for the charge than the run before did: here a deploy between the
+// two runs changed the request's Content-Type. The fault is the service's,
+// never the customer's, and the provider may have made the first charge:
+// the call answers Internal and keeps no answer under its key, and once
+// the change is undone the charge sent again gets the provider's first
+// charge. Before, the refusal was FailedPrecondition, which the key kept
+// as its answer for good: a failure, for money that had moved.
+func TestChangedProviderRequestLeavesTheKeyFree(t *testing.T) {
+	w := newWorld(t, 0)
+	redeploy := &redeployedTransport{base: http.DefaultTransport}
+	svc := payments.NewServer(w.db.Pool, payments.WithProvider(&provider.Client{BaseURL: w.providerURL, Merchant: "test",
+		HTTP: &http.Client{Transport: redeploy, Timeout: 10 * time.Second}}))
+	client := w.serve(t, svc, 0)
+	ctx := context.Background()
+	const key = "order-redeploy"
+	req := &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 700}
+
+	// The first run: the provider charges; the call is cancelled while its
+	// ledger row waits for a lock, and rolls back.
+	hold, err := w.db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = hold.Rollback(ctx) }()
+	_, err = hold.Exec(ctx, `LOCK TABLE ledger IN SHARE MODE`)
+	require.NoError(t, err)
+	waiting := func() int {
+		return w.db.Count(t, `SELECT count(*) FROM pg_locks WHERE relation = 'ledger'::regclass AND NOT granted`)
+	}
+	callCtx, cancel := context.WithCancel(idempotency.WithOutgoingKey(ctx, key))
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { _, err := client.Charge(callCtx, req); done <- err }()
+	w.waitFor(t, "the call waits for the ledger", func() bool { return waiting() == 1 })
+	require.Equal(t, counts{providerCharges: 1}, w.counts(t), "the provider charged; the call has committed nothing")
+	cancel()
+	require.Equal(t, codes.Canceled.String(), status.Code(<-done).String())
+	w.waitFor(t, "the cancelled call stops waiting", func() bool { return waiting() == 0 })
+	require.NoError(t, hold.Rollback(ctx))
+
+	redeploy.changed.Store(true)
+	for range 2 {
+		_, err = chargeUntilDone(ctx, client, key, req)
+		require.Equal(t, codes.Internal.String(), status.Code(err).String(), "the service's fault, not the customer's: %v", err)
+		require.Contains(t, status.Convert(err).Message(), "look the key up at the provider")
+	}
+	require.Equal(t, counts{providerCharges: 1}, w.counts(t))
+
+	redeploy.changed.Store(false)
+	resp, err := chargeUntilDone(ctx, client, key, req)
+	require.NoError(t, err, "the change undone, the charge sent again gets the provider's first charge")
+	require.EqualValues(t, 700, resp.GetBalanceCents())
+	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
+	require.EqualValues(t, 1, w.provider.executed.Load())
+}
+
+// redeployedTransport sends the provider's requests, once changed, as a
+// deploy that changed their encoding would: the same charge, with another
+// Content-Type.
+type redeployedTransport struct {
+	base    http.RoundTripper
+	changed atomic.Bool
+}
+
+func (t *redeployedTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if t.changed.Load() {
+		r = r.Clone(r.Context())
+		r.Header.Set("Content-Type", "application/json; charset=utf-8")
+	}
+	return t.base.RoundTrip(r)
+}
+
 // serveOutboxOn serves, in this process, a PaymentService that charges
 // through the outbox, on the listening socket lisFile, with a worker.
 func (w *world) serveOutboxOn(t *testing.T, lisFile *os.File) {

@@ -13,9 +13,11 @@
 // charge, so sending the request again with its key declines it again.
 //
 // Requests name their merchant in the Provider-Merchant header, which
-// scopes their keys (a real provider would take it from the API key). The
-// [Client] sends the charges; inside an idempotent call its keys are
-// derived from the call's own, so a re-run of the call charges nothing new.
+// scopes their keys (a real provider would take it from the API key).
+// Under one key, two requests are the same when they ask for the same
+// charge, whatever name the provider was reached by. The [Client] sends
+// the charges; inside an idempotent call its keys are derived from the
+// call's own, so a re-run of the call charges nothing new.
 package provider
 
 import (
@@ -104,8 +106,23 @@ func NewHandler(store *idempotency.Store, opts ...HandlerOption) http.Handler {
 		}
 		return "", status.Errorf(codes.Unauthenticated, "the %s header is required", MerchantHeader)
 	})
-	mux.Handle("POST /v1/charges", idempotency.HTTPMiddleware(store, scope)(http.HandlerFunc(h.charge)))
+	mux.Handle("POST /v1/charges", anyHost(idempotency.HTTPMiddleware(store, scope)(http.HandlerFunc(h.charge))))
 	return mux
+}
+
+// anyHost serves next with the request's host taken out, so that the
+// middleware compares a key's requests by what they ask for (method,
+// path, merchant, body) and not by the name the provider was reached by,
+// as a real provider compares a key's parameters and not the URL's host.
+// A service that comes back by another name is sending the same charge:
+// restarted with its provider on a fresh port, or a replica that names the
+// provider localhost where another says 127.0.0.1.
+func anyHost(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r = r.WithContext(r.Context()) // a copy: the server's request is left as it came
+		r.Host = ""
+		next.ServeHTTP(w, r)
+	})
 }
 
 func (h *handler) charge(w http.ResponseWriter, r *http.Request) {
@@ -184,8 +201,20 @@ func (e *declinedError) GRPCStatus() *status.Status {
 // Errors are gRPC status errors: Unavailable when trying again with the
 // same key can help (the provider could not be reached, failed, or is
 // still busy with the key), InvalidArgument when it refused the request
-// ([ErrDeclined] when it declined the charge), FailedPrecondition when it refused the key (reused for another request:
-// the caller broke the rule of derived keys).
+// ([ErrDeclined] when it declined the charge), and Internal when this
+// side is at fault: BaseURL does not parse, or the provider refused the
+// key (422) because it holds another request under it.
+//
+// That refusal is never the customer's: a key is one charge's (derived
+// from the call, or given for one charge), so this side sent other bytes
+// for the same charge, after a change of its configuration between two
+// runs of the charge (a path in BaseURL, the request's encoding in a
+// deploy) or because of a bug. The provider may have made the first
+// charge, so the error is not one an idempotent call stores as its answer:
+// the call's key is released, and its re-run, once the change is undone,
+// gets the first charge back. An operator looks the key up at the
+// provider, then undoes the change, or settles or refunds the charge by
+// hand.
 func (c *Client) Charge(ctx context.Context, account string, amountCents int64) (Charge, error) {
 	body, err := json.Marshal(Charge{AccountID: account, AmountCents: amountCents})
 	if err != nil {
@@ -193,7 +222,7 @@ func (c *Client) Charge(ctx context.Context, account string, amountCents int64) 
 	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimSuffix(c.BaseURL, "/")+"/v1/charges", strings.NewReader(string(body)))
 	if err != nil {
-		return Charge{}, status.Errorf(codes.FailedPrecondition, "provider URL %q: %v", c.BaseURL, err)
+		return Charge{}, status.Errorf(codes.Internal, "provider URL %q: %v; correct the provider's URL", c.BaseURL, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set(MerchantHeader, c.Merchant)
@@ -224,7 +253,10 @@ func (c *Client) Charge(ctx context.Context, account string, amountCents int64) 
 	case resp.StatusCode == http.StatusPaymentRequired:
 		return Charge{}, &declinedError{answer: b}
 	case resp.StatusCode == http.StatusUnprocessableEntity:
-		return Charge{}, status.Errorf(codes.FailedPrecondition, "provider refused the idempotency key, used before for another request: %s", b)
+		return Charge{}, status.Errorf(codes.Internal, "provider refused idempotency key %s, which it holds for another request (%s): "+
+			"this service sent other bytes for the same charge, after a change of its configuration or by a bug, and the provider may have made the first charge; "+
+			"look the key up at the provider, then undo the change (the charge sent again then gets its first answer) or settle it by hand",
+			resp.Request.Header.Get(idempotency.HeaderKey), bytes.TrimSpace(b))
 	case resp.StatusCode == http.StatusConflict, resp.StatusCode == http.StatusTooManyRequests, resp.StatusCode >= 500:
 		return Charge{}, status.Errorf(codes.Unavailable, "provider answered %d: %s", resp.StatusCode, b)
 	default:

@@ -26,11 +26,19 @@ import (
 func main() {
 	natsURL := flag.String("nats-url", envOr("NATS_URL", nats.DefaultURL), "NATS server (env NATS_URL)")
 	subject := flag.String("subject", "credits.new", "subject to publish on; the consumer creates a stream for credits.>")
-	id := flag.String("id", fmt.Sprintf("credit-%d", time.Now().UnixNano()), "message ID (Nats-Msg-Id)")
+	// No default: an ID made up per run (the clock, a random value) would be
+	// another message each time the command is run again after a publish
+	// whose acknowledgement was lost, and the credit would be applied twice.
+	id := flag.String("id", "", "message ID (Nats-Msg-Id), required: the same ID for every publish of one credit, on every run")
 	account := flag.String("account", "acct-1", "account to credit")
 	amount := flag.Int64("amount-cents", 100, "amount to credit, in cents")
 	times := flag.Int("times", 1, "how many times to publish the same message")
 	flag.Parse()
+	if *id == "" {
+		fmt.Fprintln(os.Stderr, "publisher: -id is required: name the credit (an order number, a transfer ID), the same on every run that publishes it")
+		flag.Usage()
+		os.Exit(2)
+	}
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
