@@ -28,10 +28,12 @@ import (
 // running), or it returns an error of its own. Before the engine tells its
 // caller "released" (nothing committed, a retry is safe), it makes sure:
 // on the attempt's connection, that the transaction it rolls back is still
-// the claim's; without it, by ending the attempt's session and reading
-// whether the claim's transaction committed. The caller gets the truth:
-// the stored error when the claim committed or the session had left the
-// call's transaction, and every later caller gets the same. Then 16
+// the claim's, or, in a failed transaction block, which hides that, whether
+// the claim's transaction committed; without it, by ending the attempt's
+// session and reading whether the claim's transaction committed. The
+// caller gets the truth: the stored error when the claim committed or the
+// session had left the call's transaction, the same as a caller that came
+// meanwhile, and every later caller gets the same. Then 16
 // callers of the key at once: the handler never runs again for a key
 // whose first attempt may have committed anything.
 func TestCutAttemptToldTheTruth(t *testing.T) {
@@ -82,10 +84,17 @@ EXCEPTION WHEN query_canceled THEN NULL; END; END LOOP; END $$`).Replace(tc.sql)
 			sql = strings.ReplaceAll(sql, "{lock}", fmt.Sprint(lockKey))
 			waits := strings.Contains(tc.sql, "wait}")
 
+			call := idempotency.Call{Key: "k", Method: "m"}
+			type answer struct {
+				res idempotency.Result
+				err error
+			}
 			var runs atomic.Int64
+			var meanwhile *answer // the caller that came while the first attempt ran
 			blocking := make(chan struct{})
 			cut := newGate()
-			fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			var fn idempotency.Func
+			fn = func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 				if runs.Add(1) > 1 {
 					if _, err := tx.Exec(ctx, `INSERT INTO `+ledger+` (note) VALUES ('later run')`); err != nil {
 						return nil, err
@@ -110,25 +119,23 @@ EXCEPTION WHEN query_canceled THEN NULL; END; END LOOP; END $$`).Replace(tc.sql)
 					return wrapperspb.String("first run"), err
 				}
 				_, err := tx.Exec(sctx, sql, pgx.QueryExecModeSimpleProtocol)
-				if tc.code == codes.Unavailable {
-					require.NoError(t, err)
-					return nil, status.Error(codes.Unavailable, "a downstream service is down") // released, unless something committed
+				if fails := tc.code != codes.Unavailable || tc.fails; fails != (err != nil) {
+					t.Errorf("the handler's SQL: %v, want it to fail: %v", err, fails)
 				}
-				if err == nil {
-					t.Error("PostgreSQL ran what it refuses in a transaction block")
+				if tc.meanwhile {
+					res, err := store.Execute(context.Background(), call, fn)
+					meanwhile = &answer{res, err}
+				}
+				if tc.code == codes.Unavailable {
+					return nil, status.Error(codes.Unavailable, "a downstream service is down") // released, unless something committed
 				}
 				close(blocking)
 				<-ctx.Done() // the handler goes on until its deadline
 				return nil, ctx.Err()
 			}
 
-			call := idempotency.Call{Key: "k", Method: "m"}
 			cue := newDeadlineCue()
 			ctx := cue.wrap(context.Background())
-			type answer struct {
-				res idempotency.Result
-				err error
-			}
 			first := make(chan answer, 1)
 			go func() {
 				res, err := store.Execute(ctx, call, fn)
@@ -195,6 +202,10 @@ WHERE locktype = 'advisory' AND NOT granted AND classid = 0 AND objid = $1 AND o
 			require.NotEqual(t, idempotency.OutcomeReleased, got.res.Outcome, "told released: %v", got.err)
 			requireStoredInternal(t, got.err, tc.stored)
 			want := statusBytes(t, got.err)
+			if tc.meanwhile {
+				require.Equal(t, idempotency.OutcomeReplayed, meanwhile.res.Outcome, "the caller that came meanwhile: %v", meanwhile.err)
+				require.Equal(t, want, statusBytes(t, meanwhile.err), "the caller that came meanwhile and the first: one answer")
+			}
 			for i, a := range answers {
 				require.Equal(t, idempotency.OutcomeReplayed, a.res.Outcome, "caller %d: %v", i, a.err)
 				require.Equal(t, want, statusBytes(t, a.err), "caller %d: one answer for every caller", i)
@@ -213,10 +224,15 @@ type cutCase struct {
 	// protocol. {ledger} is the ledger table; {wait} waits for an advisory
 	// lock the test holds until the attempt has answered, which the
 	// attempt's deadline cuts; {stubborn wait} too, and survives the
-	// cancel request pgx sends. Without a wait, PostgreSQL refuses sql and
-	// the handler waits for its deadline, or (code Unavailable) sql runs
-	// and the handler returns an error of its own.
-	sql string
+	// cancel request pgx sends. Without a wait, PostgreSQL refuses sql (or
+	// a statement of it fails) and the handler waits for its deadline, or
+	// (code Unavailable) the handler returns an error of its own once sql
+	// ran, or failed (fails).
+	sql   string
+	fails bool
+	// meanwhile: once sql has run (or failed), the handler waits for a
+	// caller of the key to be answered.
+	meanwhile bool
 	// ownCancel: the handler cancels its own context, not the caller.
 	ownCancel bool
 	bounced   bool // through PgBouncer
@@ -230,6 +246,7 @@ type cutCase struct {
 func cutCases() []cutCase {
 	const ended = "ended the call's transaction"
 	chained := `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); {stubborn wait}; COMMIT`
+	failedBlock := `COMMIT AND CHAIN; SELECT 1/0`
 	return []cutCase{
 		{name: "COMMIT AND CHAIN", sql: `COMMIT AND CHAIN; {wait}`, stored: ended, ledger: 1},
 		{name: "COMMIT AND CHAIN, the session still running", sql: `COMMIT AND CHAIN; {stubborn wait}`, stored: ended, ledger: 1},
@@ -245,6 +262,21 @@ func cutCases() []cutCase {
 		// the call's transaction, and committed a write outside it.
 		{name: "ROLLBACK AND CHAIN, a write, COMMIT AND CHAIN, then an error",
 			sql: `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); COMMIT AND CHAIN`, code: codes.Unavailable, stored: ended, ledger: 1},
+		// The claim committed, and the session is left in a failed block
+		// of the transaction that followed, where nothing can be asked of
+		// it but a ROLLBACK: the handler returns an error of its own, or
+		// waits for its deadline.
+		{name: "COMMIT AND CHAIN, a failing statement, then an error", sql: failedBlock, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, then the deadline", sql: failedBlock, stored: ended, ledger: 1},
+		// A caller that comes meanwhile finds the claim committed, and
+		// settles it with the error that says so.
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then an error",
+			sql: failedBlock, fails: true, meanwhile: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then an error, through PgBouncer",
+			sql: failedBlock, fails: true, meanwhile: true, code: codes.Unavailable, bounced: true, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then the deadline", sql: failedBlock, meanwhile: true, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then the deadline, through PgBouncer",
+			sql: failedBlock, meanwhile: true, bounced: true, stored: ended, ledger: 1},
 		// Inside the call's transaction to the end: the truth is "released".
 		{name: "a statement cut inside the call's transaction", sql: `{wait}`, code: codes.DeadlineExceeded},
 		{name: "a statement cut inside the call's transaction, the session still running", sql: `{stubborn wait}`, code: codes.DeadlineExceeded},
