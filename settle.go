@@ -165,14 +165,20 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 // claim (it ended the transaction itself first), which the same round trip
 // settles, or had left the claim's transaction for another (see
 // statements.releaseCheck), which may have committed anything: the key
-// then keeps the error that says so.
+// then keeps the error that says so; or the claim had committed and a
+// caller that came meanwhile settled it (see probe): the key's answer is
+// this caller's too.
 func (a *attempt) release(ctx context.Context) (res result, settled bool, err error) {
 	b := &pgx.Batch{}
 	// In a transaction that has not failed, the round trip first checks
 	// that it is still the claim's, and only then releases what the
-	// session holds; a failed one runs nothing but its ROLLBACK (see
-	// rollbackAborted).
+	// session holds. A failed one runs nothing but its ROLLBACK (see
+	// rollbackAborted) and shows no transaction: whether fn had committed
+	// the claim before (a COMMIT AND CHAIN, then a statement that failed)
+	// is read after the ROLLBACK, from the claim's transaction. abandon
+	// settles such a claim, unless a caller that came meanwhile did.
 	check := a.ran && a.open && a.conn.PgConn().TxStatus() == 'T'
+	failed := a.ran && a.open && a.conn.PgConn().TxStatus() == 'E'
 	if check {
 		b.Queue(a.st.releaseCheck, a.claimed.xact)
 	}
@@ -180,18 +186,24 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		return result{}, false, err
 	}
 	b.Queue(a.st.abandon, a.call.Scope, a.key, abandonedStatus)
+	if failed {
+		b.Queue(a.st.claimStatus, a.claimed.xact)
+	}
 	if a.session && !check {
 		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
 	release := len(b.QueuedQueries)
 	a.queueReleaseHeld(b, check)
 	claims, abandoned, prepared := true, false, false
+	var fate *string // the claim's transaction's, in a failed block
 	br := a.conn.SendBatch(ctx, b)
 	for _, q := range b.QueuedQueries[:release] {
 		switch q.SQL {
 		case a.st.releaseCheck:
 			var unlocked *bool
 			err = br.QueryRow().Scan(&claims, &unlocked, &prepared)
+		case a.st.claimStatus:
+			err = br.QueryRow().Scan(&fate)
 		case a.st.abandon:
 			var tag pgconn.CommandTag
 			tag, err = br.Exec()
@@ -230,6 +242,16 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		a.reset = "the handler ended the call's transaction"
 		res, _, err := a.settleWith(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
 		return res, true, err
+	case fate == nil:
+	case *fate == "committed":
+		// fn committed the claim, and another caller settled it first.
+		res, _, err := a.settle(ctx, nil, nil, nil)
+		return res, true, err
+	case *fate == "in progress":
+		// fn prepared the claim's transaction (PREPARE TRANSACTION), and
+		// began another.
+		return result{Result: Result{Outcome: OutcomeInProgress}}, true,
+			inProgress("the call's transaction is still open in the database (the handler prepared it)", a.s.opts.retryDelay)
 	}
 	return result{}, false, nil
 }
