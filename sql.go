@@ -176,7 +176,8 @@ LEFT JOIN {{table}} k ON k.scope = $1::text AND k.key = $2::text`),
 		endSessionWait: endSession("a.pid, $4::bigint"),
 		// Then what became of the claim's transaction: committed, aborted,
 		// or in progress (its session could not be ended, or it was
-		// prepared).
+		// prepared). A release of a session in a failed transaction block,
+		// which shows no transaction, reads it too, after its ROLLBACK.
 		claimStatus: `SELECT pg_catalog.txid_status($1::bigint)`,
 		lookup:      r.Replace(`SELECT {{record}} FROM {{table}} WHERE scope = $1::text AND key = $2::text`),
 		// A claim that a handler's own COMMIT made durable is settled as
