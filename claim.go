@@ -56,6 +56,10 @@ type attempt struct {
 	// ctid is the address of the claim's row, valid once the call's
 	// transaction inserted it.
 	ctid pgtype.TID
+	// claimed is who made the claim: its transaction and session, which
+	// say whether anything of the attempt committed when its connection
+	// cannot (see claimFate).
+	claimed claimant
 	// ran: fn ran, so what the key stores from here on is this attempt's
 	// answer (see settle).
 	ran bool
@@ -109,7 +113,7 @@ func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
 	br := a.conn.SendBatch(ctx, b)
 	var snapshotLevel bool
 	if _, err = br.Exec(); err == nil {
-		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel)
+		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel, &a.claimed.xact, &a.claimed.pid, &a.claimed.at)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			err = nil

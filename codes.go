@@ -258,13 +258,20 @@ func hasReason(err error, reason string) bool {
 // same error without running Func again. Errors not marked final release
 // the key, so a retry runs Func again. Final(nil) is nil.
 //
-// [Store.Execute] returns final errors still marked, the first time and on
-// every replay, so [IsFinal] tells them from errors that released the key.
+// The status stored is the one a gRPC server sends for err: err's own
+// (status.FromError: that of a status it wraps, with err's whole text as
+// the message), Canceled or DeadlineExceeded for a context's error, and
+// Unknown with err's text for any other; an error whose status says OK is
+// stored as Unknown. Every caller of the key gets that status, the first
+// as every replay: [Store.Execute] returns final errors still marked (so
+// [IsFinal] tells them from errors that released the key), each reading as
+// the stored status through status.FromError, with its message as its
+// text.
 func Final(err error) error {
 	if err == nil {
 		return nil
 	}
-	return &finalError{err}
+	return &finalError{err: err}
 }
 
 // IsFinal reports whether err is a final outcome made with [Final]: it is
@@ -274,7 +281,8 @@ func IsFinal(err error) bool {
 	return errors.As(err, &f)
 }
 
-// unwrapFinal removes the [Final] mark, leaving the error as fn returned it.
+// unwrapFinal removes the [Final] mark: the error fn returned, or the
+// stored status error of an answer (see storedFinal).
 func unwrapFinal(err error) error {
 	var f *finalError
 	if errors.As(err, &f) {
@@ -283,10 +291,56 @@ func unwrapFinal(err error) error {
 	return err
 }
 
-type finalError struct{ err error }
+// finalError is an error marked [Final]. stored: err is the status error
+// of the status stored for its key, as the engine answers every caller of
+// the key (see storedFinal).
+type finalError struct {
+	err    error
+	stored bool
+}
 
-func (f *finalError) Error() string { return f.err.Error() }
+// storedFinal is the answer of a key that stores st as its final error,
+// the same for the call that stored it as for every replay.
+func storedFinal(st *status.Status) error {
+	if st.Code() == codes.OK {
+		// Stored before an OK status was refused (see finalStatus).
+		p := st.Proto()
+		p.Code = int32(codes.Unknown)
+		st = status.FromProto(p)
+	}
+	return &finalError{err: st.Err(), stored: true}
+}
+
+// Error is the error's text: a stored status's message, as a client of
+// the key reads it, whatever the handler's error said of itself.
+func (f *finalError) Error() string {
+	if f.stored {
+		return status.Convert(f.err).Message()
+	}
+	return f.err.Error()
+}
+
 func (f *finalError) Unwrap() error { return f.err }
+
+// GRPCStatus is the status the error is stored and answered as (see
+// finalStatus), rather than what status.FromError makes of a wrapper: its
+// text as the message.
+func (f *finalError) GRPCStatus() *status.Status { return finalStatus(f.err) }
+
+// finalStatus is the status a final error is stored as, and every caller
+// of its key answered with: what a gRPC server sends for err (see Final),
+// with a message that protobuf can encode (see sanitizeStatus).
+func finalStatus(err error) *status.Status {
+	st, ok := status.FromError(err)
+	if !ok {
+		st = status.FromContextError(err)
+	}
+	p := st.Proto()
+	if p.GetCode() == int32(codes.OK) {
+		p.Code = int32(codes.Unknown) // an error, whatever its status says
+	}
+	return status.FromProto(sanitizeStatus(p))
+}
 
 // contextError is the caller's own cancellation or deadline: errors.Is
 // matches the context error, and gRPC sends Canceled or DeadlineExceeded.

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -45,14 +44,13 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 	case txStatus == 'E' && !isFinal:
 		return a.settleWith(fctx, grpcstatus.New(codes.Internal, errIgnoredFailure))
 	case isFinal:
-		st := grpcstatus.Convert(final.err)
-		if !utf8.ValidString(st.Message()) {
-			// The caller gets what is stored, now and on every replay.
-			h.err = Final(grpcstatus.ErrorProto(sanitizeStatus(st.Proto())))
-		}
+		// The caller gets what is stored, now as on every replay: the
+		// status, as a status error (see replay).
+		st := finalStatus(final.err)
+		h.err = storedFinal(st)
 		row, err := a.keyRow(h.resp, st, true)
 		if err != nil {
-			return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+			return a.releaseFor(fctx, func() (result, error) { return result{Result: Result{Outcome: OutcomeReleased}}, err })
 		}
 		return a.settle(fctx, &row, h.resp, h.err)
 	}
@@ -75,7 +73,9 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attemptNext, error) {
 	row, err := a.keyRow(resp, nil, true)
 	if err != nil {
-		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+		// The result cannot be stored: the call fails, released, unless
+		// fn committed the claim or left its transaction (see release).
+		return a.releaseFor(ctx, func() (result, error) { return result{Result: Result{Outcome: OutcomeReleased}}, err })
 	}
 	b := &a.commitBatch
 	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)

@@ -45,6 +45,14 @@ import (
 //     COMMIT or SET TRANSACTION through tx, leaves rows open): the call
 //     fails with codes.Internal saying what happened, that error is stored
 //     as the key's result, and fn never runs again for the key.
+//   - ctx ends while fn runs, and pgx closes the connection under fn's
+//     statement (or the connection is lost): before it answers, the
+//     engine ends the attempt's session and reads, on another connection,
+//     whether the claim's transaction committed. Nothing committed: the
+//     context's error (OutcomeReleased), or [ErrStoreUnavailable]. The
+//     claim committed, or the session had left the call's transaction: the
+//     stored codes.Internal, as above. The transaction still open (its
+//     session could not be ended): [ErrInProgress].
 //   - The database fails before the outcome is known: [ErrStoreUnavailable].
 //
 // The key's row is the only write of the engine, and it is in fn's

@@ -432,6 +432,11 @@ func (o *httpOptions) serve(store *Store, next http.Handler, route string, w htt
 	case err != nil && r.Context().Err() != nil && errors.Is(err, r.Context().Err()):
 		report(res.Outcome, 0, err) // the client is gone; nothing to write
 	default:
+		if res.Outcome == OutcomeReplayed && IsFinal(err) {
+			// A stored error of the engine's, replayed as a stored response
+			// is, and said so.
+			w.Header().Set(ReplayedHeader, "true")
+		}
 		report(res.Outcome, writeProblem(w, err, store.opts.retryDelay), err)
 	}
 }

@@ -108,7 +108,7 @@ func (c *callRun) replay(rec record) (result, error) {
 		if err := proto.Unmarshal(rec.status, st); err != nil {
 			return res, grpcstatus.Errorf(codes.Internal, "idempotency: stored status of key %q: %v", c.call.Key, err)
 		}
-		return res, Final(grpcstatus.FromProto(st).Err())
+		return res, storedFinal(grpcstatus.FromProto(st))
 	default:
 		// A claim, which settle turns into its error before anyone replays
 		// it; here only if another writer's row took its place meanwhile.

@@ -180,7 +180,7 @@ func (s *UnaryServer) protect(ctx context.Context, call UnaryCall, p plan, err e
 		// rolled-back handler set.
 		reply.ResponseMetadata = md
 	}
-	if err = unwrapFinal(err); err != nil { // the client gets the status the handler returned
+	if err = unwrapFinal(err); err != nil { // a final error: the status stored for the key, as every caller gets it
 		return reply, withSuggestedDelay(err, s.store.opts.retryDelay) // RetryInfo of the store's delay, as HTTP's Retry-After
 	}
 	if r := exactResponse(res); r != nil {

@@ -25,7 +25,9 @@ import (
 // run at COMMIT with the handler's settings. What a rollback leaves, session
 // advisory locks and statements prepared with SQL's PREPARE, is released on
 // every outcome (releaseHeld), at the end of the round trip that commits or
-// rolls the call back, before the COMMIT when it commits.
+// rolls the call back, before the COMMIT when it commits, and before the
+// ROLLBACK once the round trip has checked that the transaction it rolls
+// back is still the call's (statements.releaseCheck).
 //
 // Behind a transaction pooler a round trip after the transaction ends may
 // reach another server connection, and closing the client's connection
@@ -50,7 +52,8 @@ import (
 // PREPARE: pgx prepares its own through the protocol, so they are never
 // counted. It takes no lock and writes nothing, inside the call's
 // transaction or outside any.
-// The commit's statement (statements.finish) does the same in its own
+// The commit's statement (statements.finish), and the check before a
+// release's ROLLBACK (statements.releaseCheck), do the same in their own
 // columns.
 const releaseHeld = `SELECT ` + releaseHeldColumns
 

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"google.golang.org/grpc/codes"
 	grpcstatus "google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -138,7 +140,7 @@ func (a *attempt) settleWith(ctx context.Context, st *grpcstatus.Status) (result
 	if err != nil {
 		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
 	}
-	return a.settle(ctx, &row, nil, Final(st.Err()))
+	return a.settle(ctx, &row, nil, storedFinal(st))
 }
 
 // settleElsewhere is settleOn on a connection of its own, for a call whose
@@ -158,28 +160,64 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 
 // release rolls the call's transaction back, releases the key and resets
 // what the rollback leaves of the session (see session.go), in one round
-// trip, for a call whose fn failed. abandoned reports that fn had
-// committed the claim (it ended the transaction itself first), which the
-// same round trip settles.
-func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err error) {
+// trip, for a call whose fn failed. settled reports that the key was
+// settled instead, res and err being its answer: fn had committed the
+// claim (it ended the transaction itself first), which the same round trip
+// settles, or had left the claim's transaction for another (see
+// statements.releaseCheck), which may have committed anything: the key
+// then keeps the error that says so; or the claim had committed and a
+// caller that came meanwhile settled it (see probe): the key's answer is
+// this caller's too.
+func (a *attempt) release(ctx context.Context) (res result, settled bool, err error) {
 	b := &pgx.Batch{}
+	// In a transaction that has not failed, the round trip first checks
+	// that it is still the claim's, and only then releases what the
+	// session holds. A failed one runs nothing but its ROLLBACK (see
+	// rollbackAborted) and shows no transaction: whether fn had committed
+	// the claim before (a COMMIT AND CHAIN, then a statement that failed)
+	// is read after the ROLLBACK, from the claim's transaction. abandon
+	// settles such a claim, unless a caller that came meanwhile did.
+	check := a.ran && a.open && a.conn.PgConn().TxStatus() == 'T'
+	failed := a.ran && a.open && a.conn.PgConn().TxStatus() == 'E'
+	if check {
+		b.Queue(a.st.releaseCheck, a.claimed.xact)
+	}
 	if err := a.endTx(ctx, b); err != nil {
 		return result{}, false, err
 	}
 	b.Queue(a.st.abandon, a.call.Scope, a.key, abandonedStatus)
-	if a.session {
+	if failed {
+		b.Queue(a.st.claimStatus, a.claimed.xact)
+	}
+	if a.session && !check {
 		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
 	release := len(b.QueuedQueries)
-	a.queueReleaseHeld(b, false)
+	a.queueReleaseHeld(b, check)
+	claims, abandoned, prepared := true, false, false
+	var fate *string // the claim's transaction's, in a failed block
 	br := a.conn.SendBatch(ctx, b)
-	for i := 0; i < release && err == nil; i++ {
-		tag, e := br.Exec()
-		if err = e; b.QueuedQueries[i].SQL == a.st.abandon {
+	for _, q := range b.QueuedQueries[:release] {
+		switch q.SQL {
+		case a.st.releaseCheck:
+			var unlocked *bool
+			err = br.QueryRow().Scan(&claims, &unlocked, &prepared)
+		case a.st.claimStatus:
+			err = br.QueryRow().Scan(&fate)
+		case a.st.abandon:
+			var tag pgconn.CommandTag
+			tag, err = br.Exec()
 			abandoned = tag.RowsAffected() == 1
+		default:
+			_, err = br.Exec()
+		}
+		if err != nil {
+			break
 		}
 	}
-	if err == nil {
+	if err == nil && check {
+		err = a.readDeallocated(br, prepared)
+	} else if err == nil {
 		err = a.readReleaseHeld(br)
 	}
 	if cerr := br.Close(); err == nil {
@@ -188,12 +226,34 @@ func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err 
 	if err != nil {
 		return result{}, false, err
 	}
-	a.open, a.session = false, false
-	if abandoned {
-		res = result{Result: Result{Outcome: OutcomeExecuted}}
-		err = Final(grpcstatus.Error(codes.Internal, errAbandoned))
+	a.open = false
+	if claims {
+		a.session = false // the check released the lock, or unlockIfHeld did
 	}
-	return res, abandoned, err
+	switch {
+	case abandoned:
+		return result{Result: Result{Outcome: OutcomeExecuted}}, true, storedFinal(grpcstatus.New(codes.Internal, errAbandoned))
+	case !claims:
+		// fn ended the claim's transaction, and the session still holds
+		// what it held, the key's lock among them: settled as for a
+		// handler that returns outside any transaction (see finish), the
+		// session released in the settle's round trip.
+		a.ended = true
+		a.reset = "the handler ended the call's transaction"
+		res, _, err := a.settleWith(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+		return res, true, err
+	case fate == nil:
+	case *fate == "committed":
+		// fn committed the claim, and another caller settled it first.
+		res, _, err := a.settle(ctx, nil, nil, nil)
+		return res, true, err
+	case *fate == "in progress":
+		// fn prepared the claim's transaction (PREPARE TRANSACTION), and
+		// began another.
+		return result{Result: Result{Outcome: OutcomeInProgress}}, true,
+			inProgress("the call's transaction is still open in the database (the handler prepared it)", a.s.opts.retryDelay)
+	}
+	return result{}, false, nil
 }
 
 // releaseWith releases the key for fn's error (see release) and passes the
@@ -203,49 +263,175 @@ func (a *attempt) releaseWith(ctx, fctx context.Context, fnErr error) (result, a
 	if sqlState(fnErr) == sqlReadOnlyTransaction {
 		return a.readOnly(fctx, "a statement of the handler's failed because the call's transaction is read-only", true)
 	}
-	if res, abandoned, err := a.release(fctx); abandoned {
-		return res, attemptDone, err
-	}
-	// A failed release leaves the connection to be closed (see end), which
-	// releases the key all the same.
-	res := result{Result: Result{Outcome: OutcomeReleased}, ownAnswer: true}
-	if ctx.Err() != nil && errors.Is(fnErr, ctx.Err()) {
-		return res, attemptDone, contextError{ctx.Err()}
-	}
-	return res, attemptDone, handlerError(fnErr)
+	return a.releaseFor(fctx, func() (result, error) {
+		res := result{Result: Result{Outcome: OutcomeReleased}, ownAnswer: true}
+		if ctx.Err() != nil && errors.Is(fnErr, ctx.Err()) {
+			return res, contextError{ctx.Err()}
+		}
+		return res, handlerError(fnErr)
+	})
 }
 
-// lost answers a call whose connection died while fn ran. Whatever the
-// transaction held is gone with the session, unless fn had committed the
-// claim itself, which is settled on another connection; so is the key of
-// a call whose fn had the connection (tx.Conn()), which may have committed
-// anything on it: it keeps an error. Otherwise nothing committed, and the
-// key is free again.
+// releaseFor releases the key (see release) and answers with released,
+// the caller's answer once nothing committed. A release that fails leaves
+// that unknown: the connection is closed, and the claim's fate read on
+// another (see afterLoss).
+func (a *attempt) releaseFor(fctx context.Context, released func() (result, error)) (result, attemptNext, error) {
+	res, settled, err := a.release(fctx)
+	switch {
+	case settled:
+		return res, attemptDone, err
+	case err != nil:
+		_ = a.conn.Close(fctx)
+		a.releaseConn()
+		// The release's ROLLBACK may have run before the connection
+		// failed: a session found outside the claim's transaction is no
+		// sign of fn's.
+		return a.afterLoss(fctx, false, released)
+	}
+	res, err = released()
+	return res, attemptDone, err
+}
+
+// lost answers a call whose connection died while fn ran, or was closed
+// under it (pgx closes a connection whose statement the caller's context
+// ended), with the truth that afterLoss finds. Nothing committed: the
+// caller's own deadline (or cancellation) cut fn short, which is not an
+// outage; or the connection failed, and a retry is safe.
 func (a *attempt) lost(ctx, fctx context.Context, h handled) (result, attemptNext, error) {
 	a.releaseConn()
-	if !a.rawConn && h.err != nil && ctx.Err() != nil {
-		// The caller's deadline (or cancellation) cut fn short, and pgx
-		// closed the connection to stop fn's statement: nothing committed,
-		// a retry is safe. That is not an outage.
-		return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, contextError{ctx.Err()}
+	return a.afterLoss(fctx, true, func() (result, error) {
+		if ctx.Err() != nil && h.err != nil {
+			return result{Result: Result{Outcome: OutcomeReleased}}, contextError{ctx.Err()}
+		}
+		return result{Result: Result{Outcome: OutcomeUnavailable}}, ErrStoreUnavailable.with("connection lost during the call", h.err)
+	})
+}
+
+// afterLoss answers a call whose attempt has no connection to settle the
+// key on, from what claimFate finds on another:
+//
+//   - The claim's transaction committed (fn committed it: a COMMIT, COMMIT
+//     AND CHAIN): the key keeps the error that says so (abandon), the
+//     answer of every caller.
+//   - Its session had left it for other transactions (fn ended it: a
+//     ROLLBACK AND CHAIN, a ROLLBACK and statements after it), which may
+//     have committed anything; or fn had the connection itself
+//     (tx.Conn()), whose statements are not seen: the key keeps an error,
+//     and fn never runs again. leftIsFn says whether a session found outside
+//     the claim's transaction is fn's doing (not the engine's own ROLLBACK).
+//   - The transaction is still open (its session could not be ended, or
+//     fn prepared it): the call is in progress, and so is the key.
+//   - Nothing committed: released is the answer, and the key is free.
+func (a *attempt) afterLoss(fctx context.Context, leftIsFn bool, released func() (result, error)) (result, attemptNext, error) {
+	f, err := a.claimFate(fctx)
+	if err != nil {
+		err = a.s.finishError("learn whether the call committed after its connection was lost", err)
+		return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
+	}
+	var st *grpcstatus.Status
+	switch {
+	case f.status == "committed":
+	case f.status == "in progress":
+		return result{Result: Result{Outcome: OutcomeInProgress}}, attemptDone,
+			inProgress("the call's transaction is still open in the database (its session could not be ended, or the handler prepared it)", a.s.opts.retryDelay)
+	case f.status != "aborted":
+		err := a.s.finishError("learn whether the call committed after its connection was lost", fmt.Errorf("txid_status returned %q", f.status))
+		return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
+	case a.rawConn:
+		st = grpcstatus.New(codes.Internal, errLostRawConn)
+	case leftIsFn && f.left:
+		st = grpcstatus.New(codes.Internal, errHandlerEndedTx)
+	default:
+		res, err := released()
+		return res, attemptDone, err
 	}
 	var row *keyRow
-	if a.rawConn {
-		r, err := a.keyRow(nil, grpcstatus.New(codes.Internal, errLostRawConn), false)
+	returned := error(nil)
+	if st != nil {
+		r, err := a.keyRow(nil, st, false)
 		if err != nil {
-			return result{Result: Result{Outcome: OutcomeReleased}}, attemptDone, err
+			return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, err
 		}
-		row = &r
+		row, returned = &r, storedFinal(st)
 	}
 	s, err := a.settleElsewhere(fctx, row)
-	switch {
-	case err != nil:
+	if err != nil {
 		return result{Result: Result{Outcome: outcomeOf(err)}}, attemptDone, err
-	case s.rec == nil && row == nil:
-		// The database connection died under fn: report an outage, not fn's
-		// raw driver error, so clients retry.
-		return result{Result: Result{Outcome: OutcomeUnavailable}}, attemptDone, ErrStoreUnavailable.with("connection lost during the call", h.err)
 	}
-	res, err := a.answer(s, true, row, nil, Final(grpcstatus.Error(codes.Internal, errLostRawConn)))
+	res, err := a.answer(s, true, row, nil, returned)
 	return res, attemptDone, err
+}
+
+// fate is what became of an attempt's claim (see claimFate).
+type fate struct {
+	// status is the claim's transaction's: "committed", "aborted" or "in
+	// progress" (txid_status).
+	status string
+	// left: the attempt's session was alive, and had left the claim's
+	// transaction (see statements.endSession).
+	left bool
+}
+
+// claimant is who made an attempt's claim, as the claim reported it.
+type claimant struct {
+	xact int64 // the call's transaction (txid_current)
+	pid  int32 // the session's backend process
+	at   int64 // the transaction's start, in microseconds since the epoch
+}
+
+// claimFate ends the attempt's session if it still lives (see
+// statements.endSession), then reads what became of the claim's
+// transaction, on a connection of its own. Once the session is gone,
+// nothing of it can commit any more (a statement it was still running, a
+// COMMIT queued behind it), so what the claim's transaction became is
+// final, unless it is still in progress: its session could not be ended,
+// or a handler prepared it (PREPARE TRANSACTION).
+func (a *attempt) claimFate(ctx context.Context) (fate, error) {
+	pc, err := a.s.db.Acquire(ctx)
+	if err != nil {
+		return fate{}, err
+	}
+	defer pc.Release()
+	c, b := a.claimed, &pgx.Batch{}
+	if serverMajor(pc.Conn().PgConn()) >= 14 {
+		wait := a.s.opts.finishTimeout / 2
+		if d, ok := ctx.Deadline(); ok {
+			wait = time.Until(d) / 2
+		}
+		b.Queue(a.st.endSessionWait, c.pid, c.at, c.xact, max(wait.Milliseconds(), 1))
+	} else {
+		b.Queue(a.st.endSession, c.pid, c.at, c.xact)
+	}
+	b.Queue(a.st.claimStatus, c.xact)
+	br := pc.Conn().SendBatch(ctx, b)
+	var f fate
+	var ended *bool
+	if err = br.QueryRow().Scan(&f.left, &ended); errors.Is(err, pgx.ErrNoRows) {
+		err = nil // the session is gone
+	}
+	if err == nil {
+		var status *string
+		if err = br.QueryRow().Scan(&status); status != nil {
+			f.status = *status
+		}
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return f, err
+}
+
+// serverMajor is the major version of the server conn reached, 0 when it
+// does not say.
+func serverMajor(conn *pgconn.PgConn) int {
+	v := conn.ParameterStatus("server_version")
+	n := 0
+	for _, r := range v {
+		if r < '0' || r > '9' {
+			break
+		}
+		n = n*10 + int(r-'0')
+	}
+	return n
 }

@@ -15,6 +15,9 @@ type statements struct {
 	deleteExpiredIfHeld, unlockIfHeld string
 	probe, lookup                     string
 	abandon, insertFinal              string
+	releaseCheck                      string
+	endSession, endSessionWait        string
+	claimStatus                       string
 	deleteExpiredKey, extend          string
 	deleteExpired                     string
 	inspect, lockForget, forget       string
@@ -68,7 +71,10 @@ func renderStatements(ident string, pooled bool) statements {
 		// The claim, in one statement, the first of the call's transaction:
 		// the key's lock, without waiting for it, and, if it was free, the
 		// key's row in the state running. It returns a row only when it
-		// inserted one (see statements.missed for the other case).
+		// inserted one (see statements.missed for the other case), with who
+		// made the claim: its transaction, its session's backend and the
+		// transaction's start, which tell what became of the claim once
+		// its connection is lost (see claimFate).
 		//
 		// The row is what no handler can undo. It is written in the call's
 		// transaction, so a crash or a rollback takes it away with the
@@ -96,7 +102,8 @@ func renderStatements(ident string, pooled bool) statements {
 		claim: r.Replace(claimInsert + ` FROM (SELECT pg_catalog.clock_timestamp() AS now) t
 WHERE {{claim_lock}}
 ON CONFLICT (scope, key) DO NOTHING
-RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable')`),
+RETURNING ctid, pg_catalog.current_setting('transaction_isolation') IN ('repeatable read', 'serializable'),
+pg_catalog.txid_current(), pg_catalog.pg_backend_pid(), (extract(epoch FROM pg_catalog.now()) * 1000000)::bigint`),
 		// After a claim that inserted nothing (the lock was held, or the key
 		// has a row), in the same round trip as the call's ROLLBACK: an
 		// expired row is deleted if the session got the lock, which is then
@@ -111,6 +118,17 @@ AND pg_catalog.pg_try_advisory_xact_lock({{lock_key}})`),
 		extend: r.Replace(`UPDATE {{table}} SET expires_at = pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'
 WHERE scope = $1::text AND key = $2::text AND expires_at < pg_catalog.clock_timestamp() + $3::bigint * interval '1 microsecond'`),
 		unlockIfHeld: r.Replace(`SELECT CASE WHEN pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) THEN pg_catalog.pg_advisory_unlock({{lock_key}}) END`),
+		// Before the ROLLBACK that releases a key: whether the transaction
+		// is still the claim's ($1, its txid_current), which no handler can
+		// fake, and only then the session's advisory locks released (the
+		// key's covered by the transaction's lock, which the claim took,
+		// until the ROLLBACK) and what the session holds of statements
+		// prepared with SQL's PREPARE reported (see releaseHeld). A session
+		// that left the claim's transaction may have committed anything
+		// since: its key is settled, the lock still held.
+		releaseCheck: `SELECT c.claims, CASE WHEN c.claims THEN pg_catalog.pg_advisory_unlock_all() IS NULL END,
+EXISTS (SELECT FROM pg_catalog.pg_prepared_statements WHERE from_sql)
+FROM (SELECT pg_catalog.txid_current_if_assigned() IS NOT DISTINCT FROM $1::bigint AS claims) c`,
 		// The result, written over the claim, with the COMMIT after it. The
 		// row is found by its address (a TID scan reads no index, so
 		// SERIALIZABLE tracks no conflict with other keys), and only if
@@ -142,7 +160,26 @@ SELECT 1 / pg_catalog.count(*)::int, {{release_held}} FROM u`),
 		probe: r.Replace(`SELECT l.free, {{record_k}}
 FROM (SELECT pg_catalog.pg_try_advisory_xact_lock({{lock_key}}) AS free) l
 LEFT JOIN {{table}} k ON k.scope = $1::text AND k.key = $2::text`),
-		lookup: r.Replace(`SELECT {{record}} FROM {{table}} WHERE scope = $1::text AND key = $2::text`),
+		// An attempt whose connection was lost: its session ($1, the
+		// backend's pid, started before the claim's transaction, which
+		// started at $2, in microseconds since the epoch: no later backend
+		// with that pid can have) is ended if it still lives, so that
+		// nothing it was still running can commit later. First, whether it
+		// had left the claim's transaction ($3) for good: it is outside any
+		// transaction, or in one with another id or start. A session in a
+		// failed transaction block shows neither, and is not taken to have
+		// left. A pooler may have handed the checking connection that very
+		// backend, idle: it is not ended. endSessionWait waits up to $4
+		// milliseconds for the backend to be gone (PostgreSQL 14 and
+		// later).
+		endSession:     endSession("a.pid"),
+		endSessionWait: endSession("a.pid, $4::bigint"),
+		// Then what became of the claim's transaction: committed, aborted,
+		// or in progress (its session could not be ended, or it was
+		// prepared). A release of a session in a failed transaction block,
+		// which shows no transaction, reads it too, after its ROLLBACK.
+		claimStatus: `SELECT pg_catalog.txid_status($1::bigint)`,
+		lookup:      r.Replace(`SELECT {{record}} FROM {{table}} WHERE scope = $1::text AND key = $2::text`),
 		// A claim that a handler's own COMMIT made durable is settled as
 		// failed with $3, the status that says so, whoever finds it first.
 		// Only a committed row can match: another call's claim in progress
@@ -194,3 +231,13 @@ AND expires_at <= pg_catalog.now()`),
 // from now.
 const claimInsert = `INSERT INTO {{table}} (scope, key, method, fingerprint, state, created_at, expires_at)
 SELECT $1::text, $2::text, $3::text, $4::bytea, 'running', t.now, t.now + $5::bigint * interval '1 microsecond'`
+
+// endSession is statements.endSession with the arguments of
+// pg_terminate_backend.
+func endSession(args string) string {
+	return `SELECT COALESCE(a.state = 'idle' OR a.backend_xid::text::bigint <> $3::bigint % 4294967296
+  OR (extract(epoch FROM a.xact_start) * 1000000)::bigint <> $2::bigint, false),
+CASE WHEN a.pid <> pg_catalog.pg_backend_pid() THEN pg_catalog.pg_terminate_backend(` + args + `) END
+FROM pg_catalog.pg_stat_activity a
+WHERE a.pid = $1::int AND (extract(epoch FROM a.backend_start) * 1000000)::bigint <= $2::bigint`
+}

@@ -1,0 +1,237 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// Every caller of a key gets the same answer: a handler's final error,
+// whatever its shape, reaches the first caller exactly as it reaches every
+// replay (code, message and details, byte for byte, and the error's text),
+// through each transport that takes a handler's error.
+func TestFinalErrorAnswersEveryCallerAlike(t *testing.T) {
+	t.Parallel()
+	for _, tr := range finalTransports() {
+		t.Run(tr.name, func(t *testing.T) {
+			t.Parallel()
+			var runs atomic.Int64
+			call := tr.start(t, &runs)
+			for i, shape := range finalShapes() {
+				t.Run(shape.name, func(t *testing.T) {
+					key := fmt.Sprintf("final-%d", i)
+					before := runs.Load()
+					first, replayed := call(t, key, shape.err)
+					require.False(t, replayed, "the first call ran")
+					replay, replayed := call(t, key, errors.New("the handler ran again"))
+					require.True(t, replayed, "the second call replayed")
+					require.Equal(t, before+1, runs.Load(), "the handler ran once")
+					require.Equal(t, shape.code, first.code, "the first answer: %s", first.text)
+					require.Equal(t, first, replay, "the replay is the first answer")
+				})
+			}
+		})
+	}
+}
+
+// finalAnswer is what a caller got: the status as its client reads it,
+// encoded, and the error's text.
+type finalAnswer struct {
+	code   codes.Code
+	status []byte
+	text   string
+	final  bool // IsFinal, on the server's side
+}
+
+// finalCall calls a handler that returns err under key, and reports what
+// the caller got, and whether the transport said it was replayed.
+type finalCall func(t *testing.T, key string, err error) (a finalAnswer, replayed bool)
+
+// finalTransport starts a server of its transport, and returns its
+// finalCall.
+type finalTransport struct {
+	name  string
+	start func(t *testing.T, runs *atomic.Int64) finalCall
+}
+
+func finalTransports() []finalTransport {
+	serverSide := func(t *testing.T, outcome idempotency.Outcome, err error) (finalAnswer, bool) {
+		t.Helper()
+		require.Error(t, err)
+		replayed := outcome == idempotency.OutcomeReplayed
+		require.True(t, replayed || outcome == idempotency.OutcomeExecuted, "outcome %v: %v", outcome, err)
+		return finalAnswer{code: status.Code(err), status: statusBytes(t, err), text: err.Error(), final: idempotency.IsFinal(err)}, replayed
+	}
+	return []finalTransport{
+		{name: "Store.Execute", start: func(t *testing.T, runs *atomic.Int64) finalCall {
+			store := migratedStore(t, testdb.New(t, 4))
+			return func(t *testing.T, key string, fnErr error) (finalAnswer, bool) {
+				res, err := store.Execute(context.Background(), idempotency.Call{Key: key, Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+					runs.Add(1)
+					return nil, idempotency.Final(fnErr)
+				})
+				return serverSide(t, res.Outcome, err)
+			}
+		}},
+		{name: "Store.ProcessMessage", start: func(t *testing.T, runs *atomic.Int64) finalCall {
+			store := migratedStore(t, testdb.New(t, 4))
+			return func(t *testing.T, key string, fnErr error) (finalAnswer, bool) {
+				outcome, err := store.ProcessMessage(context.Background(), idempotency.Message{Scope: "s", ID: key}, func(context.Context, pgx.Tx) error {
+					runs.Add(1)
+					return idempotency.Final(fnErr)
+				})
+				require.Equal(t, idempotency.DeadLetter, idempotency.DispositionOf(outcome, err))
+				return serverSide(t, outcome, err)
+			}
+		}},
+		{name: "gRPC", start: func(t *testing.T, runs *atomic.Int64) finalCall {
+			store := migratedStore(t, testdb.New(t, 4))
+			var fnErr atomic.Pointer[error]
+			srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
+			srv.RegisterService(ledgerDesc(), &ledger{handler: func(context.Context, *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+				runs.Add(1)
+				return nil, idempotency.Final(*fnErr.Load())
+			}})
+			conn := dial(t, serve(t, srv))
+			return func(t *testing.T, key string, err error) (finalAnswer, bool) {
+				fnErr.Store(&err)
+				var trailer metadata.MD
+				ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, key)
+				err = conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, grpc.Trailer(&trailer))
+				require.Error(t, err)
+				// What the client reads: the status, and its text.
+				return finalAnswer{code: status.Code(err), status: statusBytes(t, err), text: err.Error()}, slices.Equal(trailer.Get(idempotency.ReplayedTrailer), []string{"true"})
+			}
+		}},
+	}
+}
+
+// finalShape is an error a handler returns marked Final.
+type finalShape struct {
+	name string
+	err  error
+	code codes.Code // the answer's
+}
+
+func finalShapes() []finalShape {
+	withDetails := func() *status.Status {
+		st, err := status.New(codes.FailedPrecondition, "card expired").WithDetails(
+			&errdetails.ErrorInfo{Reason: "CARD_EXPIRED", Domain: "payments.example.com", Metadata: map[string]string{"card": "4242"}},
+			&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: "card.expiry", Description: "in the past"}}})
+		if err != nil {
+			panic(err)
+		}
+		return st
+	}
+	return []finalShape{
+		{name: "a plain error", err: errors.New("card declined"), code: codes.Unknown},
+		{name: "a plain error wrapped with %w", err: fmt.Errorf("charge 42: %w", errors.New("card declined")), code: codes.Unknown},
+		{name: "a status error", err: status.Error(codes.NotFound, "no such card"), code: codes.NotFound},
+		{name: "a status error wrapped with %w", err: fmt.Errorf("charge 42: %w", status.Error(codes.NotFound, "no such card")), code: codes.NotFound},
+		{name: "a status with details", err: withDetails().Err(), code: codes.FailedPrecondition},
+		{name: "a status with details wrapped with %w", err: fmt.Errorf("charge 42: %w", withDetails().Err()), code: codes.FailedPrecondition},
+		{name: "a status error whose message is not UTF-8", err: status.Error(codes.NotFound, "caf\xe9 card"), code: codes.NotFound},
+		{name: "a context's error", err: context.DeadlineExceeded, code: codes.DeadlineExceeded},
+		{name: "a context's error wrapped with %w", err: fmt.Errorf("the bank timed out: %w", context.Canceled), code: codes.Canceled},
+		{name: "an error whose status is nil", err: statusError{text: "no status"}, code: codes.Unknown},
+		{name: "an error whose status says OK", err: statusError{st: status.New(codes.OK, "all good"), text: "all good"}, code: codes.Unknown},
+	}
+}
+
+// statusError is an error with a status of its own, which may be nil.
+type statusError struct {
+	st   *status.Status
+	text string
+}
+
+func (e statusError) Error() string              { return e.text }
+func (e statusError) GRPCStatus() *status.Status { return e.st }
+
+// The HTTP middleware stores a handler's final answer as a response (its
+// status, headers and body), and an error of the engine's as a problem
+// document: the first caller and every replay get the same bytes.
+func TestFinalHTTPAnswersEveryCallerAlike(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		handler http.HandlerFunc
+		code    int
+	}{
+		{name: "the handler's own 4xx", code: http.StatusPaymentRequired, handler: func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("X-Decline-Code", "insufficient_funds")
+			w.WriteHeader(http.StatusPaymentRequired)
+			_, _ = io.WriteString(w, `{"error":"card declined"}`)
+		}},
+		{name: "an error of the engine's, stored", code: http.StatusInternalServerError, handler: func(w http.ResponseWriter, r *http.Request) {
+			tx := idempotency.MustTxFromContext(r.Context())
+			_, _ = tx.Exec(r.Context(), `COMMIT`) // refused, and the call fails, stored
+			w.WriteHeader(http.StatusCreated)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			store := migratedStore(t, testdb.New(t, 4))
+			var runs atomic.Int64
+			srv := httptest.NewServer(idempotency.HTTPMiddleware(store, idempotency.WithHTTPReplayedHeaders("X-Decline-Code"))(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				runs.Add(1)
+				tc.handler(w, r)
+			})))
+			t.Cleanup(srv.Close)
+			send := func() (int, http.Header, []byte) {
+				req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/charges", strings.NewReader(`{"amount":1}`))
+				require.NoError(t, err)
+				req.Header.Set(idempotency.HeaderKey, "k")
+				resp, err := http.DefaultClient.Do(req)
+				require.NoError(t, err)
+				defer resp.Body.Close()
+				body, err := io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				h := resp.Header.Clone()
+				h.Del("Date")
+				return resp.StatusCode, h, body
+			}
+			code1, h1, body1 := send()
+			code2, h2, body2 := send()
+			require.Equal(t, tc.code, code1, "%s", body1)
+			require.Equal(t, code1, code2)
+			require.Equal(t, string(body1), string(body2), "the replay's body is the first's")
+			require.Equal(t, []string{"true"}, h2.Values(idempotency.ReplayedHeader), "the replay says so")
+			h2.Del(idempotency.ReplayedHeader)
+			keys := func(h http.Header) []string {
+				k := slices.Collect(func(yield func(string) bool) {
+					for name := range h {
+						if !yield(name) {
+							return
+						}
+					}
+				})
+				slices.Sort(k)
+				return k
+			}
+			require.Equal(t, keys(h1), keys(h2))
+			require.Equal(t, h1, h2, "the replay's headers are the first's")
+			require.EqualValues(t, 1, runs.Load())
+		})
+	}
+}

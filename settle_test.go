@@ -1,0 +1,301 @@
+package idempotency_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// A handler whose first attempt ends the call's transaction in a way the
+// SQL check, switched off here, would have refused, and then is cut: its
+// context ends (and pgx closes the connection under a statement still
+// running), or it returns an error of its own. Before the engine tells its
+// caller "released" (nothing committed, a retry is safe), it makes sure:
+// on the attempt's connection, that the transaction it rolls back is still
+// the claim's, or, in a failed transaction block, which hides that, whether
+// the claim's transaction committed; without it, by ending the attempt's
+// session and reading whether the claim's transaction committed. The
+// caller gets the truth: the stored error when the claim committed or the
+// session had left the call's transaction, the same as a caller that came
+// meanwhile, and every later caller gets the same. Then 16
+// callers of the key at once: the handler never runs again for a key
+// whose first attempt may have committed anything.
+func TestCutAttemptToldTheTruth(t *testing.T) {
+	t.Parallel()
+	for _, tc := range cutCases() {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var db *testdb.DB
+			storeOpts := []idempotency.StoreOption{idempotency.WithInProgressWait(liveness), idempotency.WithoutSQLCheck()}
+			var pool *pgxpool.Pool
+			if tc.bounced {
+				db = testdb.New(t, 4)
+				pool = bouncedPool(t, "")
+				storeOpts = append(storeOpts, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+			} else {
+				db = testdb.New(t, 20)
+				pool = db.Pool
+			}
+			migratedStore(t, db)
+			createLedger(t, db)
+			store, err := idempotency.NewStore(pool, storeOpts...)
+			require.NoError(t, err)
+			ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
+
+			// The test holds an advisory lock that the handler's statement
+			// waits for, so that the statement is still running when the
+			// attempt is cut.
+			lockKey := rand.Int64N(1 << 31)
+			holder, err := testdb.Admin(t).Acquire(context.Background())
+			require.NoError(t, err)
+			t.Cleanup(holder.Release)
+			_, err = holder.Exec(context.Background(), `SELECT pg_advisory_lock($1)`, lockKey)
+			require.NoError(t, err)
+			var unlockOnce sync.Once
+			unlock := func() {
+				unlockOnce.Do(func() {
+					_, err := holder.Exec(context.Background(), `SELECT pg_advisory_unlock($1)`, lockKey)
+					require.NoError(t, err)
+				})
+			}
+			t.Cleanup(unlock)
+			sql := strings.NewReplacer("{ledger}", ledger, "{wait}", "SELECT pg_advisory_lock({lock})",
+				// A wait that outlives the cancel request pgx sends when it
+				// closes the connection: the session still runs when the
+				// engine looks.
+				"{stubborn wait}", `DO $$ BEGIN LOOP BEGIN PERFORM pg_advisory_lock({lock}); EXIT;
+EXCEPTION WHEN query_canceled THEN NULL; END; END LOOP; END $$`).Replace(tc.sql)
+			sql = strings.ReplaceAll(sql, "{lock}", fmt.Sprint(lockKey))
+			waits := strings.Contains(tc.sql, "wait}")
+
+			call := idempotency.Call{Key: "k", Method: "m"}
+			type answer struct {
+				res idempotency.Result
+				err error
+			}
+			var runs atomic.Int64
+			var meanwhile *answer // the caller that came while the first attempt ran
+			blocking := make(chan struct{})
+			cut := newGate()
+			var fn idempotency.Func
+			fn = func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				if runs.Add(1) > 1 {
+					if _, err := tx.Exec(ctx, `INSERT INTO `+ledger+` (note) VALUES ('later run')`); err != nil {
+						return nil, err
+					}
+					return wrapperspb.String("later run"), nil
+				}
+				if _, err := tx.Exec(ctx, `INSERT INTO `+ledger+` (note) VALUES ('first run')`); err != nil {
+					return nil, err
+				}
+				sctx := ctx
+				if tc.ownCancel {
+					var cancel context.CancelFunc
+					sctx, cancel = context.WithCancel(ctx)
+					go func() {
+						_ = cut.wait(context.Background())
+						cancel()
+					}()
+				}
+				if waits {
+					close(blocking) // the test waits for the statement to wait for its lock
+					_, err := tx.Exec(sctx, sql, pgx.QueryExecModeSimpleProtocol)
+					return wrapperspb.String("first run"), err
+				}
+				_, err := tx.Exec(sctx, sql, pgx.QueryExecModeSimpleProtocol)
+				if fails := tc.code != codes.Unavailable || tc.fails; fails != (err != nil) {
+					t.Errorf("the handler's SQL: %v, want it to fail: %v", err, fails)
+				}
+				if tc.meanwhile {
+					res, err := store.Execute(context.Background(), call, fn)
+					meanwhile = &answer{res, err}
+				}
+				if tc.code == codes.Unavailable {
+					return nil, status.Error(codes.Unavailable, "a downstream service is down") // released, unless something committed
+				}
+				close(blocking)
+				<-ctx.Done() // the handler goes on until its deadline
+				return nil, ctx.Err()
+			}
+
+			cue := newDeadlineCue()
+			ctx := cue.wrap(context.Background())
+			first := make(chan answer, 1)
+			go func() {
+				res, err := store.Execute(ctx, call, fn)
+				first <- answer{res, err}
+			}()
+			var pid int64
+			if tc.code != codes.Unavailable {
+				await(t, blocking, "the handler to block")
+				if waits {
+					require.Eventually(t, func() bool {
+						err := testdb.Admin(t).QueryRow(context.Background(), `SELECT pid FROM pg_locks
+WHERE locktype = 'advisory' AND NOT granted AND classid = 0 AND objid = $1 AND objsubid = 1`, lockKey).Scan(&pid)
+						return err == nil
+					}, liveness, time.Millisecond, "the handler's statement to wait")
+				}
+				if tc.ownCancel {
+					cut.open()
+				} else {
+					cue.expire()
+				}
+			}
+			got := await(t, first, "the first caller")
+
+			// Whatever the attempt's session was still running goes on now,
+			// unless the engine ended it; it is gone before the next callers
+			// come.
+			unlock()
+			if pid != 0 {
+				require.Eventually(t, func() bool {
+					return db.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid) == 0
+				}, liveness, time.Millisecond, "the first attempt's session to end")
+			}
+
+			answers := make([]answer, 16)
+			var wg sync.WaitGroup
+			for i := range answers {
+				wg.Go(func() {
+					res, err := store.Execute(context.Background(), call, fn)
+					answers[i] = answer{res, err}
+				})
+			}
+			wg.Wait()
+
+			if tc.stored == "" {
+				// Nothing committed: the caller was told so, and one later
+				// caller ran the handler again; the others replay its answer.
+				require.Equal(t, idempotency.OutcomeReleased, got.res.Outcome, "%v", got.err)
+				require.Equal(t, tc.code, status.Code(got.err), "%v", got.err)
+				require.EqualValues(t, 2, runs.Load(), "the handler ran once more, for a key released")
+				executed := 0
+				for _, a := range answers {
+					require.NoError(t, a.err)
+					if a.res.Outcome == idempotency.OutcomeExecuted {
+						executed++
+					}
+					require.True(t, proto.Equal(wrapperspb.String("later run"), a.res.Response))
+				}
+				require.Equal(t, 1, executed)
+				require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM `+ledger), "the later run's row alone")
+				return
+			}
+			// The first caller got what every later caller gets: the error
+			// stored for the key, byte for byte.
+			require.NotEqual(t, idempotency.OutcomeReleased, got.res.Outcome, "told released: %v", got.err)
+			requireStoredInternal(t, got.err, tc.stored)
+			want := statusBytes(t, got.err)
+			if tc.meanwhile {
+				require.Equal(t, idempotency.OutcomeReplayed, meanwhile.res.Outcome, "the caller that came meanwhile: %v", meanwhile.err)
+				require.Equal(t, want, statusBytes(t, meanwhile.err), "the caller that came meanwhile and the first: one answer")
+			}
+			for i, a := range answers {
+				require.Equal(t, idempotency.OutcomeReplayed, a.res.Outcome, "caller %d: %v", i, a.err)
+				require.Equal(t, want, statusBytes(t, a.err), "caller %d: one answer for every caller", i)
+			}
+			require.EqualValues(t, 1, runs.Load(), "the handler ran once")
+			require.Equal(t, tc.ledger, db.Count(t, `SELECT count(*) FROM `+ledger))
+			requireNoKeyLocks(t, db, "", []string{"k"}, "no lock outlives the calls")
+		})
+	}
+}
+
+// cutCase is one way a handler's first attempt ends.
+type cutCase struct {
+	name string
+	// sql is what the handler sends after its first write, in the simple
+	// protocol. {ledger} is the ledger table; {wait} waits for an advisory
+	// lock the test holds until the attempt has answered, which the
+	// attempt's deadline cuts; {stubborn wait} too, and survives the
+	// cancel request pgx sends. Without a wait, PostgreSQL refuses sql (or
+	// a statement of it fails) and the handler waits for its deadline, or
+	// (code Unavailable) the handler returns an error of its own once sql
+	// ran, or failed (fails).
+	sql   string
+	fails bool
+	// meanwhile: once sql has run (or failed), the handler waits for a
+	// caller of the key to be answered.
+	meanwhile bool
+	// ownCancel: the handler cancels its own context, not the caller.
+	ownCancel bool
+	bounced   bool // through PgBouncer
+	// stored: what the key's stored Internal error says; "" when nothing
+	// committed and the key is released, the caller told code.
+	stored string
+	code   codes.Code
+	ledger int // business rows committed in the end
+}
+
+func cutCases() []cutCase {
+	const ended = "ended the call's transaction"
+	chained := `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); {stubborn wait}; COMMIT`
+	failedBlock := `COMMIT AND CHAIN; SELECT 1/0`
+	return []cutCase{
+		{name: "COMMIT AND CHAIN", sql: `COMMIT AND CHAIN; {wait}`, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, the session still running", sql: `COMMIT AND CHAIN; {stubborn wait}`, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, through PgBouncer", sql: `COMMIT AND CHAIN; {stubborn wait}`, bounced: true, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, the handler cancelling its own context", sql: `COMMIT AND CHAIN; {wait}`, ownCancel: true, stored: ended, ledger: 1},
+		// The session left the call's transaction, and would commit a write
+		// of its own once the wait is over: the engine ends it first.
+		{name: "ROLLBACK AND CHAIN, then a COMMIT after the wait", sql: chained, stored: ended},
+		{name: "ROLLBACK AND CHAIN, then a COMMIT after the wait, through PgBouncer", sql: chained, bounced: true, stored: ended},
+		{name: "ROLLBACK, then a write and the wait outside the call's transaction",
+			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); {stubborn wait}`, stored: ended},
+		// Not cut: the handler returns an error of its own once it has left
+		// the call's transaction, and committed a write outside it.
+		{name: "ROLLBACK AND CHAIN, a write, COMMIT AND CHAIN, then an error",
+			sql: `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); COMMIT AND CHAIN`, code: codes.Unavailable, stored: ended, ledger: 1},
+		// The claim committed, and the session is left in a failed block
+		// of the transaction that followed, where nothing can be asked of
+		// it but a ROLLBACK: the handler returns an error of its own, or
+		// waits for its deadline.
+		{name: "COMMIT AND CHAIN, a failing statement, then an error", sql: failedBlock, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, then the deadline", sql: failedBlock, stored: ended, ledger: 1},
+		// A caller that comes meanwhile finds the claim committed, and
+		// settles it with the error that says so.
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then an error",
+			sql: failedBlock, fails: true, meanwhile: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then an error, through PgBouncer",
+			sql: failedBlock, fails: true, meanwhile: true, code: codes.Unavailable, bounced: true, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then the deadline", sql: failedBlock, meanwhile: true, stored: ended, ledger: 1},
+		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then the deadline, through PgBouncer",
+			sql: failedBlock, meanwhile: true, bounced: true, stored: ended, ledger: 1},
+		// Inside the call's transaction to the end: the truth is "released".
+		{name: "a statement cut inside the call's transaction", sql: `{wait}`, code: codes.DeadlineExceeded},
+		{name: "a statement cut inside the call's transaction, the session still running", sql: `{stubborn wait}`, code: codes.DeadlineExceeded},
+		{name: "a statement cut inside the call's transaction, through PgBouncer", sql: `{stubborn wait}`, bounced: true, code: codes.DeadlineExceeded},
+		{name: "a COMMIT in a procedure (CALL), which PostgreSQL refuses in a transaction block",
+			sql:  `CREATE PROCEDURE commits() LANGUAGE plpgsql AS $$ BEGIN INSERT INTO {ledger} (note) VALUES ('procedure'); COMMIT; END $$; CALL commits()`,
+			code: codes.DeadlineExceeded},
+		// A PREPARE TRANSACTION that fails (prepared transactions disabled,
+		// or the session's and the transaction's lock on the key) rolls the
+		// transaction back: the handler ended it.
+		{name: "PREPARE TRANSACTION", sql: `PREPARE TRANSACTION 'cut'`, stored: ended},
+	}
+}
+
+// statusBytes is err's status as a client gets it (code, message,
+// details), encoded.
+func statusBytes(t testing.TB, err error) []byte {
+	t.Helper()
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(status.Convert(err).Proto())
+	require.NoError(t, err)
+	return b
+}
