@@ -32,9 +32,8 @@ type settled struct {
 // the key's lock (a duplicate took over the key); and the key's row is read
 // back, which is the answer of every caller. unlock releases the session's
 // lock on the key, after the transaction has taken it. row nil only
-// settles. a, when set, is the attempt whose connection conn is: what the
-// call's rollback leaves of its session is released after the COMMIT (see
-// session.go).
+// settles. a, when set, is the attempt whose connection conn is: its
+// session is reset after the COMMIT (see session.go).
 func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, row *keyRow, unlock bool, a *attempt) (s settled, err error) {
 	head := len(b.QueuedQueries)
 	// READ WRITE: a handler may have made the session's transactions
@@ -51,7 +50,7 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 	}
 	b.Queue("COMMIT")
 	if a != nil {
-		a.queueReleaseHeld(b, false)
+		a.queueEndSession(b)
 	}
 	br := conn.SendBatch(ctx, b)
 	exec := func() error { _, err := br.Exec(); return err }
@@ -82,7 +81,7 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 		}
 	}
 	if err == nil && a != nil {
-		if rerr := a.readReleaseHeld(br); rerr != nil {
+		if rerr := a.readEndSession(br); rerr != nil {
 			// The key is settled: a session that could not be reset is the
 			// connection's to pay for (see end), not the call's.
 			a.resetFailed(rerr)
@@ -157,8 +156,8 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 }
 
 // release rolls the call's transaction back, releases the key and resets
-// what the rollback leaves of the session (see session.go), in one round
-// trip, for a call whose fn failed. abandoned reports that fn had
+// the session (see session.go), in one round trip, for a call whose fn
+// failed. abandoned reports that fn had
 // committed the claim (it ended the transaction itself first), which the
 // same round trip settles.
 func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err error) {
@@ -171,7 +170,7 @@ func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err 
 		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
 	release := len(b.QueuedQueries)
-	a.queueReleaseHeld(b, false)
+	a.queueEndSession(b)
 	br := a.conn.SendBatch(ctx, b)
 	for i := 0; i < release && err == nil; i++ {
 		tag, e := br.Exec()
@@ -180,7 +179,7 @@ func (a *attempt) release(ctx context.Context) (res result, abandoned bool, err 
 		}
 	}
 	if err == nil {
-		err = a.readReleaseHeld(br)
+		err = a.readEndSession(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
