@@ -443,3 +443,52 @@ func TestTransactionLocalSettingsKeepTheConnection(t *testing.T) {
 		})
 	}
 }
+
+// The engine's statement that writes the call's result runs in the call's
+// transaction, after the handler: the names the handler's session resolves
+// (its temporary types, which come before pg_catalog's, or a tenant's
+// schema it puts before pg_catalog with SET LOCAL search_path) change none
+// of the types and operators the statement uses. The call commits, as the
+// handler asked, and replays.
+func TestSessionNamesDoNotReachTheEngine(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	tenant := pgx.Identifier{db.Schema}.Sanitize()
+	// The tenant's schema (the test's own) has tables named like types,
+	// and an equality of text that never holds.
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE tid (a int); CREATE TABLE xid (a int);
+CREATE FUNCTION never(text, text) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT false';
+CREATE OPERATOR = (LEFTARG = text, RIGHTARG = text, FUNCTION = never);
+CREATE FUNCTION nowhere(timestamptz, interval) RETURNS timestamptz LANGUAGE sql IMMUTABLE AS 'SELECT ''-infinity''::timestamptz';
+CREATE OPERATOR + (LEFTARG = timestamptz, RIGHTARG = interval, FUNCTION = nowhere)`)
+	require.NoError(t, err)
+	for name, sql := range map[string]string{
+		"a temporary domain named text":            `CREATE DOMAIN pg_temp.text AS int`,
+		"a temporary type named bytea":             `CREATE TYPE pg_temp.bytea AS (a int)`,
+		"a tenant's schema before pg_catalog":      `SET LOCAL search_path = ` + tenant + `, pg_catalog`,
+		"a tenant's schema before pg_catalog, set": `SELECT set_config('search_path', '` + tenant + `, pg_catalog', true)`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			key := strings.NewReplacer(" ", "-", "'", "").Replace(name)
+			call := idempotency.Call{Key: key, Method: "m"}
+			res, err := store.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				if _, err := tx.Exec(ctx, sql); err != nil {
+					return nil, err
+				}
+				_, err := tx.Exec(ctx, `INSERT INTO `+tenant+`.ledger (note) VALUES ($1::pg_catalog.text)`, name)
+				return wrapperspb.String(name), err
+			})
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, name), "the handler's write committed")
+			require.Equal(t, "succeeded", keyState(t, db, key))
+			res, err = store.Execute(ctx, call, nil)
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeReplayed, res.Outcome)
+			require.True(t, proto.Equal(wrapperspb.String(name), res.Response))
+		})
+	}
+}
