@@ -226,7 +226,7 @@ func (a *attempt) end(ctx context.Context) {
 		}
 		if reset == "" {
 			cleanup := len(b.QueuedQueries)
-			a.queueReleaseHeld(b, false)
+			a.queueEndSession(b)
 			br := a.conn.SendBatch(rctx, b)
 			var err error
 			for range cleanup {
@@ -235,7 +235,7 @@ func (a *attempt) end(ctx context.Context) {
 				}
 			}
 			if err == nil {
-				err = a.readReleaseHeld(br)
+				err = a.readEndSession(br)
 			}
 			if cerr := br.Close(); err == nil {
 				err = cerr

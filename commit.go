@@ -81,7 +81,7 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
 	a.queueReleaseHeld(b, true)
 	b.Queue("COMMIT")
-	a.queueResetCommitted(b)
+	a.queueReset(b)
 	start := time.Now()
 	br := a.conn.SendBatch(ctx, b)
 	var one int64
@@ -99,9 +99,9 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 		}
 		atCommit = err != nil
 	}
-	if err == nil && !a.readResetCommitted(br) {
+	if err == nil && a.readReset(br) != nil {
 		// Committed: the batch's error is the reset's, which costs the
-		// connection (see readResetCommitted), not the call.
+		// connection (see readReset), not the call.
 		_ = br.Close()
 	} else if cerr := br.Close(); err == nil {
 		err = cerr

@@ -73,10 +73,10 @@
 // transactions (tx.Begin) are savepoints and work as usual. What a handler
 // leaves in its session past the transaction (settings and role, temporary
 // tables, session advisory locks, statements prepared with PREPARE, cursors
-// WITH HOLD, LISTEN), however it set it, is reset on every outcome in the
-// round trip that ends the call, behind a transaction pooler too, so that
-// no later call inherits it; SET LOCAL and set_config(..., true) cost
-// nothing. A handler that uses tx.Conn() costs its connection: it is closed
+// WITH HOLD, sequences' current values, LISTEN), however it set it, is
+// reset on every outcome in the round trip that ends the call, behind a
+// transaction pooler too, so that no later call inherits it; SET LOCAL and
+// set_config(..., true) cost nothing. A handler that uses tx.Conn() costs its connection: it is closed
 // after the call rather than returned to the pool.
 //
 // The transaction runs at the database's default isolation level, or at

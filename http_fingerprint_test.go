@@ -127,3 +127,26 @@ func TestHTTPMultipartFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *test
 	}, "\r\n")
 	requireOneChargeWhetherParsedInFront(t, "multipart/form-data; boundary=b0undary", body)
 }
+
+// A JSON body under a charset other than UTF-8 is compared by its bytes:
+// read in ISO-8859-1, the bytes C3 A9 are "Ã©", not the "é" that "\u00e9"
+// is. RFC 9110 reads a Content-Type's charset where Go's mime package
+// refuses the whole list of parameters (an empty parameter, which RFC
+// 9110 allows), and so does a handler that reads it so.
+func TestHTTPJSONUnderAnotherCharsetIsComparedByItsBytes(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for i, contentType := range []string{
+		"application/json; charset=iso-8859-1",
+		"application/json; charset=iso-8859-1;;",
+		"application/json;; charset=iso-8859-1",
+		"application/json; charset=iso-8859-1; ;",
+	} {
+		key := fmt.Sprintf("k-charset-%d", i)
+		first := sendJSON(t, srv, key, contentType, "{\"note\":\"\xc3\xa9\"}")
+		require.Equal(t, http.StatusCreated, first.status, "%s: %s", contentType, first.body)
+		r := sendJSON(t, srv, key, contentType, `{"note":"\u00e9"}`)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%s: another value in ISO-8859-1, replayed: %s", contentType, r.body)
+		require.EqualValues(t, i+1, runs.Load(), "%s: one execution per key", contentType)
+	}
+}

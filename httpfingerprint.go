@@ -132,7 +132,7 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	}
 	if !consumed {
 		out[flags] |= httpHasBody
-		sum, canonical := bodyDigest(mediaType, params, body)
+		sum, canonical := bodyDigest(mediaType, params, typeErr, body)
 		out = append(out, sum[:]...)
 		if canonical {
 			out[flags] |= httpJSONBody
@@ -151,9 +151,12 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 // its media type is JSON in UTF-8 (no charset, which RFC 8259 makes UTF-8,
 // or charset utf-8: the canonical form reads the bytes as UTF-8, and a
 // handler that honours another charset would read them otherwise) and it
-// is one JSON value (canonical), else of its bytes.
-func bodyDigest(mediaType string, params map[string]string, body []byte) (sum [sha256.Size]byte, canonical bool) {
-	if cs, ok := params["charset"]; isJSONType(mediaType) && (!ok || strings.EqualFold(cs, "utf-8") || strings.EqualFold(cs, "utf8")) {
+// is one JSON value (canonical), else of its bytes. A Content-Type whose
+// parameters Go cannot parse (typeErr) may name a charset all the same
+// (RFC 9110 reads "charset=iso-8859-1;;"), so its body is compared by its
+// bytes.
+func bodyDigest(mediaType string, params map[string]string, typeErr error, body []byte) (sum [sha256.Size]byte, canonical bool) {
+	if cs, ok := params["charset"]; typeErr == nil && isJSONType(mediaType) && (!ok || strings.EqualFold(cs, "utf-8") || strings.EqualFold(cs, "utf8")) {
 		if sum, ok := jsonDigest(body); ok {
 			return sum, true
 		}

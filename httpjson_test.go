@@ -345,6 +345,9 @@ func BenchmarkJSONDigest(b *testing.B) {
 			return fmt.Sprintf(`{"id":"ch_%08d","account_id":"acct-%d","amount_cents":%d,"currency":"EUR","tags":["a","b"],"paid":true}`, i, i%97, i*7)
 		}, "[", ", ", "]")},
 		{"flat_object_tiny_members", fill(func(i int) string { return fmt.Sprintf(`"%x":0`, i) }, "{", ",", "}")},
+		// Keys in no order: a stable sort in place moves each member
+		// log(n) times per merge level.
+		{"flat_object_keys_in_random_order", fill(func(i int) string { return fmt.Sprintf(`"%05x":0`, (i*7919)%(1<<17)) }, "{", ",", "}")},
 		{"flat_object_smallest_members", fill(func(int) string { return `"":0` }, "{", ",", "}")}, // the most members a body holds
 		{"array_of_small_numbers", fill(func(int) string { return "0" }, "[", ",", "]")},
 		{"array_of_empty_objects", fill(func(int) string { return "{}" }, "[", ",", "]")},

@@ -17,17 +17,20 @@ import (
 // without reading the handler's SQL: whatever path set it (a function, a DO
 // block, dynamic SQL), the server is told to drop it.
 //
-// What a rollback undoes needs resetting only when the call commits:
-// settings (SET, set_config(name, value, false), SET ROLE and SET SESSION
-// AUTHORIZATION), temporary objects, cursors WITH HOLD and LISTEN. They are
-// reset right after the COMMIT, in the same round trip (resetCommitted): a
-// failed COMMIT rolls them back, and the handler's deferred triggers still
-// run at COMMIT with the handler's settings. What a rollback leaves, session
-// advisory locks and statements prepared with SQL's PREPARE, is released on
-// every outcome (releaseHeld), at the end of the round trip that commits or
-// rolls the call back, before the COMMIT when it commits, and before the
-// ROLLBACK once the round trip has checked that the transaction it rolls
-// back is still the call's (statements.releaseCheck).
+// Settings (SET, set_config(name, value, false), SET ROLE and SET SESSION
+// AUTHORIZATION), temporary objects, cursors WITH HOLD, sequences' current
+// values and LISTEN are reset once the call's transaction has ended, in the
+// same round trip (resetSession): right after the COMMIT when the call
+// commits, so that a failed COMMIT rolls them back and the handler's
+// deferred triggers still run at COMMIT with the handler's settings; after
+// the ROLLBACK (and the settle's COMMIT) otherwise. A rollback undoes most
+// of them, but not what a handler committed itself before it began another
+// transaction (COMMIT AND CHAIN), nor a sequence's current value. What a
+// rollback leaves, session advisory locks and statements prepared with
+// SQL's PREPARE, is released on every outcome too (releaseHeld), before the
+// COMMIT when the call commits, and before the ROLLBACK once the round trip
+// has checked that the transaction it rolls back is still the call's
+// (statements.releaseCheck).
 //
 // Behind a transaction pooler a round trip after the transaction ends may
 // reach another server connection, and closing the client's connection
@@ -69,13 +72,13 @@ const deallocateSQL = `DO $$DECLARE n pg_catalog.text; BEGIN
 FOR n IN SELECT name FROM pg_catalog.pg_prepared_statements WHERE from_sql LOOP
 EXECUTE pg_catalog.concat('DEALLOCATE ', pg_catalog.quote_ident(n)); END LOOP; END $$`
 
-// resetCommitted are the statements that reset, after the call's COMMIT,
-// what the commit kept of the session: the role and settings first (so
-// that none the handler set, a statement_timeout say, applies to the
+// resetSession are the statements that reset, once the call's transaction
+// has ended, what the session kept of the call: the role and settings first
+// (so that none the handler set, a statement_timeout say, applies to the
 // rest), then cursors, before the temporary objects they may read, then
-// LISTEN. None takes a lock or writes, so a transaction the handler made
-// read-only by default runs them too.
-var resetCommitted = [...]string{"SET SESSION AUTHORIZATION DEFAULT", "RESET ALL", "CLOSE ALL", "DISCARD TEMP", "UNLISTEN *"}
+// sequences' current values and LISTEN. None takes a lock or writes, so a
+// transaction the handler made read-only by default runs them too.
+var resetSession = [...]string{"SET SESSION AUTHORIZATION DEFAULT", "RESET ALL", "CLOSE ALL", "DISCARD TEMP", "DISCARD SEQUENCES", "UNLISTEN *"}
 
 // restoreSettings sets the settings of sessionBaseline again, after RESET
 // ALL (which returns every setting to its value at connection time).
@@ -171,10 +174,32 @@ func (a *attempt) readDeallocated(br pgx.BatchResults, prepared bool) error {
 	return nil
 }
 
-// queueResetCommitted queues resetCommitted, and the baseline's settings
-// after them, at the end of b, after the call's COMMIT.
-func (a *attempt) queueResetCommitted(b *pgx.Batch) {
-	for _, sql := range resetCommitted {
+// queueEndSession queues at the end of b, after the statement that ends
+// the call's transaction (its ROLLBACK, or the COMMIT of the settle after
+// it), what resets the session of a call whose handler ran: releaseHeld,
+// then resetSession.
+func (a *attempt) queueEndSession(b *pgx.Batch) {
+	if a.ran {
+		a.queueReleaseHeld(b, false)
+		a.queueReset(b)
+	}
+}
+
+// readEndSession reads the results of what queueEndSession queued.
+func (a *attempt) readEndSession(br pgx.BatchResults) error {
+	if !a.ran {
+		return nil
+	}
+	if err := a.readReleaseHeld(br); err != nil {
+		return err
+	}
+	return a.readReset(br)
+}
+
+// queueReset queues resetSession, and the baseline's settings after them,
+// at the end of b.
+func (a *attempt) queueReset(b *pgx.Batch) {
+	for _, sql := range resetSession {
 		b.Queue(sql)
 	}
 	if a.baseline != nil && len(a.baseline.names) > 0 {
@@ -182,22 +207,20 @@ func (a *attempt) queueResetCommitted(b *pgx.Batch) {
 	}
 }
 
-// readResetCommitted reads the results of what queueResetCommitted queued,
-// and reports whether the reset worked. The call has committed: a reset
-// that failed leaves the connection to be closed, and the call's answer as
-// it is.
-func (a *attempt) readResetCommitted(br pgx.BatchResults) bool {
-	n := len(resetCommitted)
+// readReset reads the results of what queueReset queued. A reset that
+// failed leaves the connection to be closed (see resetFailed).
+func (a *attempt) readReset(br pgx.BatchResults) error {
+	n := len(resetSession)
 	if a.baseline != nil && len(a.baseline.names) > 0 {
 		n++
 	}
 	for range n {
 		if _, err := br.Exec(); err != nil {
 			a.resetFailed(err)
-			return false
+			return err
 		}
 	}
-	return true
+	return nil
 }
 
 // resetFailed notes that the session could not be reset after the call, so

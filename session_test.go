@@ -202,17 +202,25 @@ func TestHandlerRole(t *testing.T) {
 // Each kind of state is left the way the engine cannot read in the SQL (a
 // function, a lock taken by a call that then fails), and the next call does
 // what a tenant's handler would: copy its staging table into its writes,
-// take the lock, prepare its statement, read its tenant.
+// take the lock, prepare its statement, read its tenant. A handler that
+// commits the call's transaction itself and begins another commits what it
+// set for the session before, whatever the call's outcome: that is reset
+// too.
 func TestSessionStateResetOnEveryOutcome(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	migratedStore(t, db)
 	ctx := context.Background()
 	_, err := db.Pool.Exec(ctx, `CREATE TABLE ledger (id bigserial PRIMARY KEY, note text NOT NULL);
-CREATE FUNCTION set_tenant(tenant text) RETURNS void LANGUAGE plpgsql AS $$ BEGIN PERFORM set_config('app.tenant', tenant, false); END $$`)
+CREATE FUNCTION set_tenant(tenant text) RETURNS void LANGUAGE plpgsql AS $$ BEGIN PERFORM set_config('app.tenant', tenant, false); END $$;
+CREATE SEQUENCE invoice_numbers;
+CREATE FUNCTION last_number() RETURNS text LANGUAGE plpgsql AS $$ BEGIN RETURN lastval()::text;
+EXCEPTION WHEN object_not_in_prerequisite_state THEN RETURN 'none'; END $$`)
 	require.NoError(t, err)
 	ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
 	setTenant := pgx.Identifier{db.Schema, "set_tenant"}.Sanitize()
+	invoiceNumbers := pgx.Identifier{db.Schema, "invoice_numbers"}.Sanitize()
+	lastNumber := pgx.Identifier{db.Schema, "last_number"}.Sanitize()
 	admin := testdb.Admin(t)
 
 	// Each kind: what call A leaves (leave), and what call B, on the same
@@ -279,6 +287,32 @@ SELECT string_agg(note, ',' ORDER BY note) FROM w`).Scan(&notes)
 				},
 				want: "tenant=",
 			},
+			{
+				// A sequence's current value survives a rollback.
+				name:  "sequence's current value",
+				leave: []string{`SELECT nextval('` + invoiceNumbers + `')`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					var last string
+					err := tx.QueryRow(ctx, `SELECT `+lastNumber+`()`).Scan(&last)
+					return "last=" + last, err
+				},
+				want: "last=none",
+			},
+			{
+				// The handler commits the call's transaction itself, and
+				// begins another: what it set for the session is
+				// committed, whatever the call's outcome.
+				name: "setting and temporary table the handler committed",
+				leave: []string{`SELECT ` + setTenant + `('tenant-a')`, `CREATE TEMP TABLE staging (note text)`,
+					`COMMIT AND CHAIN`},
+				next: func(ctx context.Context, tx pgx.Tx) (string, error) {
+					var found string
+					err := tx.QueryRow(ctx, `SELECT 'tenant=' || coalesce(current_setting('app.tenant', true), '') ||
+' staging=' || (pg_catalog.to_regclass('pg_temp.staging') IS NOT NULL)::text`).Scan(&found)
+					return found, err
+				},
+				want: "tenant= staging=false",
+			},
 		}
 	}
 	// Each outcome: how call A ends once it has left its state.
@@ -318,7 +352,10 @@ SELECT string_agg(note, ',' ORDER BY note) FROM w`).Scan(&notes)
 			pool, err := pgxpool.NewWithConfig(ctx, cfg)
 			require.NoError(t, err)
 			t.Cleanup(pool.Close)
-			store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+			// The reset reads none of the handler's SQL: the check of it
+			// for transaction control (which refuses COMMIT AND CHAIN) is
+			// off.
+			store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable), idempotency.WithoutSQLCheck())
 			require.NoError(t, err)
 			for _, kind := range kinds(4242 + i) {
 				for _, outcome := range outcomes {
@@ -403,6 +440,55 @@ func TestTransactionLocalSettingsKeepTheConnection(t *testing.T) {
 				pids[pid] = true
 			}
 			require.LessOrEqual(t, len(pids), 2, "%d calls on a pool of 2 ran on %d server processes: connections were closed after calls", calls, len(pids))
+		})
+	}
+}
+
+// The engine's statement that writes the call's result runs in the call's
+// transaction, after the handler: the names the handler's session resolves
+// (its temporary types, which come before pg_catalog's, or a tenant's
+// schema it puts before pg_catalog with SET LOCAL search_path) change none
+// of the types and operators the statement uses. The call commits, as the
+// handler asked, and replays.
+func TestSessionNamesDoNotReachTheEngine(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	tenant := pgx.Identifier{db.Schema}.Sanitize()
+	// The tenant's schema (the test's own) has tables named like types,
+	// and an equality of text that never holds.
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE tid (a int); CREATE TABLE xid (a int);
+CREATE FUNCTION never(text, text) RETURNS boolean LANGUAGE sql IMMUTABLE AS 'SELECT false';
+CREATE OPERATOR = (LEFTARG = text, RIGHTARG = text, FUNCTION = never);
+CREATE FUNCTION nowhere(timestamptz, interval) RETURNS timestamptz LANGUAGE sql IMMUTABLE AS 'SELECT ''-infinity''::timestamptz';
+CREATE OPERATOR + (LEFTARG = timestamptz, RIGHTARG = interval, FUNCTION = nowhere)`)
+	require.NoError(t, err)
+	for name, sql := range map[string]string{
+		"a temporary domain named text":            `CREATE DOMAIN pg_temp.text AS int`,
+		"a temporary type named bytea":             `CREATE TYPE pg_temp.bytea AS (a int)`,
+		"a tenant's schema before pg_catalog":      `SET LOCAL search_path = ` + tenant + `, pg_catalog`,
+		"a tenant's schema before pg_catalog, set": `SELECT set_config('search_path', '` + tenant + `, pg_catalog', true)`,
+	} {
+		t.Run(name, func(t *testing.T) {
+			key := strings.NewReplacer(" ", "-", "'", "").Replace(name)
+			call := idempotency.Call{Key: key, Method: "m"}
+			res, err := store.Execute(ctx, call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				if _, err := tx.Exec(ctx, sql); err != nil {
+					return nil, err
+				}
+				_, err := tx.Exec(ctx, `INSERT INTO `+tenant+`.ledger (note) VALUES ($1::pg_catalog.text)`, name)
+				return wrapperspb.String(name), err
+			})
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger WHERE note = $1`, name), "the handler's write committed")
+			require.Equal(t, "succeeded", keyState(t, db, key))
+			res, err = store.Execute(ctx, call, nil)
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeReplayed, res.Outcome)
+			require.True(t, proto.Equal(wrapperspb.String(name), res.Response))
 		})
 	}
 }

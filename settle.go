@@ -34,9 +34,8 @@ type settled struct {
 // the key's lock (a duplicate took over the key); and the key's row is read
 // back, which is the answer of every caller. unlock releases the session's
 // lock on the key, after the transaction has taken it. row nil only
-// settles. a, when set, is the attempt whose connection conn is: what the
-// call's rollback leaves of its session is released after the COMMIT (see
-// session.go).
+// settles. a, when set, is the attempt whose connection conn is: its
+// session is reset after the COMMIT (see session.go).
 func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, row *keyRow, unlock bool, a *attempt) (s settled, err error) {
 	head := len(b.QueuedQueries)
 	// READ WRITE: a handler may have made the session's transactions
@@ -53,7 +52,7 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 	}
 	b.Queue("COMMIT")
 	if a != nil {
-		a.queueReleaseHeld(b, false)
+		a.queueEndSession(b)
 	}
 	br := conn.SendBatch(ctx, b)
 	exec := func() error { _, err := br.Exec(); return err }
@@ -84,7 +83,7 @@ func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, ro
 		}
 	}
 	if err == nil && a != nil {
-		if rerr := a.readReleaseHeld(br); rerr != nil {
+		if rerr := a.readEndSession(br); rerr != nil {
 			// The key is settled: a session that could not be reset is the
 			// connection's to pay for (see end), not the call's.
 			a.resetFailed(rerr)
@@ -159,8 +158,8 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 }
 
 // release rolls the call's transaction back, releases the key and resets
-// what the rollback leaves of the session (see session.go), in one round
-// trip, for a call whose fn failed. settled reports that the key was
+// the session (see session.go), in one round trip, for a call whose fn
+// failed. settled reports that the key was
 // settled instead, res and err being its answer: fn had committed the
 // claim (it ended the transaction itself first), which the same round trip
 // settles, or had left the claim's transaction for another (see
@@ -194,6 +193,9 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 	}
 	release := len(b.QueuedQueries)
 	a.queueReleaseHeld(b, check)
+	if a.ran {
+		a.queueReset(b)
+	}
 	claims, abandoned, prepared := true, false, false
 	var fate *string // the claim's transaction's, in a failed block
 	br := a.conn.SendBatch(ctx, b)
@@ -219,6 +221,9 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		err = a.readDeallocated(br, prepared)
 	} else if err == nil {
 		err = a.readReleaseHeld(br)
+	}
+	if err == nil && a.ran {
+		err = a.readReset(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr

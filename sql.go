@@ -49,7 +49,7 @@ func renderStatements(ident string, pooled bool) statements {
 	// on every call (a syscache hit), so a table that was recreated is
 	// followed, and a missing table fails with 42P01.
 	lockKey := func(key string) string {
-		return "pg_catalog.hashtextextended(" + key + ", pg_catalog.hashtextextended($1::text, " + schema.QuoteLiteral(ident) + "::pg_catalog.regclass::pg_catalog.oid::bigint))"
+		return "pg_catalog.hashtextextended(" + key + ", pg_catalog.hashtextextended($1::pg_catalog.text, " + schema.QuoteLiteral(ident) + "::pg_catalog.regclass::pg_catalog.oid::bigint))"
 	}
 	record := func(alias string) string {
 		c := func(col string) string { return alias + col }
@@ -57,7 +57,7 @@ func renderStatements(ident string, pooled bool) statements {
 		return strings.Join([]string{c("method"), b64("fingerprint"), c("state"), c("response_type"), b64("response"), b64("status"), b64("metadata"),
 			c("expires_at") + " <= pg_catalog.now()"}, ", ")
 	}
-	key := lockKey("$2::text")
+	key := lockKey("$2::pg_catalog.text")
 	claimLock := "pg_catalog.pg_try_advisory_lock(" + key + ") AND pg_catalog.pg_try_advisory_xact_lock(" + key + ")"
 	unlock := "pg_catalog.pg_advisory_unlock(" + key + ")"
 	if pooled {
@@ -146,14 +146,19 @@ FROM (SELECT pg_catalog.txid_current_if_assigned() IS NOT DISTINCT FROM $1::bigi
 		// other advisory locks are released too, and what the session holds
 		// of statements prepared with SQL's PREPARE reported (see
 		// releaseHeld): the reset of the call's session, at no statement of
-		// its own.
-		finish: r.Replace(`WITH u AS (UPDATE {{table}} SET state = $4::text, response_type = NULLIF($5::text, ''), response = $6::bytea, status = $7::bytea,
-metadata = $8::bytea, completed_at = pg_catalog.clock_timestamp(),
-expires_at = CASE WHEN expires_at < pg_catalog.clock_timestamp() + $9::bigint * interval '0.5 microsecond'
-  THEN pg_catalog.clock_timestamp() + $9::bigint * interval '1 microsecond' ELSE expires_at END
-WHERE ctid = $3::tid AND scope = $1::text AND key = $2::text AND xmin = pg_catalog.pg_current_xact_id()::xid
+		// its own. It runs after the handler, in its transaction, where a
+		// SET LOCAL search_path or a temporary type may shadow a type or an
+		// operator of pg_catalog: each is named with its schema.
+		finish: r.Replace(`WITH u AS (UPDATE {{table}} SET state = $4::pg_catalog.text,
+response_type = CASE WHEN $5::pg_catalog.text OPERATOR(pg_catalog.=) '' THEN NULL ELSE $5::pg_catalog.text END,
+response = $6::pg_catalog.bytea, status = $7::pg_catalog.bytea, metadata = $8::pg_catalog.bytea, completed_at = pg_catalog.clock_timestamp(),
+expires_at = CASE WHEN expires_at OPERATOR(pg_catalog.<)
+  (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) ($9::bigint OPERATOR(pg_catalog.*) interval '0.5 microsecond'))
+  THEN pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+) ($9::bigint OPERATOR(pg_catalog.*) interval '1 microsecond') ELSE expires_at END
+WHERE ctid OPERATOR(pg_catalog.=) $3::pg_catalog.tid AND scope OPERATOR(pg_catalog.=) $1::pg_catalog.text
+AND key OPERATOR(pg_catalog.=) $2::pg_catalog.text AND xmin OPERATOR(pg_catalog.=) pg_catalog.pg_current_xact_id()::pg_catalog.xid
 RETURNING {{unlock}})
-SELECT 1 / pg_catalog.count(*)::int, {{release_held}} FROM u`),
+SELECT 1 OPERATOR(pg_catalog./) pg_catalog.count(*)::int, {{release_held}} FROM u`),
 		// One statement outside any transaction, for duplicates: the stored
 		// result if there is one, and whether the key's lock was free (it
 		// is taken and released within the statement).
