@@ -332,6 +332,12 @@ func TestThroughPgBouncerEveryFailureReleasesTheKey(t *testing.T) {
 // the same server connection on. It is stopped when t ends.
 func pgbouncerOfOne(t *testing.T) string {
 	t.Helper()
+	return pgbouncerOf(t, 1)
+}
+
+// pgbouncerOf is pgbouncerOfOne with servers server connections.
+func pgbouncerOf(t *testing.T, servers int) string {
+	t.Helper()
 	bin, err := exec.LookPath("pgbouncer")
 	if err != nil {
 		bin = "/usr/sbin/pgbouncer"
@@ -370,11 +376,11 @@ unix_socket_dir =
 auth_type = trust
 auth_file = %s
 pool_mode = transaction
-default_pool_size = 1
+default_pool_size = %d
 max_client_conn = 100
 ignore_startup_parameters = extra_float_digits
 logfile = %s
-`, db.Database, db.Host, db.Port, db.Database, port, filepath.Join(dir, "userlist.txt"), filepath.Join(dir, "pgbouncer.log")), 0o644))
+`, db.Database, db.Host, db.Port, db.Database, port, filepath.Join(dir, "userlist.txt"), servers, filepath.Join(dir, "pgbouncer.log")), 0o644))
 		cmd := exec.Command(bin, "-q", ini)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
 		require.NoError(t, cmd.Start())
@@ -450,4 +456,95 @@ func TestThroughPgBouncerCallsKeepTheirConnection(t *testing.T) {
 		require.Equal(t, "payments", app, "the pooler set the client's application_name for the call")
 	}
 	require.LessOrEqual(t, pool.Stat().NewConnsCount(), int64(2), "20 calls on a pool of 2 opened %d client connections", pool.Stat().NewConnsCount())
+}
+
+// Behind PgBouncer, a handler that commits the call's transaction itself
+// hands its server connection back to the pooler, where another client
+// begins a transaction on it; the handler's next statement is then cut by
+// its deadline, and the engine, its connection lost, learns what became of
+// the claim. The server connection that made the claim is another
+// client's by then: the engine must not end it, and the other client's
+// transaction commits. The caller is told the stored Internal, as every
+// caller of the key is.
+func TestThroughPgBouncerLostAttemptNeverEndsAnotherClientsSession(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	url := pgbouncerOf(t, 2)
+	cfg, err := pgxpool.ParseConfig(url)
+	require.NoError(t, err)
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable), idempotency.WithoutSQLCheck())
+	require.NoError(t, err)
+	ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
+	ctx := context.Background()
+
+	// Two clients that can hold both server connections, to find the one
+	// the handler released.
+	var others [2]*pgx.Conn
+	for i := range others {
+		c, err := pgx.Connect(ctx, url)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close(context.Background()) })
+		others[i] = c
+	}
+	var otherTx pgx.Tx
+	var runs atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if runs.Add(1) > 1 {
+			return wrapperspb.String("ran again"), nil
+		}
+		var pid int
+		if err := tx.QueryRow(ctx, `INSERT INTO `+ledger+` (note, key) VALUES ('handler', 'k') RETURNING pg_backend_pid()`).Scan(&pid); err != nil {
+			return nil, err
+		}
+		c := tx.Conn() // the engine refuses statements through tx once its transaction ended
+		if _, err := c.Exec(ctx, `COMMIT`); err != nil {
+			return nil, err
+		}
+		// Take the released server connection with another client; a
+		// first client that got the other server holds it meanwhile.
+		var held []pgx.Tx
+		for _, c := range others {
+			otx, err := c.Begin(context.Background())
+			if err != nil {
+				return nil, err
+			}
+			var got int
+			if err := otx.QueryRow(context.Background(), `SELECT pg_backend_pid()`).Scan(&got); err != nil {
+				return nil, err
+			}
+			if got == pid {
+				otherTx = otx
+				break
+			}
+			held = append(held, otx)
+		}
+		for _, h := range held {
+			_ = h.Rollback(context.Background())
+		}
+		if otherTx == nil {
+			return nil, fmt.Errorf("no other client got the server connection %d", pid)
+		}
+		if _, err := otherTx.Exec(context.Background(), `INSERT INTO `+ledger+` (note, key) VALUES ('other client', 'o')`); err != nil {
+			return nil, err
+		}
+		// Cut by the deadline: pgx closes the handler's connection.
+		_, err := c.Exec(ctx, `SELECT pg_sleep(30)`)
+		return nil, err
+	}
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	_, err1 := store.Execute(cctx, idempotency.Call{Key: "k", Method: "m"}, fn)
+	t.Logf("first call: %v", err1)
+	require.NotNil(t, otherTx, "the handler did not get as far as the other client's transaction")
+	require.NoError(t, otherTx.Commit(ctx), "the other client's transaction was ended by the engine")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger WHERE note = 'other client'`))
+
+	require.Equal(t, codes.Internal, status.Code(err1), "the handler committed the claim: the stored Internal, not released")
+	_, err2 := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, fn)
+	require.Equal(t, status.Convert(err1).Proto().String(), status.Convert(err2).Proto().String(), "every caller of the key gets the same answer")
+	require.EqualValues(t, 1, runs.Load())
 }

@@ -177,8 +177,12 @@ LEFT JOIN {{table}} k ON k.scope = $1::text AND k.key = $2::text`),
 		// backend, idle: it is not ended. endSessionWait waits up to $4
 		// milliseconds for the backend to be gone (PostgreSQL 14 and
 		// later).
-		endSession:     endSession("a.pid"),
-		endSessionWait: endSession("a.pid, $4::bigint"),
+		// Behind a pooler the backend is the pooler's, which hands it to
+		// other clients once the claim's transaction ended: it is ended
+		// only while still in that transaction (the pooler ends it anyway
+		// once the attempt's client is gone), never in another client's.
+		endSession:     endSession("a.pid", pooled),
+		endSessionWait: endSession("a.pid, $4::bigint", pooled),
 		// Then what became of the claim's transaction: committed, aborted,
 		// or in progress (its session could not be ended, or it was
 		// prepared). A release of a session in a failed transaction block,
@@ -238,11 +242,15 @@ const claimInsert = `INSERT INTO {{table}} (scope, key, method, fingerprint, sta
 SELECT $1::text, $2::text, $3::text, $4::bytea, 'running', t.now, t.now + $5::bigint * interval '1 microsecond'`
 
 // endSession is statements.endSession with the arguments of
-// pg_terminate_backend.
-func endSession(args string) string {
+// pg_terminate_backend, behind a pooler or not.
+func endSession(args string, pooled bool) string {
+	ours := ""
+	if pooled {
+		ours = " AND (extract(epoch FROM a.xact_start) * 1000000)::bigint = $2::bigint"
+	}
 	return `SELECT COALESCE(a.state = 'idle' OR a.backend_xid::text::bigint <> $3::bigint % 4294967296
   OR (extract(epoch FROM a.xact_start) * 1000000)::bigint <> $2::bigint, false),
-CASE WHEN a.pid <> pg_catalog.pg_backend_pid() THEN pg_catalog.pg_terminate_backend(` + args + `) END
+CASE WHEN a.pid <> pg_catalog.pg_backend_pid()` + ours + ` THEN pg_catalog.pg_terminate_backend(` + args + `) END
 FROM pg_catalog.pg_stat_activity a
 WHERE a.pid = $1::int AND (extract(epoch FROM a.backend_start) * 1000000)::bigint <= $2::bigint`
 }
