@@ -39,6 +39,11 @@ import (
 //	           5 had it (a charset's value as spelled), when it differs, to
 //	           compare with a row of that release
 //
+// Flag 16 (with 1 and 2) says that the form is a multipart body the
+// middleware read and parsed: version 5 gave such a body the digest of a
+// form that does not parse, and version 2 of the derivation derives from
+// that (see previous). The comparison ignores it.
+//
 // A body has a form digest when net/http would parse it as a form (its
 // Content-Type, read as ParseForm reads it; a multipart body that does not
 // parse has the digest of one that does not, and so had every multipart
@@ -81,7 +86,8 @@ const (
 	httpHasBody    = 2
 	httpJSONBody   = 4
 	httpRequest5   = 8
-	httpFlagsMask  = httpHasForm | httpHasBody | httpJSONBody | httpRequest5
+	httpMultipart  = 16
+	httpFlagsMask  = httpHasForm | httpHasBody | httpJSONBody | httpRequest5 | httpMultipart
 	httpFlagsMask5 = httpHasForm | httpHasBody | httpJSONBody
 	httpFlagsMask4 = httpHasForm | httpHasBody
 )
@@ -129,6 +135,9 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	if form != nil {
 		out[flags] |= httpHasForm
 		out = append(out, form.sum[:]...)
+		if !consumed && mediaType == "multipart/form-data" {
+			out[flags] |= httpMultipart
+		}
 	}
 	if !consumed {
 		out[flags] |= httpHasBody
@@ -239,7 +248,14 @@ func formDigest(r *http.Request, body []byte, consumed bool, mediaType string, p
 			return multipartDigest(form)
 		}
 	}
-	return &formSum{sha256.Sum256([]byte("multipart that does not parse")), int64(len(body))}, nil
+	f := unparsedMultipart()
+	f.size = int64(len(body))
+	return &f, nil
+}
+
+// unparsedMultipart is the digest of a multipart body that does not parse.
+func unparsedMultipart() formSum {
+	return formSum{sum: sha256.Sum256([]byte("multipart that does not parse"))}
 }
 
 // multipartDigest is the digest of a multipart form: its fields, then each
@@ -323,7 +339,8 @@ func readHTTP(fp []byte) (httpParts, bool) {
 	default:
 		return httpParts{}, false
 	}
-	if flags&httpJSONBody != 0 && flags&httpHasBody == 0 {
+	if flags&httpJSONBody != 0 && flags&httpHasBody == 0 ||
+		flags&httpMultipart != 0 && flags&(httpHasForm|httpHasBody) != httpHasForm|httpHasBody {
 		return httpParts{}, false
 	}
 	p.flags = flags &^ httpRequest5
@@ -423,12 +440,20 @@ func (p httpParts) identity() []byte {
 }
 
 // previous is the fingerprint version 5 stored for the request p, from
-// which the release before derived its keys (WithDerivedKeyVersion(2)).
+// which the release before derived its keys (WithDerivedKeyVersion(2)):
+// a multipart body the middleware read had the digest of a form that does
+// not parse there (that release dropped the boundary before it parsed the
+// body).
 func (p httpParts) previous() []byte {
 	out := make([]byte, 0, httpHeadLen+3*sha256.Size)
 	out = append(append(out, fingerprintMagic...), httpVersion5)
-	out = append(append(out, p.request5...), p.flags)
-	for _, d := range [][]byte{p.form, p.body} {
+	out = append(append(out, p.request5...), p.flags&httpFlagsMask5)
+	form := p.form
+	if p.flags&httpMultipart != 0 {
+		sum := unparsedMultipart()
+		form = sum.sum[:]
+	}
+	for _, d := range [][]byte{form, p.body} {
 		out = append(out, d...)
 	}
 	if p.flags&httpJSONBody != 0 {
