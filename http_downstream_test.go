@@ -159,3 +159,89 @@ func multipartBody(boundary string) string {
 		"",
 	}, "\r\n")
 }
+
+// A corrected request sent again under a key that was released derives
+// other keys than the first: the comparison tells the two apart (a 422 once
+// one is stored), so the provider must see two charges, not the first
+// charge's key with another body. The requests here are multipart bodies
+// of more parts than net/http's ReadForm reads (1,000), which a handler
+// reads part by part (r.MultipartReader): the middleware compares them by
+// their bytes.
+func TestHTTPCorrectedRequestDerivesOtherKeys(t *testing.T) {
+	t.Parallel()
+	const boundary = "b0undary"
+	// batch is a multipart form of parts line items, each of cents.
+	batch := func(parts, cents int) string {
+		var b strings.Builder
+		for i := range parts {
+			fmt.Fprintf(&b, "--%s\r\nContent-Disposition: form-data; name=\"item%d\"\r\n\r\n%d\r\n", boundary, i, cents)
+		}
+		fmt.Fprintf(&b, "--%s--\r\n", boundary)
+		return b.String()
+	}
+	provider := newKeyedProvider(t)
+	store := migratedStore(t, suiteDB(t))
+	client := &http.Client{Transport: &idempotency.HTTPTransport{}}
+	var runs atomic.Int64
+	handler := idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		mr, err := r.MultipartReader()
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		total := 0
+		for {
+			p, err := mr.NextPart()
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusBadRequest)
+				return
+			}
+			b, _ := io.ReadAll(p)
+			var cents int
+			_, _ = fmt.Sscan(string(b), &cents)
+			total += cents
+		}
+		ctx := idempotency.WithEffect(r.Context(), "charge the batch")
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, provider.srv.URL+"/v1/charges", strings.NewReader(fmt.Sprintf("amount_cents=%d", total)))
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadGateway)
+			return
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		if n == 1 {
+			// The first batch was wrong: the key is released, and the
+			// client sends the corrected batch under it.
+			http.Error(w, "the batch is refused", http.StatusBadRequest)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "charged %d", total)
+	}))
+	srv := httptest.NewServer(handler)
+	t.Cleanup(srv.Close)
+	send := func(body string) mountedReply {
+		return do(t, srv.Client(), mountedPost(t, srv.URL+"/v1/batches", "multipart/form-data; boundary="+boundary, body), "batch-1")
+	}
+
+	first, corrected := batch(1001, 100), batch(1001, 90)
+	require.Equal(t, http.StatusBadRequest, send(first).status)
+	require.Equal(t, 1, provider.distinctKeys())
+	reply := send(corrected)
+	require.Equal(t, http.StatusCreated, reply.status, reply.body)
+	require.Equal(t, "charged 90090", reply.body)
+	again := send(first)
+	require.Equal(t, http.StatusUnprocessableEntity, again.status, "sanity: the middleware calls the first batch another request")
+	require.Contains(t, again.body, "KEY_REUSED")
+	require.EqualValues(t, 2, runs.Load())
+	require.Equal(t, 2, provider.distinctKeys(), "the corrected batch was sent to the provider under the first batch's key")
+}

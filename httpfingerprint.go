@@ -3,6 +3,7 @@ package idempotency
 import (
 	"bytes"
 	"crypto/sha256"
+	"errors"
 	"io"
 	"maps"
 	"mime"
@@ -39,10 +40,16 @@ import (
 //	           5 had it (a charset's value as spelled), when it differs, to
 //	           compare with a row of that release
 //
+// Flag 16 (with 1 and 2) says that the form is a multipart body the
+// middleware read and parsed: version 5 gave such a body the digest of a
+// form that does not parse, and version 2 of the derivation derives from
+// that (see previous). The comparison ignores it.
+//
 // A body has a form digest when net/http would parse it as a form (its
 // Content-Type, read as ParseForm reads it; a multipart body that does not
 // parse has the digest of one that does not, and so had every multipart
-// body the middleware read before version 6), and a body digest when its
+// body the middleware read before version 6; one past ReadForm's limits on
+// parts and headers, the digest of that), and a body digest when its
 // bytes were there to read: a middleware in front that parsed the form
 // (r.ParseForm, r.PostFormValue, r.ParseMultipartForm; CSRF middleware
 // does, on some requests and not on others) consumed them. A body whose
@@ -81,7 +88,8 @@ const (
 	httpHasBody    = 2
 	httpJSONBody   = 4
 	httpRequest5   = 8
-	httpFlagsMask  = httpHasForm | httpHasBody | httpJSONBody | httpRequest5
+	httpMultipart  = 16
+	httpFlagsMask  = httpHasForm | httpHasBody | httpJSONBody | httpRequest5 | httpMultipart
 	httpFlagsMask5 = httpHasForm | httpHasBody | httpJSONBody
 	httpFlagsMask4 = httpHasForm | httpHasBody
 )
@@ -129,6 +137,9 @@ func httpFingerprint(r *http.Request, target string, body []byte, limit int64) (
 	if form != nil {
 		out[flags] |= httpHasForm
 		out = append(out, form.sum[:]...)
+		if !consumed && mediaType == "multipart/form-data" {
+			out[flags] |= httpMultipart
+		}
 	}
 	if !consumed {
 		out[flags] |= httpHasBody
@@ -241,9 +252,28 @@ func formDigest(r *http.Request, body []byte, consumed bool, mediaType string, p
 			defer func() { _ = form.RemoveAll() }()
 			return multipartDigest(form)
 		}
+		if errors.Is(err, multipart.ErrMessageTooLarge) {
+			// More parts or headers than ReadForm reads: a handler that
+			// reads it part by part (r.MultipartReader) reads it all, so
+			// it is its bytes (see identity).
+			return &formSum{multipartPastLimits, int64(len(body))}, nil
+		}
 	}
-	return &formSum{sha256.Sum256([]byte("multipart that does not parse")), int64(len(body))}, nil
+	f := unparsedMultipart()
+	f.size = int64(len(body))
+	return &f, nil
 }
+
+// unparsedMultipart is the digest of a multipart body that does not parse.
+func unparsedMultipart() formSum {
+	return formSum{sum: sha256.Sum256([]byte("multipart that does not parse"))}
+}
+
+// multipartPastLimits is the form digest of a multipart body that
+// net/http's ReadForm refuses for its number of parts or headers: it is
+// never one that something in front parsed, which failed on it before
+// reading it whole.
+var multipartPastLimits = sha256.Sum256([]byte("multipart past ReadForm's limits"))
 
 // multipartDigest is the digest of a multipart form: its fields, then each
 // file in field order, by field, name, type and content.
@@ -326,7 +356,8 @@ func readHTTP(fp []byte) (httpParts, bool) {
 	default:
 		return httpParts{}, false
 	}
-	if flags&httpJSONBody != 0 && flags&httpHasBody == 0 {
+	if flags&httpJSONBody != 0 && flags&httpHasBody == 0 ||
+		flags&httpMultipart != 0 && flags&(httpHasForm|httpHasBody) != httpHasForm|httpHasBody {
 		return httpParts{}, false
 	}
 	p.flags = flags &^ httpRequest5
@@ -405,10 +436,12 @@ func sameContent(a, b httpParts) bool {
 
 // identity is what the keys a request derives for downstream calls know
 // of it (see derivationInput): its request and its form, or without a form
-// its body's digest and kind, which every request that sameContent calls
-// the same as it holds alike. The bytes of a body that has a form, or that
-// is compared as JSON, are left out: a request parsed in front has no
-// bytes, and JSON written another way other ones.
+// (or with a multipart body past ReadForm's limits, which only a handler
+// reading it part by part reads) its body's digest and kind, which every
+// request that sameContent calls the same as it holds alike. The bytes of
+// a body that has another form, or that is compared as JSON, are left
+// out: a request parsed in front has no bytes, and JSON written another
+// way other ones.
 //
 // It is written as version 5 wrote a fingerprint with those parts alone,
 // so that a request whose version 5 fingerprint held nothing else (a body
@@ -419,19 +452,27 @@ func (p httpParts) identity() []byte {
 	out := make([]byte, 0, httpHeadLen+sha256.Size)
 	out = append(append(out, fingerprintMagic...), httpVersion5)
 	out = append(out, p.request...)
-	if p.form != nil {
+	if p.form != nil && (p.body == nil || !bytes.Equal(p.form, multipartPastLimits[:])) {
 		return append(append(out, httpHasForm), p.form...)
 	}
 	return append(append(out, p.flags&(httpHasBody|httpJSONBody)), p.body...)
 }
 
 // previous is the fingerprint version 5 stored for the request p, from
-// which the release before derived its keys (WithDerivedKeyVersion(2)).
+// which the release before derived its keys (WithDerivedKeyVersion(2)):
+// a multipart body the middleware read had the digest of a form that does
+// not parse there (that release dropped the boundary before it parsed the
+// body).
 func (p httpParts) previous() []byte {
 	out := make([]byte, 0, httpHeadLen+3*sha256.Size)
 	out = append(append(out, fingerprintMagic...), httpVersion5)
-	out = append(append(out, p.request5...), p.flags)
-	for _, d := range [][]byte{p.form, p.body} {
+	out = append(append(out, p.request5...), p.flags&httpFlagsMask5)
+	form := p.form
+	if p.flags&httpMultipart != 0 {
+		sum := unparsedMultipart()
+		form = sum.sum[:]
+	}
+	for _, d := range [][]byte{form, p.body} {
 		out = append(out, d...)
 	}
 	if p.flags&httpJSONBody != 0 {
