@@ -170,6 +170,9 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // records again and replays them); one refused for a rebalance in progress
 // once the poll's records are all done is given up, so that the rebalance
 // goes ahead, and the records are delivered again (see ProcessFetches).
+// Run returns the refusal of a TTL ([Consumer.CheckRetention]) when it
+// starts, and when a topic's retention raised while it runs makes WithTTL
+// too short, before any record of the topic is applied with it.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !polling.take(c.client) {
 		return errors.New("idempotencykafka: Run: another Run polls this client: the records of one client are polled by one Run at a time " +
@@ -192,6 +195,9 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 	}
 	for failed := uint(0); ; {
+		if err := c.recheckRetention(ctx); err != nil {
+			return err
+		}
 		c.newPoll()
 		fetches := c.client.PollRecords(ctx, c.o.maxPollRecords)
 		if fetches.IsClientClosed() {
@@ -218,6 +224,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
+		}
+		if c.permanent(err) {
+			// A TTL refused since the start (a topic's retention raised
+			// past WithTTL, a topic a regex matched): as at the start.
+			return err
 		}
 		c.o.onError(err)
 		if errors.Is(err, errHurried) {
@@ -252,7 +263,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 // partition, delivers them again rather than the records after them (they
 // are replayed). Once a rebalance waits for the poll
 // ([OnPartitionsCallbackBlocked]), records stop waiting and are left
-// undone. The error joins the failed offset commits and ctx's error.
+// undone. The error joins the failed offset commits, ctx's error, and
+// the refusal of a topic's TTL ([Consumer.CheckRetention]: its records
+// are left undone, never applied with IDs kept too short; stop the loop
+// and tell the operator).
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
 	// A partition lost before this call (between the caller's poll and
 	// it, a loop that allowed the rebalance early) is lost to it: its
@@ -577,9 +591,14 @@ func (c *Consumer) processRecord(ctx, waits context.Context, r *kgo.Record) erro
 	}
 	m, err := c.Message(waits, r)
 	for wait := uint(0); err != nil; wait++ {
-		// The topic's retention cannot be read, or is longer than WithTTL
-		// (a topic a regex matched since Run started): the record waits,
-		// never applied with an ID that could be forgotten too soon.
+		if c.permanent(err) {
+			// The topic's retention is longer than WithTTL (raised since
+			// the start, or a topic a regex matched since): the record is
+			// never applied with an ID that could be forgotten too soon,
+			// and the refusal is the operator's to read.
+			return fmt.Errorf("idempotencykafka: %s/%d@%d is not applied: %w", r.Topic, r.Partition, r.Offset, err)
+		}
+		// The topic's retention cannot be read: the record waits for it.
 		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d waits: %w", r.Topic, r.Partition, r.Offset, err))
 		if err := sleep(waits, c.o.backoff(wait, nil)); err != nil {
 			return context.Cause(waits)
