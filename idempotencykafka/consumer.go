@@ -199,7 +199,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 			return err
 		}
 		c.newPoll()
-		fetches := c.client.PollRecords(ctx, c.o.maxPollRecords)
+		fetches, idle := c.poll(ctx)
+		if idle {
+			continue
+		}
 		if fetches.IsClientClosed() {
 			return nil
 		}
@@ -247,6 +250,33 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 }
 
+// poll is one PollRecords of Run, which wakes the client's fetch loops
+// first and ends after fetchWake without records (idle; the rebalance it
+// held is allowed), for Run to wake them again. franz-go (1.22.3) can lose
+// a broker's fetch loop: a loop that begins as the consumer session
+// restarts (SetOffsets, which rewind calls, or a rebalance) takes the old
+// session, finds it ended and stops, dropping the new session's call to
+// fetch. The broker's partitions, usable and behind their ends, are then
+// never fetched again, and a poll that waits for them waits forever.
+// ResumeFetchTopics with no topic resumes nothing and starts every
+// broker's loop that is not running.
+func (c *Consumer) poll(ctx context.Context) (fetches kgo.Fetches, idle bool) {
+	c.client.ResumeFetchTopics()
+	wctx, cancel := context.WithTimeout(ctx, fetchWake)
+	defer cancel()
+	fetches = c.client.PollRecords(wctx, c.o.maxPollRecords)
+	if ctx.Err() != nil || fetches.NumRecords() > 0 || !errors.Is(fetches.Err0(), context.DeadlineExceeded) || wctx.Err() == nil {
+		return fetches, false
+	}
+	// The fetch of wctx's error holds rebalances as a poll does.
+	c.client.AllowRebalance()
+	return nil, true
+}
+
+// fetchWake is how long Run's poll waits for records before it wakes the
+// client's fetch loops again (see poll).
+const fetchWake = time.Second
+
 // ProcessFetches applies the records of one poll and commits the offsets
 // of those done, for a poll loop of the caller's own (one at a time per
 // client; it calls AllowRebalance once ProcessFetches returned). It returns when
@@ -266,7 +296,10 @@ func (c *Consumer) Run(ctx context.Context) error {
 // undone. The error joins the failed offset commits, ctx's error, and
 // the refusal of a topic's TTL ([Consumer.CheckRetention]: its records
 // are left undone, never applied with IDs kept too short; stop the loop
-// and tell the operator).
+// and tell the operator). franz-go can lose a broker's fetch loop when
+// SetOffsets, which sets a partition back, restarts the client's consumer
+// session: a loop of one's own calls client.ResumeFetchTopics() (no
+// topic) before each poll, and polls with a deadline, as Run does.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
 	// A partition lost before this call (between the caller's poll and
 	// it, a loop that allowed the rebalance early) is lost to it: its
