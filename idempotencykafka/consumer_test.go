@@ -306,6 +306,31 @@ func waitForCount(t *testing.T, what string, want int64, count func() int64) {
 	}
 }
 
+// pollRecords polls client until it has at least n records, as a poll
+// loop of one's own does (see ProcessFetches): it wakes the client's fetch
+// loops before each poll, which waits a second at most, and allows the
+// rebalance an empty poll held while it holds no records.
+func pollRecords(t *testing.T, client *kgo.Client, n int) kgo.Fetches {
+	t.Helper()
+	var fetches kgo.Fetches
+	deadline := time.Now().Add(3 * time.Minute)
+	for len(fetches.Records()) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d records polled in 3 minutes", len(fetches.Records()), n)
+		}
+		client.ResumeFetchTopics()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		f := client.PollRecords(ctx, 10)
+		cancel()
+		if f.NumRecords() > 0 {
+			fetches = append(fetches, f...)
+		} else if len(fetches) == 0 {
+			client.AllowRebalance()
+		}
+	}
+	return fetches
+}
+
 // applied is how many effects committed so far, for waitForCount.
 func (w *world) applied(t testing.TB) func() int64 {
 	return func() int64 { rows, _ := w.credits(t); return int64(rows) }
