@@ -170,6 +170,9 @@ func New(store *idempotency.Store, client *kgo.Client, handle Handler, opts ...O
 // records again and replays them); one refused for a rebalance in progress
 // once the poll's records are all done is given up, so that the rebalance
 // goes ahead, and the records are delivered again (see ProcessFetches).
+// Run returns the refusal of a TTL ([Consumer.CheckRetention]) when it
+// starts, and when a topic's retention raised while it runs makes WithTTL
+// too short, before any record of the topic is applied with it.
 func (c *Consumer) Run(ctx context.Context) error {
 	if !polling.take(c.client) {
 		return errors.New("idempotencykafka: Run: another Run polls this client: the records of one client are polled by one Run at a time " +
@@ -192,8 +195,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 		}
 	}
 	for failed := uint(0); ; {
+		if err := c.recheckRetention(ctx); err != nil {
+			return err
+		}
 		c.newPoll()
-		fetches := c.client.PollRecords(ctx, c.o.maxPollRecords)
+		fetches, idle := c.poll(ctx)
+		if idle {
+			continue
+		}
 		if fetches.IsClientClosed() {
 			return nil
 		}
@@ -219,6 +228,11 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
+		if c.permanent(err) {
+			// A TTL refused since the start (a topic's retention raised
+			// past WithTTL, a topic a regex matched): as at the start.
+			return err
+		}
 		c.o.onError(err)
 		if errors.Is(err, errHurried) {
 			// The poll ended for a rebalance: the next poll is of the
@@ -236,6 +250,33 @@ func (c *Consumer) Run(ctx context.Context) error {
 	}
 }
 
+// poll is one PollRecords of Run, which wakes the client's fetch loops
+// first and ends after fetchWake without records (idle; the rebalance it
+// held is allowed), for Run to wake them again. franz-go (1.22.3) can lose
+// a broker's fetch loop: a loop that begins as the consumer session
+// restarts (SetOffsets, which rewind calls, or a rebalance) takes the old
+// session, finds it ended and stops, dropping the new session's call to
+// fetch. The broker's partitions, usable and behind their ends, are then
+// never fetched again, and a poll that waits for them waits forever.
+// ResumeFetchTopics with no topic resumes nothing and starts every
+// broker's loop that is not running.
+func (c *Consumer) poll(ctx context.Context) (fetches kgo.Fetches, idle bool) {
+	c.client.ResumeFetchTopics()
+	wctx, cancel := context.WithTimeout(ctx, fetchWake)
+	defer cancel()
+	fetches = c.client.PollRecords(wctx, c.o.maxPollRecords)
+	if ctx.Err() != nil || fetches.NumRecords() > 0 || !errors.Is(fetches.Err0(), context.DeadlineExceeded) || wctx.Err() == nil {
+		return fetches, false
+	}
+	// The fetch of wctx's error holds rebalances as a poll does.
+	c.client.AllowRebalance()
+	return nil, true
+}
+
+// fetchWake is how long Run's poll waits for records before it wakes the
+// client's fetch loops again (see poll).
+const fetchWake = time.Second
+
 // ProcessFetches applies the records of one poll and commits the offsets
 // of those done, for a poll loop of the caller's own (one at a time per
 // client; it calls AllowRebalance once ProcessFetches returned). It returns when
@@ -252,7 +293,13 @@ func (c *Consumer) Run(ctx context.Context) error {
 // partition, delivers them again rather than the records after them (they
 // are replayed). Once a rebalance waits for the poll
 // ([OnPartitionsCallbackBlocked]), records stop waiting and are left
-// undone. The error joins the failed offset commits and ctx's error.
+// undone. The error joins the failed offset commits, ctx's error, and
+// the refusal of a topic's TTL ([Consumer.CheckRetention]: its records
+// are left undone, never applied with IDs kept too short; stop the loop
+// and tell the operator). franz-go can lose a broker's fetch loop when
+// SetOffsets, which sets a partition back, restarts the client's consumer
+// session: a loop of one's own calls client.ResumeFetchTopics() (no
+// topic) before each poll, and polls with a deadline, as Run does.
 func (c *Consumer) ProcessFetches(ctx context.Context, fetches kgo.Fetches) error {
 	// A partition lost before this call (between the caller's poll and
 	// it, a loop that allowed the rebalance early) is lost to it: its
@@ -577,9 +624,14 @@ func (c *Consumer) processRecord(ctx, waits context.Context, r *kgo.Record) erro
 	}
 	m, err := c.Message(waits, r)
 	for wait := uint(0); err != nil; wait++ {
-		// The topic's retention cannot be read, or is longer than WithTTL
-		// (a topic a regex matched since Run started): the record waits,
-		// never applied with an ID that could be forgotten too soon.
+		if c.permanent(err) {
+			// The topic's retention is longer than WithTTL (raised since
+			// the start, or a topic a regex matched since): the record is
+			// never applied with an ID that could be forgotten too soon,
+			// and the refusal is the operator's to read.
+			return fmt.Errorf("idempotencykafka: %s/%d@%d is not applied: %w", r.Topic, r.Partition, r.Offset, err)
+		}
+		// The topic's retention cannot be read: the record waits for it.
 		c.o.onError(fmt.Errorf("idempotencykafka: %s/%d@%d waits: %w", r.Topic, r.Partition, r.Offset, err))
 		if err := sleep(waits, c.o.backoff(wait, nil)); err != nil {
 			return context.Cause(waits)

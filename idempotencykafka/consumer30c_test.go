@@ -72,15 +72,7 @@ func TestAPartitionsFetchesOfOnePollAreAppliedInOrder(t *testing.T) {
 	require.NoError(t, err)
 
 	ctx := context.Background()
-	var records []*kgo.Record
-	for len(records) < n {
-		pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		fs := client.PollFetches(pctx)
-		timedOut := pctx.Err()
-		cancel()
-		require.NoError(t, timedOut, "the records are fetched")
-		records = append(records, fs.Records()...)
-	}
+	records := pollRecords(t, client, n).Records()
 	entry := func(rs []*kgo.Record) kgo.Fetch {
 		return kgo.Fetch{Topics: []kgo.FetchTopic{{Topic: "credits", Partitions: []kgo.FetchPartition{{Partition: 0, Records: rs}}}}}
 	}

@@ -163,6 +163,14 @@ func header(r *kgo.Record, key string) string {
 
 // world is a broker, a database with the credits table (no unique
 // constraint on msg_id, so that a duplicate effect would show), and a store.
+//
+// Its sessions commit without waiting for the WAL flush
+// (synchronous_commit off): a test applies thousands of records one after
+// another, each a commit, and a flush waits for a disk that the tests
+// beside it, and other clients of the server, keep busy (60 ms a commit
+// made a test of 3,200 records take more than 3 minutes). What a commit
+// makes visible is the same; only a crash of the server, which no test
+// here causes, could lose it.
 type world struct {
 	cluster *kfake.Cluster
 	brokers []string
@@ -176,7 +184,9 @@ func newWorld(t testing.TB, partitions int32, topics ...string) *world {
 	cluster, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topics...), kfake.GroupMinSessionTimeout(500*time.Millisecond))
 	require.NoError(t, err)
 	t.Cleanup(cluster.Close)
-	w := &world{cluster: cluster, brokers: cluster.ListenAddrs(), db: testdb.New(t, 8)}
+	w := &world{cluster: cluster, brokers: cluster.ListenAddrs(), db: testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.RuntimeParams["synchronous_commit"] = "off"
+	})}
 	w.store, err = idempotency.NewStore(w.db.Pool)
 	require.NoError(t, err)
 	ctx := context.Background()
@@ -198,6 +208,10 @@ CREATE TABLE credits (
 	w.admin = kadm.NewClient(admin)
 	return w
 }
+
+// dbURL is the URL of the world's database for a consumer process of the
+// test's own, whose sessions commit as the world's do.
+func (w *world) dbURL() string { return w.db.URL() + "&synchronous_commit=off" }
 
 // produce sends records, each with its message-id header, and waits for
 // the broker to have them.
@@ -271,6 +285,61 @@ func waitFor(t *testing.T, what string, done func() bool) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// waitForCount waits until count reaches want, for as long as it moves:
+// it fails once count has not moved for 3 minutes. Thousands of records
+// take what the machine gives them (each is round trips to PostgreSQL and
+// the broker, one after another), which no fixed time bounds; a consumer
+// that stops making progress fails all the same.
+func waitForCount(t *testing.T, what string, want int64, count func() int64) {
+	t.Helper()
+	at, moved := count(), time.Now()
+	for at < want {
+		if time.Since(moved) > 3*time.Minute {
+			t.Fatalf("no progress in 3 minutes, at %d of %d: %s", at, want, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+		if n := count(); n != at {
+			at, moved = n, time.Now()
+		}
+	}
+}
+
+// pollRecords polls client until it has at least n records, as a poll
+// loop of one's own does (see ProcessFetches): it wakes the client's fetch
+// loops before each poll, which waits a second at most, and allows the
+// rebalance an empty poll held while it holds no records.
+func pollRecords(t *testing.T, client *kgo.Client, n int) kgo.Fetches {
+	t.Helper()
+	var fetches kgo.Fetches
+	deadline := time.Now().Add(3 * time.Minute)
+	for len(fetches.Records()) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d records polled in 3 minutes", len(fetches.Records()), n)
+		}
+		client.ResumeFetchTopics()
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		f := client.PollRecords(ctx, 10)
+		cancel()
+		if f.NumRecords() > 0 {
+			fetches = append(fetches, f...)
+		} else if len(fetches) == 0 {
+			client.AllowRebalance()
+		}
+	}
+	return fetches
+}
+
+// applied is how many effects committed so far, for waitForCount.
+func (w *world) applied(t testing.TB) func() int64 {
+	return func() int64 { rows, _ := w.credits(t); return int64(rows) }
+}
+
+// committedOf is the group's committed offsets on topic, summed, for
+// waitForCount.
+func (w *world) committedOf(t testing.TB, group, topic string) func() int64 {
+	return func() int64 { return w.committed(t, group, topic) }
 }
 
 // member is a consumer of the group running in this process.
@@ -373,7 +442,7 @@ func TestEachRecordOnceAcrossARebalance(t *testing.T) {
 	waitFor(t, "the group drops member a and gives member b its partitions", func() bool { return b.replayed.Load() > 0 })
 	close(release)
 	w.produce(t, "credits", records[n/2:]...)
-	waitFor(t, "every offset committed", func() bool { return w.committed(t, "credits-group", "credits") == n })
+	waitForCount(t, "every offset committed", n, w.committedOf(t, "credits-group", "credits"))
 	a.stop()
 	b.stop()
 
@@ -394,7 +463,7 @@ func TestKilledBetweenDatabaseCommitAndOffsetCommit(t *testing.T) {
 	const n = 20
 	w := newWorld(t, 1, "credits")
 	w.produce(t, "credits", amounts(n)...)
-	cfg := childConfig{Brokers: w.brokers, DatabaseURL: w.db.URL(), Group: "crash-group", Topic: "credits", InstanceID: "consumer-1", KillAfterExecuted: 5}
+	cfg := childConfig{Brokers: w.brokers, DatabaseURL: w.dbURL(), Group: "crash-group", Topic: "credits", InstanceID: "consumer-1", KillAfterExecuted: 5}
 	startChild(t, cfg).RequireKilled(t, "after the 5th record's commit")
 	rows, _ := w.credits(t)
 	require.Equal(t, 5, rows, "five effects committed")
@@ -499,7 +568,7 @@ func TestTenThousandRecordsWithRandomKills(t *testing.T) {
 	w.produce(t, "credits", amounts(n)...)
 	seed := time.Now().UnixNano()
 	rng := rand.New(rand.NewPCG(uint64(seed), 0))
-	cfg := childConfig{Brokers: w.brokers, DatabaseURL: w.db.URL(), Group: "kill-group", Topic: "credits", InstanceID: "consumer-1"}
+	cfg := childConfig{Brokers: w.brokers, DatabaseURL: w.dbURL(), Group: "kill-group", Topic: "credits", InstanceID: "consumer-1"}
 	for range kills {
 		child := startChild(t, cfg)
 		time.Sleep(time.Duration(200+rng.IntN(1300)) * time.Millisecond)
@@ -507,7 +576,7 @@ func TestTenThousandRecordsWithRandomKills(t *testing.T) {
 	}
 	progress, _ := w.credits(t)
 	child := startChild(t, cfg)
-	waitFor(t, "every offset committed", func() bool { return w.committed(t, "kill-group", "credits") == n })
+	waitForCount(t, "every offset committed", n, w.committedOf(t, "kill-group", "credits"))
 	child.Kill()
 	rows, distinct := w.credits(t)
 	require.Equal(t, n, rows, "one effect per record (seed %d)", seed)

@@ -29,6 +29,7 @@ type options struct {
 	onError                  func(error)
 	onOutcome                func(*kgo.Record, idempotency.Outcome, error)
 	onDeadLetter             func(*kgo.Record, string)
+	now                      func() time.Time // tests: the clock that ages the configs read (see retentionRefresh)
 }
 
 // DefaultIDHeader is the record header read for a producer-set message ID.
@@ -49,6 +50,7 @@ func defaultOptions(group string) options {
 		onError:         func(error) {},
 		onOutcome:       func(*kgo.Record, idempotency.Outcome, error) {},
 		onDeadLetter:    func(*kgo.Record, string) {},
+		now:             time.Now,
 	}
 }
 
@@ -180,7 +182,9 @@ func WithRetryBackoff(base, max time.Duration) Option {
 // topics from the start when its offsets go (expired after the broker's
 // offsets.retention.minutes, reset, the group recreated): so the TTL must
 // outlast each topic's retention.ms and segment.ms plus the offsets' retention, and a
-// shorter one is refused (see [Consumer.CheckRetention]). Without WithTTL
+// shorter one is refused (see [Consumer.CheckRetention]): at the start,
+// and when a topic's retention is raised past it while the consumer runs
+// (Run returns the refusal; leave room for raises). Without WithTTL
 // each topic's IDs are kept for that sum, read from the brokers; a topic
 // that keeps its records forever (retention.ms -1, or compacted without
 // delete) needs an explicit TTL, the operator's decision. A topic deleted

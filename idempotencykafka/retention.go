@@ -18,17 +18,31 @@ import (
 // retention is what the consumer knows of how long Kafka may deliver a
 // topic's records again: the TTL each topic's IDs are kept for.
 type retention struct {
-	mu      sync.Mutex
-	offsets time.Duration        // the brokers' offsets.retention.minutes, 0 until read
-	topics  map[string]*topicTTL // by topic
+	mu        sync.Mutex
+	offsets   time.Duration        // the brokers' offsets.retention.minutes
+	offsetsAt time.Time            // when offsets was read; zero until then
+	checkedAt time.Time            // when Run last looked at every topic's (see recheckRetention)
+	topics    map[string]*topicTTL // by topic
 }
 
-// topicTTL is one topic's TTL, read once; its lock is held while it is
-// read, so that one topic's slow read holds up that topic's records only.
+// topicTTL is one topic's TTL and when its configs were read; its lock is
+// held while they are read, so that one topic's slow read holds up that
+// topic's records only.
 type topicTTL struct {
-	mu    sync.Mutex
-	ttl   time.Duration
-	known bool
+	mu     sync.Mutex
+	ttl    time.Duration
+	readAt time.Time // zero until read
+}
+
+// retentionRefresh is how long configs read stay the consumer's word: an
+// operator may raise a topic's retention.ms at any time, and no TTL is
+// computed from configs read longer ago than this (Run reads them again
+// between polls, a record before it is applied).
+const retentionRefresh = time.Minute
+
+// fresh reports whether configs read at readAt may still be used at now.
+func fresh(readAt, now time.Time) bool {
+	return !readAt.IsZero() && now.Sub(readAt) < retentionRefresh
 }
 
 // CheckRetention makes sure that the IDs of every topic the client
@@ -47,11 +61,21 @@ type topicTTL struct {
 // its records forever (retention.ms -1, or cleanup.policy compact without
 // delete) needs an explicit TTL, the operator's decision. A topic's dead
 // letters are its records (read back, they are identified as such), so its
-// IDs outlast its dead-letter topic's retention too, when that topic
-// exists at the first read. Configs the
+// IDs outlast its dead-letter topic's retention too, while that topic
+// exists. Configs the
 // client is not authorized to read are an error without WithTTL, and
 // WithTTL's value with it; a read that fails for another reason is tried
 // again (Run waits for it, and a record waits for its topic's).
+//
+// Retention changes while the consumer runs: the configs are read again
+// once they are a minute old, by Run between polls and before a record's
+// TTL is computed from them, so that a record is never given the TTL of a
+// retention.ms raised since. A WithTTL that a raise makes too short is
+// refused then as it is at the start: Run returns the refusal, and no
+// record of the topic is applied with it. IDs stored before a raise keep
+// the TTL they were given, which the records produced before it may now
+// outlive: give a topic whose retention may be raised a WithTTL with room
+// for the raise.
 func (c *Consumer) CheckRetention(ctx context.Context) error {
 	topics := c.client.GetConsumeTopics()
 	if regex, _ := c.client.OptValue(kgo.ConsumeRegex).(bool); !regex {
@@ -67,11 +91,41 @@ func (c *Consumer) CheckRetention(ctx context.Context) error {
 	return nil
 }
 
+// recheckRetention is Run's CheckRetention between polls, once per
+// retentionRefresh: the configs read a refresh ago are read again (a
+// retention raised meanwhile) between polls rather than in one, and a
+// topic without records (a WithTTL that a raise made too short, a topic
+// deleted) is reported once per refresh, not per poll. The error is a
+// refusal, Run's to return; a read that may pass is reported, and the
+// records of its topic wait for it.
+func (c *Consumer) recheckRetention(ctx context.Context) error {
+	now := c.o.now()
+	c.ret.mu.Lock()
+	due := !fresh(c.ret.checkedAt, now)
+	if due {
+		c.ret.checkedAt = now
+	}
+	c.ret.mu.Unlock()
+	if !due {
+		return nil
+	}
+	err := c.CheckRetention(ctx)
+	switch {
+	case err == nil || ctx.Err() != nil:
+		return nil
+	case c.permanent(err):
+		return err
+	}
+	c.o.onError(fmt.Errorf("%w; trying again", err))
+	return nil
+}
+
 // ttlOf returns how long the IDs of topic's records are kept, reading the
-// topic's and the brokers' configs the first time. An error is the
-// operator's to fix (a TTL too short, configs the client may not read
-// without WithTTL), or a failure to read them that may pass: nothing is
-// kept of it, and the next call reads them again.
+// topic's and the brokers' configs when they were not read within
+// retentionRefresh. An error is the operator's to fix (a TTL too short,
+// configs the client may not read without WithTTL), or a failure to read
+// them that may pass: nothing is kept of it, and the next call reads them
+// again; the TTL read before is not used past its time.
 func (c *Consumer) ttlOf(ctx context.Context, topic string) (time.Duration, error) {
 	c.ret.mu.Lock()
 	e := c.ret.topics[topic]
@@ -82,10 +136,11 @@ func (c *Consumer) ttlOf(ctx context.Context, topic string) (time.Duration, erro
 	c.ret.mu.Unlock()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.known {
+	now := c.o.now()
+	if fresh(e.readAt, now) {
 		return e.ttl, nil
 	}
-	ttl, err := c.readTTL(ctx, topic)
+	ttl, err := c.readTTL(ctx, topic, now)
 	if err != nil {
 		if !c.o.ttlSet || !notAuthorized(err) {
 			return 0, err
@@ -95,7 +150,7 @@ func (c *Consumer) ttlOf(ctx context.Context, topic string) (time.Duration, erro
 		c.o.onError(fmt.Errorf("%w; going on with WithTTL(%v)", err, c.o.ttl))
 		ttl = c.o.ttl
 	}
-	e.ttl, e.known = ttl, true
+	e.ttl, e.readAt = ttl, now
 	return ttl, nil
 }
 
@@ -113,18 +168,20 @@ func notAuthorized(err error) bool {
 	return errors.Is(err, kerr.ClusterAuthorizationFailed) || errors.Is(err, kerr.TopicAuthorizationFailed)
 }
 
-func (c *Consumer) readTTL(ctx context.Context, topic string) (time.Duration, error) {
+// readTTL reads topic's configs, and the brokers' when they were not read
+// within retentionRefresh, at now.
+func (c *Consumer) readTTL(ctx context.Context, topic string, now time.Time) (time.Duration, error) {
 	adm := kadm.NewClient(c.client)
 	c.ret.mu.Lock()
-	offsets := c.ret.offsets
+	offsets, offsetsAt := c.ret.offsets, c.ret.offsetsAt
 	c.ret.mu.Unlock()
-	if offsets == 0 {
+	if !fresh(offsetsAt, now) {
 		var err error
 		if offsets, err = brokersOffsetsRetention(ctx, adm); err != nil {
 			return 0, c.retentionUnknown(err)
 		}
 		c.ret.mu.Lock()
-		c.ret.offsets = offsets
+		c.ret.offsets, c.ret.offsetsAt = offsets, now
 		c.ret.mu.Unlock()
 	}
 	// The topic's dead letters are its records too (a consumer of the

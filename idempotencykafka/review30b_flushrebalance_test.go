@@ -65,10 +65,7 @@ func TestRebalanceIsAllowedOnceAllDoneWhileTheFlushCommitIsRetried(t *testing.T)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	// One poll with both partitions' records, as Run's loop would have.
-	var fetches kgo.Fetches
-	for len(fetches.Records()) < 2 {
-		fetches = append(fetches, client.PollRecords(ctx, 10)...)
-	}
+	fetches := pollRecords(t, client, 2)
 	done := make(chan error, 1)
 	go func() {
 		err := c.ProcessFetches(ctx, fetches)

@@ -51,10 +51,7 @@ func TestLostPartitionsWorkStopsWithTwoConsumersOnOneClient(t *testing.T) {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	var fetches kgo.Fetches
-	for len(fetches.Records()) == 0 {
-		fetches = client.PollRecords(ctx, 10)
-	}
+	fetches := pollRecords(t, client, 1)
 	done := make(chan error, 1)
 	go func() { done <- c.ProcessFetches(ctx, fetches) }()
 	waitFor(t, "the record tried", func() bool { return tries.Load() >= 3 })

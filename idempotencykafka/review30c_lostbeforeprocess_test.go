@@ -42,11 +42,7 @@ func TestPartitionLostBeforeProcessFetchesIsNotCommitted(t *testing.T) {
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	var fetches kgo.Fetches
-	for len(fetches.Records()) == 0 {
-		fetches = client.PollRecords(ctx, 10)
-		require.NoError(t, ctx.Err())
-	}
+	fetches := pollRecords(t, client, 1)
 	idempotencykafka.OnPartitionsLost(ctx, client, map[string][]int32{"payments": {0}})
 	_ = c.ProcessFetches(ctx, fetches)
 	require.Zero(t, w.committed(t, "lost-before", "payments"), "the offset of the partition lost after the poll is not committed")

@@ -61,7 +61,7 @@ func TestRunCancelledAtRandomAndRestartedOnTheSameClient(t *testing.T) {
 	go func() { done <- c.Run(ctx) }()
 	t.Logf("restarts took %v", time.Since(began))
 	last := time.Now()
-	waitFor(t, "every partition committed to its end", func() bool { return w.committed(t, group, topic) == n })
+	waitForCount(t, "every partition committed to its end", n, w.committedOf(t, group, topic))
 	t.Logf("the last Run committed everything in %v", time.Since(last))
 	time.Sleep(time.Second)
 	cancel()

@@ -116,7 +116,7 @@ func churn(t *testing.T, balancer kgo.GroupBalancer) {
 	}
 	<-produced
 	ends := w.ends(t, topic)
-	waitFor(t, "every partition committed to its end", func() bool { return w.committed(t, group, topic) == n })
+	waitForCount(t, "every partition committed to its end", n, w.committedOf(t, group, topic))
 	a.stop()
 	close(stopWatch)
 	<-watched

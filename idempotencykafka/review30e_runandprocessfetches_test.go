@@ -62,11 +62,7 @@ func TestReview30eProcessFetchesBesideARunOnOneClient(t *testing.T) {
 
 	pctx, pcancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer pcancel()
-	var fetches kgo.Fetches
-	for len(fetches.Records()) == 0 && pctx.Err() == nil {
-		fetches = client.PollRecords(pctx, 10)
-	}
-	require.NotEmpty(t, fetches.Records(), "Y's poll got records")
+	fetches := pollRecords(t, client, 1)
 	yErr := y.ProcessFetches(pctx, fetches)
 	client.AllowRebalance()
 	t.Logf("Y's poll: %d records from offset %d; ProcessFetches: %v", len(fetches.Records()), fetches.Records()[0].Offset, yErr)
