@@ -11,7 +11,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/idempotencykafka"
@@ -136,4 +139,84 @@ func TestWithTTLMadeTooShortByARaiseStopsRun(t *testing.T) {
 	require.Zero(t, rows, "no record applied with IDs kept too short")
 	require.Zero(t, w.db.Count(t, `SELECT count(*) FROM idempotency_keys`))
 	require.Zero(t, w.committed(t, group, topic))
+}
+
+// payments keeps its records 7 days, its dead-letter topic 30: the IDs of
+// payments need 44 days (30, a segment's 7, the offsets' 7), as a dead
+// letter read back is its record. The broker does not tell the consumer
+// the dead-letter topic's configs: its ACLs let the client describe
+// payments but not payments.dead-letter, or the broker times the request
+// out once.
+//
+// Before the fix: an error of the dead-letter topic's configs that kadm
+// does not raise for the whole request (a timeout, a broker's failure) was
+// taken for "no dead-letter topic": the three records were applied with IDs
+// kept 21 days, and that TTL was used for a minute.
+//
+// Now: only a dead-letter topic that does not exist is left out; a read
+// that failed is tried again, and the records wait for it. Configs the
+// client may not read (kadm raises that for the request) refuse Run
+// without WithTTL, and WithTTL stands for them with it, as before.
+func TestDeadLetterTopicsConfigsThatCannotBeReadAreNotSkipped(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		err     *kerr.Error
+		count   int // requests faulted, -1 for all
+		opts    []idempotencykafka.Option
+		refused string        // Run's error, when it refuses
+		ttl     time.Duration // else: the IDs' TTL at least
+	}{
+		{name: "not authorized", err: kerr.TopicAuthorizationFailed, count: -1,
+			refused: "TOPIC_AUTHORIZATION_FAILED"},
+		{name: "not authorized, WithTTL", err: kerr.TopicAuthorizationFailed, count: -1,
+			opts: []idempotencykafka.Option{idempotencykafka.WithTTL(50 * 24 * time.Hour)}, ttl: 49 * 24 * time.Hour},
+		{name: "timed out once", err: kerr.RequestTimedOut, count: 1, ttl: 43 * 24 * time.Hour},
+		{name: "failed twice", err: kerr.UnknownServerError, count: 2, ttl: 43 * 24 * time.Hour},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			w := newWorld(t, 1, "payments", "payments.dead-letter")
+			w.thirtyDays(t, "payments.dead-letter")
+			w.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.DescribeConfigs}, Resource: "payments.dead-letter", Err: tc.err, Count: tc.count})
+			w.produce(t, "payments", amounts(3)...)
+			client, err := kgo.NewClient(consumerOpts(w.brokers, "dlt-configs", "payments")...)
+			require.NoError(t, err)
+			defer client.Close()
+			opts := append([]idempotencykafka.Option{idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond)}, tc.opts...)
+			c, err := idempotencykafka.New(w.store, client, credit, opts...)
+			require.NoError(t, err)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan error, 1)
+			go func() { done <- c.Run(ctx) }()
+			var runErr error
+			stopped := false
+			waitFor(t, "Run stops, or the records are applied", func() bool {
+				select {
+				case runErr = <-done:
+					stopped = true
+				default:
+				}
+				return stopped || w.committed(t, "dlt-configs", "payments") == 3
+			})
+			if !stopped {
+				cancel()
+				runErr = <-done
+			}
+			rows, _ := w.credits(t)
+			t.Logf("Run: %v", runErr)
+			if tc.refused != "" {
+				require.True(t, stopped, "Run goes on without the dead-letter topic's configs (%d records applied)", rows)
+				require.ErrorContains(t, runErr, tc.refused)
+				require.Zero(t, rows, "no record applied with a TTL that leaves the dead-letter topic out")
+				return
+			}
+			require.ErrorIs(t, runErr, context.Canceled)
+			require.Equal(t, 3, rows)
+			w.logTTL(t)
+			require.Equal(t, 3, w.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE expires_at > now() + make_interval(secs => $1)`, tc.ttl.Seconds()),
+				"the IDs outlast the dead-letter topic's 30 days, a segment's 7 and the offsets' 7")
+		})
+	}
 }
