@@ -62,7 +62,8 @@ func fresh(readAt, now time.Time) bool {
 // delete) needs an explicit TTL, the operator's decision. A topic's dead
 // letters are its records (read back, they are identified as such), so its
 // IDs outlast its dead-letter topic's retention too, while that topic
-// exists. Configs the
+// exists (its configs failing to be read are waited for, as the topic's
+// own are). Configs the
 // client is not authorized to read are an error without WithTTL, and
 // WithTTL's value with it; a read that fails for another reason is tried
 // again (Run waits for it, and a record waits for its topic's).
@@ -186,7 +187,8 @@ func (c *Consumer) readTTL(ctx context.Context, topic string, now time.Time) (ti
 	}
 	// The topic's dead letters are its records too (a consumer of the
 	// dead-letter topic identifies them as such): their IDs outlast the
-	// dead-letter topic's retention as well, when it exists.
+	// dead-letter topic's retention as well, when it exists. Its configs
+	// failing to be read fail the read as the topic's own do.
 	topics := []string{topic}
 	if dlt := c.o.deadLetterTopic(topic); validTopic(dlt) && dlt != topic {
 		topics = append(topics, dlt)
@@ -204,8 +206,14 @@ func (c *Consumer) readTTL(ctx context.Context, topic string, now time.Time) (ti
 	}
 	var ttl time.Duration
 	for _, rc := range rcs {
-		if rc.Err != nil && rc.Name != topic {
+		switch {
+		case rc.Err == nil:
+		case errors.Is(rc.Err, kerr.UnknownTopicOrPartition):
 			continue // no dead-letter topic (yet)
+		default:
+			// A timeout, a broker's failure: the dead-letter topic's
+			// retention is unknown, not absent.
+			return 0, c.retentionUnknown(fmt.Errorf("%s: %w", rc.Name, rc.Err))
 		}
 		d, err := c.ttlFor(kadm.ResourceConfigs{rc}, offsets)
 		if err != nil {
