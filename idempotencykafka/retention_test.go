@@ -220,3 +220,44 @@ func TestDeadLetterTopicsConfigsThatCannotBeReadAreNotSkipped(t *testing.T) {
 		})
 	}
 }
+
+// payments keeps its records an hour. A producer whose clock is 30 days
+// ahead (or that sets its records' timestamps itself) produces R: Kafka
+// deletes a record once its timestamp is past retention.ms, so it keeps R
+// 30 days and an hour, where a record stamped now goes after the hour. S,
+// stamped now, is produced before it. Both are applied. Fifteen days later
+// (the IDs' expiry moved back 15 days, S deleted by its hour) the group is
+// reset to the earliest offset and reads R again.
+//
+// Before the fix: R's ID was kept 14 days and an hour from when it was
+// applied, as S's, and R was applied a second time.
+//
+// Now: a record's ID is kept for as long as its timestamp is ahead of the
+// consumer's clock beyond the topic's TTL, and R is replayed.
+func TestFutureTimestampedRecordsIDOutlastsIt(t *testing.T) {
+	t.Parallel()
+	const group, topic = "future", "payments"
+	w := newWorld(t, 1, topic)
+	w.setRetention(t, topic, time.Hour)
+	s, r := rec("s", "acct-1", "100"), rec("r", "acct-2", "200")
+	r.Timestamp = time.Now().Add(30 * 24 * time.Hour)
+	w.produce(t, topic, s)
+	w.produce(t, topic, r)
+	m := w.startMember(t, group, topic)
+	waitFor(t, "S and R applied", func() bool { return w.committed(t, group, topic) == 2 })
+	m.stop()
+	w.logTTL(t)
+
+	w.passDays(t, 15)
+	ctx := context.Background()
+	_, err := w.admin.DeleteRecords(ctx, kadm.Offsets{topic: {0: kadm.Offset{Topic: topic, Partition: 0, At: 1}}})
+	require.NoError(t, err, "S deleted by its hour of retention")
+	_, err = w.admin.CommitOffsets(ctx, group, kadm.Offsets{topic: {0: kadm.Offset{Topic: topic, Partition: 0, At: 0, LeaderEpoch: -1}}})
+	require.NoError(t, err, "the group reset to the earliest offset")
+	again := w.startMember(t, group, topic)
+	waitForCount(t, "R read again", 1, func() int64 { return again.executed.Load() + again.replayed.Load() })
+	again.stop()
+	rows, distinct := w.credits(t)
+	require.Equal(t, 2, distinct)
+	require.Equal(t, 2, rows, "R applied once (replayed: %d)", again.replayed.Load())
+}
