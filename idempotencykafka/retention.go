@@ -56,7 +56,13 @@ func fresh(readAt, now time.Time) bool {
 // A topic's records may come again for its retention.ms and segment.ms (a
 // segment is deleted once its newest record is past retention) plus the
 // brokers' offsets.retention.minutes (a group whose offsets expire reads
-// its topics from the start). Without [WithTTL] that sum is the TTL of the topic's
+// its topics from the start). A record stamped ahead of the consumer's
+// clock (a producer's clock ahead, a timestamp it set) is kept that much
+// longer, and its ID with it ([Consumer.Message]); the records beside it
+// in its segment are kept as long, which their IDs cannot foresee: give a
+// topic whose producers may stamp records ahead message.timestamp.type
+// LogAppendTime (the broker stamps them), or bound how far ahead with
+// message.timestamp.after.max.ms and leave that much room in WithTTL. Without [WithTTL] that sum is the TTL of the topic's
 // IDs; with it, a shorter TTL is refused, naming both. A topic that keeps
 // its records forever (retention.ms -1, or cleanup.policy compact without
 // delete) needs an explicit TTL, the operator's decision. A topic's dead
