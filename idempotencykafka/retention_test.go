@@ -261,3 +261,48 @@ func TestFutureTimestampedRecordsIDOutlastsIt(t *testing.T) {
 	require.Equal(t, 2, distinct)
 	require.Equal(t, 2, rows, "R applied once (replayed: %d)", again.replayed.Load())
 }
+
+
+// The client may describe its topics' configs but not the brokers' (a
+// cluster-level ACL applications are seldom given), and has WithTTL(2
+// days); payments keeps its records 30 days, which the client can read.
+//
+// Before the fix: the brokers' configs refused, WithTTL was taken for the
+// TTL without reading the topic's: the three records were applied with
+// IDs kept 2 days, where the topic's own retention needs 37 at least.
+//
+// Now: WithTTL stands for the offsets' retention, which cannot be read,
+// and is still held to what can: Run refuses it, naming the topic's
+// retention; nothing is applied.
+func TestWithTTLIsHeldToTheTopicsRetentionWhenTheBrokersConfigsAreRefused(t *testing.T) {
+	t.Parallel()
+	const group, topic = "broker-configs-refused", "payments"
+	w := newWorld(t, 1, topic)
+	w.thirtyDays(t, topic)
+	w.cluster.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.DescribeConfigs}, Resource: "0", Err: kerr.ClusterAuthorizationFailed, Count: -1})
+	w.produce(t, topic, amounts(3)...)
+	client, err := kgo.NewClient(consumerOpts(w.brokers, group, topic)...)
+	require.NoError(t, err)
+	defer client.Close()
+	c, err := idempotencykafka.New(w.store, client, credit, idempotencykafka.WithTTL(2*24*time.Hour))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var runErr error
+	stopped := false
+	waitFor(t, "Run stops, or the records are applied", func() bool {
+		select {
+		case runErr = <-done:
+			stopped = true
+		default:
+		}
+		return stopped || w.committed(t, group, topic) == 3
+	})
+	rows, _ := w.credits(t)
+	require.True(t, stopped, "Run goes on with WithTTL(48h) on a topic that keeps its records 30 days (%d records applied)", rows)
+	t.Logf("Run: %v", runErr)
+	require.ErrorContains(t, runErr, "WithTTL(48h0m0s) is shorter than topic payments's retention.ms (720h0m0s)")
+	require.Zero(t, rows)
+}
