@@ -34,6 +34,10 @@ type topicTTL struct {
 	readAt time.Time // zero until read
 }
 
+// offsetsUnknown is the brokers' offsets.retention.minutes when the client
+// may not read it and WithTTL stands for it.
+const offsetsUnknown time.Duration = 0
+
 // retentionRefresh is how long configs read stay the consumer's word: an
 // operator may raise a topic's retention.ms at any time, and no TTL is
 // computed from configs read longer ago than this (Run reads them again
@@ -71,8 +75,11 @@ func fresh(readAt, now time.Time) bool {
 // exists (its configs failing to be read are waited for, as the topic's
 // own are). Configs the
 // client is not authorized to read are an error without WithTTL, and
-// WithTTL's value with it; a read that fails for another reason is tried
-// again (Run waits for it, and a record waits for its topic's).
+// WithTTL stands for them with it, still held to those it may read (a
+// client that may describe its topics but not the brokers has WithTTL
+// refused when it is shorter than a topic's retention.ms and segment.ms);
+// a read that fails for another reason is tried again (Run waits for it,
+// and a record waits for its topic's).
 //
 // Retention changes while the consumer runs: the configs are read again
 // once they are a minute old, by Run between polls and before a record's
@@ -185,7 +192,14 @@ func (c *Consumer) readTTL(ctx context.Context, topic string, now time.Time) (ti
 	if !fresh(offsetsAt, now) {
 		var err error
 		if offsets, err = brokersOffsetsRetention(ctx, adm); err != nil {
-			return 0, c.retentionUnknown(err)
+			if !c.o.ttlSet || !notAuthorized(err) {
+				return 0, c.retentionUnknown(err)
+			}
+			// The client may not read the brokers' configs: WithTTL
+			// stands for their offsets.retention.minutes, and is still
+			// held to the topic's retention, which it may read.
+			c.o.onError(fmt.Errorf("%w; WithTTL(%v) stands for the brokers' offsets.retention.minutes", c.retentionUnknown(err), c.o.ttl))
+			offsets = offsetsUnknown
 		}
 		c.ret.mu.Lock()
 		c.ret.offsets, c.ret.offsetsAt = offsets, now
@@ -254,6 +268,10 @@ func (c *Consumer) ttlFor(rc kadm.ResourceConfigs, offsets time.Duration) (time.
 		return c.o.ttl, nil
 	case !c.o.ttlSet:
 		return need, nil
+	case c.o.ttl < need && offsets == offsetsUnknown:
+		return 0, fmt.Errorf("%w: WithTTL(%v) is shorter than topic %s's retention.ms (%v) and segment.ms (%v), to which the brokers' offsets.retention.minutes (which the client may not read) add: "+
+			"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set more than %v",
+			errRefused, c.o.ttl, topic, retention, segment, need)
 	case c.o.ttl < need:
 		return 0, fmt.Errorf("%w: WithTTL(%v) is shorter than topic %s's retention.ms (%v) and segment.ms (%v) plus the brokers' offsets.retention.minutes (%v): "+
 			"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set at least %v",
