@@ -262,7 +262,6 @@ func TestFutureTimestampedRecordsIDOutlastsIt(t *testing.T) {
 	require.Equal(t, 2, rows, "R applied once (replayed: %d)", again.replayed.Load())
 }
 
-
 // The client may describe its topics' configs but not the brokers' (a
 // cluster-level ACL applications are seldom given), and has WithTTL(2
 // days); payments keeps its records 30 days, which the client can read.
