@@ -757,7 +757,8 @@ func transient(err error) bool {
 // record's key and value, so that an ID reused for another record is
 // caught, and the TTL of its topic's IDs (see [Consumer.CheckRetention]:
 // the topic's configs are read the first time, and a TTL that cannot be
-// established is an error). Code that applies a record outside the
+// established is an error), longer by as much as r's timestamp is ahead of
+// now (Kafka keeps a record until its timestamp is past retention.ms). Code that applies a record outside the
 // consumer gives this Message to Store.ProcessMessage, so that the two
 // never both apply it.
 func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Message, error) {
@@ -772,8 +773,18 @@ func (c *Consumer) Message(ctx context.Context, r *kgo.Record) (idempotency.Mess
 	if err != nil {
 		return idempotency.Message{}, err
 	}
+	// Kafka deletes a record once its timestamp is past retention.ms: one
+	// stamped ahead of now (a producer's clock ahead, a timestamp it set)
+	// is kept that much longer.
+	if ahead := r.Timestamp.Sub(c.o.now()); ahead > 0 {
+		ttl = min(ttl, maxTTL-ahead) + ahead
+	}
 	return idempotency.Message{Scope: c.o.scope(topic), ID: c.idOf(r.Headers, pos), Body: body(r), TTL: ttl}, nil
 }
+
+// maxTTL is the longest TTL a Message gets: a timestamp in the far future
+// (Kafka keeps its record as long) saturates there.
+const maxTTL = time.Duration(1<<63 - 1)
 
 // messageID is the producer's ID header, or the record's position (hashed
 // when a long topic name would make it longer than a key may be).

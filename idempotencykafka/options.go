@@ -181,7 +181,8 @@ func WithRetryBackoff(base, max time.Duration) Option {
 // after its ID was forgotten is applied again, and a group re-reads its
 // topics from the start when its offsets go (expired after the broker's
 // offsets.retention.minutes, reset, the group recreated): so the TTL must
-// outlast each topic's retention.ms and segment.ms plus the offsets' retention, and a
+// outlast each topic's retention.ms and segment.ms plus the offsets' retention (a record
+// stamped ahead of now keeps its ID that much longer), and a
 // shorter one is refused (see [Consumer.CheckRetention]): at the start,
 // and when a topic's retention is raised past it while the consumer runs
 // (Run returns the refusal; leave room for raises). Without WithTTL

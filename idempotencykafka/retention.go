@@ -34,6 +34,10 @@ type topicTTL struct {
 	readAt time.Time // zero until read
 }
 
+// offsetsUnknown is the brokers' offsets.retention.minutes when the client
+// may not read it and WithTTL stands for it.
+const offsetsUnknown time.Duration = 0
+
 // retentionRefresh is how long configs read stay the consumer's word: an
 // operator may raise a topic's retention.ms at any time, and no TTL is
 // computed from configs read longer ago than this (Run reads them again
@@ -56,16 +60,26 @@ func fresh(readAt, now time.Time) bool {
 // A topic's records may come again for its retention.ms and segment.ms (a
 // segment is deleted once its newest record is past retention) plus the
 // brokers' offsets.retention.minutes (a group whose offsets expire reads
-// its topics from the start). Without [WithTTL] that sum is the TTL of the topic's
+// its topics from the start). A record stamped ahead of the consumer's
+// clock (a producer's clock ahead, a timestamp it set) is kept that much
+// longer, and its ID with it ([Consumer.Message]); the records beside it
+// in its segment are kept as long, which their IDs cannot foresee: give a
+// topic whose producers may stamp records ahead message.timestamp.type
+// LogAppendTime (the broker stamps them), or bound how far ahead with
+// message.timestamp.after.max.ms and leave that much room in WithTTL. Without [WithTTL] that sum is the TTL of the topic's
 // IDs; with it, a shorter TTL is refused, naming both. A topic that keeps
 // its records forever (retention.ms -1, or cleanup.policy compact without
 // delete) needs an explicit TTL, the operator's decision. A topic's dead
 // letters are its records (read back, they are identified as such), so its
 // IDs outlast its dead-letter topic's retention too, while that topic
-// exists. Configs the
+// exists (its configs failing to be read are waited for, as the topic's
+// own are). Configs the
 // client is not authorized to read are an error without WithTTL, and
-// WithTTL's value with it; a read that fails for another reason is tried
-// again (Run waits for it, and a record waits for its topic's).
+// WithTTL stands for them with it, still held to those it may read (a
+// client that may describe its topics but not the brokers has WithTTL
+// refused when it is shorter than a topic's retention.ms and segment.ms);
+// a read that fails for another reason is tried again (Run waits for it,
+// and a record waits for its topic's).
 //
 // Retention changes while the consumer runs: the configs are read again
 // once they are a minute old, by Run between polls and before a record's
@@ -178,7 +192,14 @@ func (c *Consumer) readTTL(ctx context.Context, topic string, now time.Time) (ti
 	if !fresh(offsetsAt, now) {
 		var err error
 		if offsets, err = brokersOffsetsRetention(ctx, adm); err != nil {
-			return 0, c.retentionUnknown(err)
+			if !c.o.ttlSet || !notAuthorized(err) {
+				return 0, c.retentionUnknown(err)
+			}
+			// The client may not read the brokers' configs: WithTTL
+			// stands for their offsets.retention.minutes, and is still
+			// held to the topic's retention, which it may read.
+			c.o.onError(fmt.Errorf("%w; WithTTL(%v) stands for the brokers' offsets.retention.minutes", c.retentionUnknown(err), c.o.ttl))
+			offsets = offsetsUnknown
 		}
 		c.ret.mu.Lock()
 		c.ret.offsets, c.ret.offsetsAt = offsets, now
@@ -186,7 +207,8 @@ func (c *Consumer) readTTL(ctx context.Context, topic string, now time.Time) (ti
 	}
 	// The topic's dead letters are its records too (a consumer of the
 	// dead-letter topic identifies them as such): their IDs outlast the
-	// dead-letter topic's retention as well, when it exists.
+	// dead-letter topic's retention as well, when it exists. Its configs
+	// failing to be read fail the read as the topic's own do.
 	topics := []string{topic}
 	if dlt := c.o.deadLetterTopic(topic); validTopic(dlt) && dlt != topic {
 		topics = append(topics, dlt)
@@ -204,8 +226,14 @@ func (c *Consumer) readTTL(ctx context.Context, topic string, now time.Time) (ti
 	}
 	var ttl time.Duration
 	for _, rc := range rcs {
-		if rc.Err != nil && rc.Name != topic {
+		switch {
+		case rc.Err == nil:
+		case errors.Is(rc.Err, kerr.UnknownTopicOrPartition):
 			continue // no dead-letter topic (yet)
+		default:
+			// A timeout, a broker's failure: the dead-letter topic's
+			// retention is unknown, not absent.
+			return 0, c.retentionUnknown(fmt.Errorf("%s: %w", rc.Name, rc.Err))
 		}
 		d, err := c.ttlFor(kadm.ResourceConfigs{rc}, offsets)
 		if err != nil {
@@ -240,6 +268,10 @@ func (c *Consumer) ttlFor(rc kadm.ResourceConfigs, offsets time.Duration) (time.
 		return c.o.ttl, nil
 	case !c.o.ttlSet:
 		return need, nil
+	case c.o.ttl < need && offsets == offsetsUnknown:
+		return 0, fmt.Errorf("%w: WithTTL(%v) is shorter than topic %s's retention.ms (%v) and segment.ms (%v), to which the brokers' offsets.retention.minutes (which the client may not read) add: "+
+			"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set more than %v",
+			errRefused, c.o.ttl, topic, retention, segment, need)
 	case c.o.ttl < need:
 		return 0, fmt.Errorf("%w: WithTTL(%v) is shorter than topic %s's retention.ms (%v) and segment.ms (%v) plus the brokers' offsets.retention.minutes (%v): "+
 			"a group whose offsets expire re-reads records whose IDs are forgotten and applies them again; set at least %v",

@@ -171,11 +171,11 @@ type failures struct {
 // New returns a Consumer that applies the messages of cons with h, recording
 // their IDs in store. cons must be a pull consumer with
 // [jetstream.AckExplicitPolicy]: every message is acknowledged on its own,
-// after its own commit. Give it an AckWait longer than the slowest handler
-// and leave MaxDeliver unlimited: JetStream drops a message that ran out of
-// deliveries, and its effect is lost ([WithMaxAttempts] is the consumer's
-// bound, which counts only the handler's failures). An invalid option is
-// an error that names it.
+// after its own commit. Give it an AckWait longer than the slowest handler.
+// New refuses a MaxDeliver: JetStream drops a message that ran out of
+// deliveries, applied or not, and its effect is lost ([WithMaxAttempts] is
+// the consumer's bound, which counts only the handler's failures). An
+// invalid option is an error that names it.
 //
 // cons must be durable (ConsumerConfig.Durable), unless [WithScope] gives
 // the scope: the default scope is named after the durable, and a consumer
@@ -194,6 +194,14 @@ func New(store *idempotency.Store, cons jetstream.Consumer, h Handler, opts ...O
 	if info.Config.AckPolicy != jetstream.AckExplicitPolicy {
 		return nil, fmt.Errorf("natsconsumer: consumer %s has ack policy %v, want explicit: each message must be acknowledged after its own commit",
 			info.Name, info.Config.AckPolicy)
+	}
+	if info.Config.MaxDeliver > 0 {
+		// JetStream counts deliveries, not the handler's failures: a
+		// database outage or another delivery holding the ID uses them up
+		// too, and the message is then dropped, applied or not, with no
+		// outcome of the consumer's to say so.
+		return nil, fmt.Errorf("natsconsumer: consumer %s has MaxDeliver %d: JetStream stops delivering a message after that many deliveries, applied or not, and its effect is lost: "+
+			"leave MaxDeliver unlimited (natsconsumer.WithMaxAttempts bounds the handler's failures)", info.Name, info.Config.MaxDeliver)
 	}
 	o := evaluateOptions(opts)
 	if err := o.validate(); err != nil {

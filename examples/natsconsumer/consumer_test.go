@@ -345,3 +345,75 @@ func outcomes(ds []natsconsumer.Delivery) []natsconsumer.Outcome {
 	}
 	return out
 }
+
+// A credit's handler fails on its first two deliveries (a row it needs is
+// not there yet) and succeeds on the third; WithMaxAttempts leaves it 10.
+// JetStream counts deliveries, not the handler's failures: a durable with
+// MaxDeliver 2 stops delivering the message after the second, applied or
+// not, whatever the consumer would have done with a third (a database
+// outage, another delivery holding the ID, count the same).
+//
+// Before the fix: New took the durable; the credit was delivered twice,
+// nacked twice, and never again: not applied, not terminated, no outcome
+// said it was lost.
+//
+// Now: New refuses a durable with a MaxDeliver, saying why; on one
+// without, the credit is applied on its third delivery.
+func TestNewRefusesAConsumerThatDropsMessagesAfterMaxDeliver(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name       string
+		maxDeliver int
+		refused    string
+	}{
+		{name: "unlimited"},
+		{name: "max deliver 2", maxDeliver: 2, refused: "MaxDeliver 2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			pool, store := newDB(t)
+			nc, js := connect(t)
+			stream, _, subject := newStream(t, js, 0, 5*time.Second)
+			ctx := context.Background()
+			durable := randomName("limited_")
+			cons, err := js.CreateOrUpdateConsumer(ctx, stream, jetstream.ConsumerConfig{
+				Durable: durable, AckPolicy: jetstream.AckExplicitPolicy, AckWait: 5 * time.Second, MaxDeliver: tc.maxDeliver,
+			})
+			require.NoError(t, err)
+			dropped, err := nc.SubscribeSync("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES." + stream + "." + durable)
+			require.NoError(t, err)
+			var deliveries atomic.Int64
+			handler := func(ctx context.Context, tx pgx.Tx, id string, msg jetstream.Msg) error {
+				if deliveries.Add(1) <= 2 {
+					return fmt.Errorf("account of %s not there yet", id)
+				}
+				return natsconsumer.ApplyCredit(ctx, tx, id, msg)
+			}
+			var tl tally
+			c, err := natsconsumer.New(store, cons, handler, tl.hook(), natsconsumer.WithRetryBackoff(10*time.Millisecond, 10*time.Millisecond))
+			if err == nil {
+				credit := natsconsumer.Credit{Account: "acct-1", AmountCents: 250}
+				publish(t, js, subject, "credit-1", credit)
+				stop := start(t, ctx, c)
+				var lost bool
+				require.Eventually(t, func() bool {
+					if _, err := dropped.NextMsg(time.Millisecond); err == nil {
+						lost = true
+					}
+					return lost || tl.count(natsconsumer.Applied) == 1
+				}, 20*time.Second, 20*time.Millisecond, "the credit neither applied nor dropped")
+				require.ErrorIs(t, stop(), context.Canceled)
+				t.Logf("%v", &tl)
+				rows := 0
+				require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM account_credits`).Scan(&rows))
+				require.Empty(t, tc.refused, "New took a durable with MaxDeliver %d: JetStream dropped the credit after %d deliveries (dropped: %v, applied: %d rows, outcomes: %v)",
+					tc.maxDeliver, deliveries.Load(), lost, rows, outcomes(tl.all()))
+				requireAppliedOnce(t, pool, map[string]natsconsumer.Credit{"credit-1": credit})
+				return
+			}
+			require.NotEmpty(t, tc.refused, "New refused: %v", err)
+			require.ErrorContains(t, err, tc.refused)
+			t.Logf("refused: %v", err)
+		})
+	}
+}
