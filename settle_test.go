@@ -273,6 +273,18 @@ func cutCases() []cutCase {
 		// waits for its deadline.
 		{name: "COMMIT AND CHAIN, a failing statement, then an error", sql: failedBlock, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
 		{name: "COMMIT AND CHAIN, a failing statement, then the deadline", sql: failedBlock, stored: ended, ledger: 1},
+		// The session left the call's transaction, committed a write of
+		// its own outside it, and began another transaction, which a
+		// failing statement left as a failed block: the claim's
+		// transaction rolled back, but the attempt did not stay in it.
+		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then an error",
+			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then the deadline",
+			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, stored: ended, ledger: 1},
+		{name: "ROLLBACK AND CHAIN, a write, COMMIT AND CHAIN, a failing statement, then an error",
+			sql: `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); COMMIT AND CHAIN; SELECT 1/0`, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then an error, through PgBouncer",
+			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, fails: true, code: codes.Unavailable, bounced: true, stored: ended, ledger: 1},
 		// A caller that comes meanwhile finds the claim committed, and
 		// settles it with the error that says so.
 		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then an error",
