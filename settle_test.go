@@ -118,7 +118,12 @@ EXCEPTION WHEN query_canceled THEN NULL; END; END LOOP; END $$`).Replace(tc.sql)
 					_, err := tx.Exec(sctx, sql, pgx.QueryExecModeSimpleProtocol)
 					return wrapperspb.String("first run"), err
 				}
-				_, err := tx.Exec(sctx, sql, pgx.QueryExecModeSimpleProtocol)
+				var err error
+				if tc.onConn {
+					_, err = tx.Conn().Exec(sctx, sql, pgx.QueryExecModeSimpleProtocol)
+				} else {
+					_, err = tx.Exec(sctx, sql, pgx.QueryExecModeSimpleProtocol)
+				}
 				if fails := tc.code != codes.Unavailable || tc.fails; fails != (err != nil) {
 					t.Errorf("the handler's SQL: %v, want it to fail: %v", err, fails)
 				}
@@ -235,7 +240,9 @@ type cutCase struct {
 	meanwhile bool
 	// ownCancel: the handler cancels its own context, not the caller.
 	ownCancel bool
-	bounced   bool // through PgBouncer
+	// onConn: sql goes through tx.Conn(), which the SQL check never reads.
+	onConn  bool
+	bounced bool // through PgBouncer
 	// stored: what the key's stored Internal error says; "" when nothing
 	// committed and the key is released, the caller told code.
 	stored string
@@ -281,6 +288,8 @@ func cutCases() []cutCase {
 			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
 		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then the deadline",
 			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, stored: ended, ledger: 1},
+		{name: "ROLLBACK, a write outside, BEGIN, a failing statement on tx.Conn(), then an error",
+			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, onConn: true, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
 		{name: "ROLLBACK AND CHAIN, a write, COMMIT AND CHAIN, a failing statement, then an error",
 			sql: `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); COMMIT AND CHAIN; SELECT 1/0`, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
 		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then an error, through PgBouncer",
