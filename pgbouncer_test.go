@@ -550,14 +550,15 @@ func TestThroughPgBouncerLostAttemptNeverEndsAnotherClientsSession(t *testing.T)
 }
 
 // Behind PgBouncer the key's lock is the call's transaction's alone. A
-// handler's final error is stored in a transaction of its own after the
-// call's is rolled back, in the same round trip; a duplicate that claims
-// the key between the two would run the handler again, and the first
-// caller would get the duplicate's answer (or "in progress") instead of
-// its own stored error. A trigger of the test's on the key table holds
-// the store's first statement after the ROLLBACK, so that a duplicate
-// comes in that moment every time: the handler must still run once, and
-// every caller get the final error its one run returned.
+// handler's final error must be stored before that transaction's lock and
+// claim lapse: a duplicate that claimed the key in between would run the
+// handler again, and the first caller would get the duplicate's answer
+// (or "in progress") instead of its own stored error. A trigger of the
+// test's on the key table holds the first call's first write of the key
+// table once its handler has returned (the handler marks its session with
+// an advisory lock of its own, which outlives any rollback), so that a
+// duplicate comes in that moment every time: the handler must still run
+// once, and every caller get the final error its one run returned.
 func TestThroughPgBouncerFinalErrorIsStoredBeforeADuplicateCanClaim(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
@@ -567,9 +568,15 @@ func TestThroughPgBouncerFinalErrorIsStoredBeforeADuplicateCanClaim(t *testing.T
 	require.NoError(t, err)
 	ctx := context.Background()
 	lockKey := time.Now().UnixNano() & (1<<31 - 1)
+	marker := lockKey + 1
 	_, err = db.Pool.Exec(ctx, fmt.Sprintf(`CREATE FUNCTION held() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN PERFORM pg_advisory_xact_lock(%d); RETURN NULL; END $$;
-CREATE TRIGGER held BEFORE DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION held()`, lockKey, pgx.Identifier{db.Schema, idempotency.DefaultTable}.Sanitize()))
+BEGIN
+  IF EXISTS (SELECT FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND classid = 0 AND objid = %d AND objsubid = 1) THEN
+    PERFORM pg_advisory_xact_lock(%d);
+  END IF;
+  RETURN NULL;
+END $$;
+CREATE TRIGGER held BEFORE UPDATE OR DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION held()`, marker, lockKey, pgx.Identifier{db.Schema, idempotency.DefaultTable}.Sanitize()))
 	require.NoError(t, err)
 	holder, err := testdb.Admin(t).Acquire(ctx)
 	require.NoError(t, err)
@@ -587,9 +594,12 @@ CREATE TRIGGER held BEFORE DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION held
 
 	var runs atomic.Int64
 	call := idempotency.Call{Key: "k", Method: "m"}
-	fn := func(context.Context, pgx.Tx) (proto.Message, error) {
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		if runs.Add(1) > 1 {
 			return wrapperspb.String("ran again"), nil
+		}
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_lock($1)`, marker); err != nil {
+			return nil, err
 		}
 		return nil, idempotency.Final(status.Error(codes.NotFound, "no such card"))
 	}
@@ -602,8 +612,8 @@ CREATE TRIGGER held BEFORE DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION held
 		res, err := store.Execute(ctx, call, fn)
 		first <- answer{res, err}
 	}()
-	// The first call is held in its store's statement after its ROLLBACK,
-	// or has answered already.
+	// The first call is held in its first write of the key table after
+	// its handler returned, or has answered already.
 	require.Eventually(t, func() bool {
 		return len(first) > 0 || db.Count(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
 AND classid = 0 AND objid = $1 AND objsubid = 1`, lockKey) > 0

@@ -254,6 +254,10 @@ func cutCases() []cutCase {
 	const ended = "ended the call's transaction"
 	chained := `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); {stubborn wait}; COMMIT`
 	failedBlock := `COMMIT AND CHAIN; SELECT 1/0`
+	// In one query string, the statements after a ROLLBACK run in an
+	// implicit transaction block, which a BEGIN would make part of the
+	// failed one: the COMMIT commits the write first.
+	leftBlock := `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); COMMIT; BEGIN; SELECT 1/0`
 	return []cutCase{
 		{name: "COMMIT AND CHAIN", sql: `COMMIT AND CHAIN; {wait}`, stored: ended, ledger: 1},
 		{name: "COMMIT AND CHAIN, the session still running", sql: `COMMIT AND CHAIN; {stubborn wait}`, stored: ended, ledger: 1},
@@ -284,16 +288,16 @@ func cutCases() []cutCase {
 		// its own outside it, and began another transaction, which a
 		// failing statement left as a failed block: the claim's
 		// transaction rolled back, but the attempt did not stay in it.
-		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then an error",
-			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
-		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then the deadline",
-			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, stored: ended, ledger: 1},
-		{name: "ROLLBACK, a write outside, BEGIN, a failing statement on tx.Conn(), then an error",
-			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, onConn: true, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "ROLLBACK, a write committed outside, BEGIN, a failing statement, then an error",
+			sql: leftBlock, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
+		{name: "ROLLBACK, a write committed outside, BEGIN, a failing statement, then the deadline",
+			sql: leftBlock, stored: ended, ledger: 1},
+		{name: "ROLLBACK, a write committed outside, BEGIN, a failing statement on tx.Conn(), then an error",
+			sql: leftBlock, onConn: true, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
 		{name: "ROLLBACK AND CHAIN, a write, COMMIT AND CHAIN, a failing statement, then an error",
 			sql: `ROLLBACK AND CHAIN; INSERT INTO {ledger} (note) VALUES ('chained'); COMMIT AND CHAIN; SELECT 1/0`, fails: true, code: codes.Unavailable, stored: ended, ledger: 1},
-		{name: "ROLLBACK, a write outside, BEGIN, a failing statement, then an error, through PgBouncer",
-			sql: `ROLLBACK; INSERT INTO {ledger} (note) VALUES ('outside'); BEGIN; SELECT 1/0`, fails: true, code: codes.Unavailable, bounced: true, stored: ended, ledger: 1},
+		{name: "ROLLBACK, a write committed outside, BEGIN, a failing statement, then an error, through PgBouncer",
+			sql: leftBlock, fails: true, code: codes.Unavailable, bounced: true, stored: ended, ledger: 1},
 		// A caller that comes meanwhile finds the claim committed, and
 		// settles it with the error that says so.
 		{name: "COMMIT AND CHAIN, a failing statement, a caller meanwhile, then an error",
