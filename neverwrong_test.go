@@ -796,24 +796,6 @@ func TestMessageThatCanNeverCommitIsDeadLettered(t *testing.T) {
 // What a review of the engine found, each kept as a test: ways around the
 // checks of the call's transaction, and answers that were not one.
 
-// A savepoint spelled U&"idempotency_call" would shadow the engine's, so
-// that a final error rolled back only to it: refused, nothing committed.
-func TestShadowSavepointIsRefused(t *testing.T) {
-	t.Parallel()
-	db := testdb.New(t, 2)
-	store := migratedStore(t, db)
-	createLedger(t, db)
-	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-		if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('must roll back')`); err != nil {
-			return nil, err
-		}
-		_, _ = tx.Exec(ctx, `SAVEPOINT U&"idempotency_call"`)
-		return nil, idempotency.Final(status.Error(codes.NotFound, "no such order"))
-	})
-	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
-	require.Zero(t, db.Count(t, `SELECT count(*) FROM ledger`))
-}
-
 // SQL-standard function bodies (BEGIN ATOMIC ... END) hold semicolons and
 // an END that end no transaction: allowed.
 func TestBeginAtomicBodyIsAllowed(t *testing.T) {
