@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
@@ -328,4 +329,224 @@ func statusBytes(t testing.TB, err error) []byte {
 	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(status.Convert(err).Proto())
 	require.NoError(t, err)
 	return b
+}
+
+// A handler that plays with savepoints of its own (named ones, nested
+// transactions through tx.Begin, ROLLBACK TO and RELEASE of its own, names
+// like the engine's, a failed statement) and then returns a final error:
+// the error is stored, none of the handler's writes is committed, and the
+// handler runs once, while 16 duplicates of the key wait for it; directly,
+// at READ COMMITTED and SERIALIZABLE, and behind PgBouncer.
+func TestFinalErrorUndoesTheHandlersOwnSavepoints(t *testing.T) {
+	t.Parallel()
+	for _, where := range []struct {
+		name      string
+		bounced   bool
+		isolation pgx.TxIsoLevel
+	}{{name: "directly"}, {name: "directly, at SERIALIZABLE", isolation: pgx.Serializable}, {name: "through PgBouncer", bounced: true}} {
+		for _, tc := range handlerSavepointCases() {
+			t.Run(where.name+", "+tc.name, func(t *testing.T) {
+				t.Parallel()
+				// The duplicates that have looked at the key, each by its
+				// number in its context.
+				var looked sync.Map
+				trace := func(cfg *pgxpool.Config) {
+					cfg.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(ctx context.Context, _ *pgx.Conn, statements []string) {
+						if n, ok := ctx.Value(duplicateKey{}).(int); ok && strings.Contains(strings.Join(statements, ";"), "pg_try_advisory") {
+							looked.Store(n, true)
+						}
+					}}
+				}
+				var db *testdb.DB
+				var store *idempotency.Store
+				var err error
+				if where.bounced {
+					db = testdb.New(t, 4)
+					migratedStore(t, db)
+					store, err = idempotency.NewStore(bouncedPoolWith(t, trace), idempotency.WithTable(db.Schema, idempotency.DefaultTable),
+						idempotency.WithInProgressWait(liveness))
+				} else {
+					db = testdb.NewConfigured(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 20; trace(cfg) })
+					store, err = idempotency.NewStore(db.Pool, idempotency.WithInProgressWait(liveness))
+					if err == nil {
+						err = store.Migrate(context.Background())
+					}
+				}
+				require.NoError(t, err)
+				createLedger(t, db)
+				ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
+
+				var runs atomic.Int64
+				release := newGate()
+				handling := make(chan struct{})
+				call := idempotency.Call{Key: "k", Method: "m", Isolation: where.isolation}
+				fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+					if runs.Add(1) > 1 {
+						return wrapperspb.String("ran again"), nil
+					}
+					if _, err := tx.Exec(ctx, `INSERT INTO `+ledger+` (note) VALUES ('first')`); err != nil {
+						return nil, err
+					}
+					if err := tc.run(ctx, tx, func(db savepointExecer, sql string) error {
+						_, err := db.Exec(ctx, strings.ReplaceAll(sql, "{ledger}", ledger))
+						return err
+					}); err != nil {
+						t.Errorf("the handler's statements: %v", err)
+						close(handling)
+						return nil, err
+					}
+					close(handling)
+					_ = release.wait(ctx)
+					return nil, idempotency.Final(status.Error(codes.NotFound, "no such card"))
+				}
+				type answer struct {
+					res idempotency.Result
+					err error
+				}
+				first := make(chan answer, 1)
+				go func() {
+					res, err := store.Execute(context.Background(), call, fn)
+					first <- answer{res, err}
+				}()
+				await(t, handling, "the handler to be done with its savepoints")
+				duplicates := make([]answer, 16)
+				var wg sync.WaitGroup
+				for i := range duplicates {
+					wg.Go(func() {
+						res, err := store.Execute(context.WithValue(context.Background(), duplicateKey{}, i), call, fn)
+						duplicates[i] = answer{res, err}
+					})
+				}
+				require.Eventually(t, func() bool {
+					n := 0
+					looked.Range(func(any, any) bool { n++; return true })
+					return n == len(duplicates)
+				}, liveness, time.Millisecond, "every duplicate to look at the key")
+				release.open()
+				got := await(t, first, "the first caller")
+				wg.Wait()
+
+				require.Equal(t, idempotency.OutcomeExecuted, got.res.Outcome, "%v", got.err)
+				require.Equal(t, codes.NotFound, status.Code(got.err), "%v", got.err)
+				require.True(t, idempotency.IsFinal(got.err), "stored: %v", got.err)
+				for i, d := range duplicates {
+					require.Equal(t, idempotency.OutcomeReplayed, d.res.Outcome, "duplicate %d: %v", i, d.err)
+					require.Equal(t, statusBytes(t, got.err), statusBytes(t, d.err), "duplicate %d: one answer for every caller", i)
+				}
+				require.EqualValues(t, 1, runs.Load(), "the handler ran once")
+				require.Zero(t, db.Count(t, `SELECT count(*) FROM `+ledger), "none of the handler's writes committed")
+				require.Equal(t, "failed", keyState(t, db, "k"))
+				requireNoKeyLocks(t, db, "", []string{"k"}, "no lock outlives the calls")
+			})
+		}
+	}
+}
+
+// duplicateKey numbers a duplicate's context, for the pool's tracer.
+type duplicateKey struct{}
+
+// savepointExecer is what runs a handler's SQL: the call's transaction, a
+// nested one, or the connection.
+type savepointExecer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// handlerSavepointCase is what a handler does with savepoints after its
+// first write, before it returns a final error. exec runs sql on db,
+// {ledger} standing for the ledger table.
+type handlerSavepointCase struct {
+	name string
+	run  func(ctx context.Context, tx pgx.Tx, exec func(db savepointExecer, sql string) error) error
+}
+
+func handlerSavepointCases() []handlerSavepointCase {
+	const write = `INSERT INTO {ledger} (note) VALUES ('more')`
+	each := func(db savepointExecer, exec func(savepointExecer, string) error, sqls ...string) error {
+		for _, sql := range sqls {
+			if err := exec(db, sql); err != nil {
+				return fmt.Errorf("%s: %w", sql, err)
+			}
+		}
+		return nil
+	}
+	// fails runs sql, which must fail.
+	fails := func(db savepointExecer, exec func(savepointExecer, string) error, sql string) error {
+		if err := exec(db, sql); err == nil {
+			return fmt.Errorf("%s did not fail", sql)
+		}
+		return nil
+	}
+	return []handlerSavepointCase{
+		{name: "a savepoint of its own, a write after it", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			return each(tx, exec, `SAVEPOINT mine`, write)
+		}},
+		{name: "ROLLBACK TO its own savepoint, a write after it", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			return each(tx, exec, `SAVEPOINT mine`, write, `ROLLBACK TO SAVEPOINT mine`, write)
+		}},
+		{name: "RELEASE of its outer savepoint, a nested one in it", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			return each(tx, exec, `SAVEPOINT outer_one`, write, `SAVEPOINT inner_one`, write, `RELEASE SAVEPOINT outer_one`, write)
+		}},
+		{name: "savepoints named like the engine's", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			return each(tx, exec, `SAVEPOINT idempotency_sp_1`, write, `SAVEPOINT U&"idempotency_claim"`, write,
+				`ROLLBACK TO SAVEPOINT idempotency_sp_1`, write, `SAVEPOINT idempotency_claim`, write)
+		}},
+		{name: "nested transactions (tx.Begin), a write in each, left open", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			outer, err := tx.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			if err := exec(outer, write); err != nil {
+				return err
+			}
+			inner, err := outer.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			return exec(inner, write)
+		}},
+		{name: "a nested transaction committed, another rolled back", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			for _, commit := range []bool{true, false} {
+				nested, err := tx.Begin(ctx)
+				if err != nil {
+					return err
+				}
+				if err := exec(nested, write); err != nil {
+					return err
+				}
+				end := nested.Rollback
+				if commit {
+					end = nested.Commit
+				}
+				if err := end(ctx); err != nil {
+					return err
+				}
+			}
+			return exec(tx, write)
+		}},
+		{name: "a failed statement in a nested transaction, rolled back", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			nested, err := tx.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			if err := exec(nested, write); err != nil {
+				return err
+			}
+			if err := fails(nested, exec, `SELECT 1/0`); err != nil {
+				return err
+			}
+			if err := nested.Rollback(ctx); err != nil {
+				return err
+			}
+			return exec(tx, write)
+		}},
+		{name: "a savepoint, then a failed statement that leaves the call's transaction aborted", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			if err := each(tx, exec, `SAVEPOINT mine`, write); err != nil {
+				return err
+			}
+			return fails(tx, exec, `SELECT 1/0`)
+		}},
+		{name: "savepoints on tx.Conn()", run: func(ctx context.Context, tx pgx.Tx, exec func(savepointExecer, string) error) error {
+			return each(tx.Conn(), exec, `SAVEPOINT mine`, write, `ROLLBACK TO mine`, write, `SAVEPOINT idempotency_sp_1`, write)
+		}},
+	}
 }
