@@ -157,6 +157,14 @@ func (a *attempt) finishRefused(ctx context.Context, err error) (result, attempt
 		// transaction is not the claim's, so fn ended the call's
 		// transaction and began another.
 		return a.settleEnded(ctx)
+	case sqlSerializationFailure, sqlDeadlockDetected:
+		// At SERIALIZABLE, the transaction's reads do not serialize (fn's,
+		// even those rolled back to the claim's savepoint): nothing
+		// commits, and the key goes with the transaction, as at its COMMIT
+		// (see commitFailed).
+		res, err := a.failed(ctx, "store result", err)
+		res.Outcome = OutcomeReleased
+		return res, attemptDone, err
 	case sqlReadOnlyTransaction:
 		return a.readOnly(ctx, "the key's row could not be written because the call's transaction is read-only", true)
 	case sqlInsufficientPrivilege:

@@ -550,3 +550,70 @@ func handlerSavepointCases() []handlerSavepointCase {
 		}},
 	}
 }
+
+// At SERIALIZABLE a final error commits in the call's transaction, whose
+// reads PostgreSQL counts even once rolled back to a savepoint: a final
+// error the handler decided on reads that do not serialize with the
+// transactions around it is answered as its writes would be, Aborted,
+// nothing stored, and the retry runs the handler again. Here the handler
+// writes a row another open SERIALIZABLE transaction has read, and reads a
+// table a third one then writes and commits.
+func TestSerializableFinalErrorOnReadsThatDoNotSerialize(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE cards (n int); CREATE TABLE audit (n int)`)
+	require.NoError(t, err)
+	reader, err := db.Pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer reader.Release()
+	// An open transaction that read the ledger and wrote elsewhere.
+	_, err = reader.Exec(ctx, `BEGIN ISOLATION LEVEL SERIALIZABLE; SELECT count(*) FROM ledger; INSERT INTO audit VALUES (1)`)
+	require.NoError(t, err)
+
+	var runs atomic.Int64
+	call := idempotency.Call{Key: "k", Method: "m", Isolation: pgx.Serializable}
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		n := runs.Add(1)
+		if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('charge')`); err != nil {
+			return nil, err
+		}
+		var cards int
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM cards`).Scan(&cards); err != nil {
+			return nil, err
+		}
+		if n == 1 {
+			// A card added, and committed, once the handler has read none.
+			w, err := db.Pool.Begin(ctx)
+			if err == nil {
+				_, err = w.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL SERIALIZABLE; INSERT INTO cards VALUES (1)`)
+			}
+			if err == nil {
+				err = w.Commit(ctx)
+			}
+			require.NoError(t, err)
+		}
+		return nil, idempotency.Final(status.Errorf(codes.NotFound, "%d cards", cards))
+	}
+	res, err := store.Execute(ctx, call, fn)
+	require.Equal(t, idempotency.OutcomeReleased, res.Outcome, "%v", err)
+	require.Equal(t, codes.Aborted, status.Code(err), "%v", err)
+	require.False(t, idempotency.IsFinal(err), "nothing stored: %v", err)
+	require.Equal(t, "", keyState(t, db, "k"))
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM ledger`))
+
+	_, err = reader.Exec(ctx, `ROLLBACK`)
+	require.NoError(t, err)
+	res, err = store.Execute(ctx, call, fn)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, "%v", err)
+	require.Equal(t, codes.NotFound, status.Code(err), "%v", err)
+	require.Equal(t, "1 cards", status.Convert(err).Message(), "the retry read the committed card")
+	require.EqualValues(t, 2, runs.Load())
+	res, err = store.Execute(ctx, call, fn)
+	require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "%v", err)
+	require.Equal(t, codes.NotFound, status.Code(err))
+	require.EqualValues(t, 2, runs.Load())
+	require.Zero(t, db.Count(t, `SELECT count(*) FROM ledger`))
+}
