@@ -2,9 +2,12 @@ package idempotency
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -19,6 +22,7 @@ func (c *callRun) attempt(ctx context.Context, fn Func) (result, attemptNext, er
 	}
 	a := &attempt{callRun: c, pc: pc, conn: pc.Conn()}
 	a.params.read(a.conn.PgConn())
+	a.savepoint = claimSavepointOf(a.conn.PgConn())
 	defer a.end(ctx)
 	if a.baseline, err = a.loadBaseline(ctx); err != nil {
 		res, err := c.failed(ctx, "read the session's settings", err)
@@ -56,6 +60,13 @@ type attempt struct {
 	// ctid is the address of the claim's row, valid once the call's
 	// transaction inserted it.
 	ctid pgtype.TID
+	// savepoint is the connection's claim savepoint (see claim).
+	savepoint *claimSavepoint
+	// atClaim: the connection may still be in the claim's transaction,
+	// at or past its savepoint: the claim inserted the key's row, and
+	// since then the engine has neither ended the transaction nor found
+	// the savepoint gone (fn ended the claim's transaction itself).
+	atClaim bool
 	// claimed is who made the claim: its transaction and session, which
 	// say whether anything of the attempt committed when its connection
 	// cannot (see claimFate).
@@ -76,36 +87,41 @@ type attempt struct {
 	// baseline is what the pool made of the session, which the reset after
 	// a commit sets again (see session.go).
 	baseline *sessionBaseline
-	// pair holds the claim's batch, and commitBatch the commit's: the two
-	// every call sends, in storage of the attempt's.
-	pair        batchPair
+	// claimBatch holds the claim's batch, and commitBatch the commit's:
+	// the two every call sends, in storage of the attempt's.
+	claimBatch  claimBatch
 	commitBatch pgx.Batch
 }
 
-// batchPair is a batch of two statements that allocates nothing of its
-// own beyond its arguments.
-type batchPair struct {
+// claimBatch is the claim's batch, its three statements (BEGIN, the claim,
+// SAVEPOINT), allocating nothing of its own beyond the claim's arguments.
+type claimBatch struct {
 	b    pgx.Batch
-	q    [2]pgx.QueuedQuery
-	p    [2]*pgx.QueuedQuery
-	args [9]any
+	q    [3]pgx.QueuedQuery
+	p    [3]*pgx.QueuedQuery
+	args [5]any
 }
 
-// of returns the batch of first (with args) and second, which takes none.
-func (p *batchPair) of(first string, args []any, second string) *pgx.Batch {
-	n := copy(p.args[:], args)
-	p.q = [2]pgx.QueuedQuery{{SQL: first, Arguments: p.args[:n:n]}, {SQL: second}}
-	p.p = [2]*pgx.QueuedQuery{&p.q[0], &p.q[1]}
-	p.b = pgx.Batch{QueuedQueries: p.p[:]}
-	return &p.b
+// of returns the batch of begin, claim (with args) and savepoint.
+func (c *claimBatch) of(begin, claim string, savepoint string, args ...any) *pgx.Batch {
+	n := copy(c.args[:], args)
+	c.q = [3]pgx.QueuedQuery{{SQL: begin}, {SQL: claim, Arguments: c.args[:n:n]}, {SQL: savepoint}}
+	c.p = [3]*pgx.QueuedQuery{&c.q[0], &c.q[1], &c.q[2]}
+	c.b = pgx.Batch{QueuedQueries: c.p[:]}
+	return &c.b
 }
 
 // claim opens the call's transaction with the claim (see
-// statements.claim): one round trip. inserted reports that the claim's row
-// is in: the key is this call's.
+// statements.claim), and ends the round trip with the claim's savepoint,
+// after which fn runs: ROLLBACK TO it undoes fn's work and nothing of the
+// claim's. An outcome stored without fn's writes (a final error) is then
+// written over the claim in the claim's own transaction, whose row and
+// locks hold the key until its COMMIT (see settle); and a failed
+// transaction block goes back to it when the block is the claim's
+// transaction, and only then (see rollbackAborted). One round trip.
+// inserted reports that the claim's row is in: the key is this call's.
 func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
-	b := a.pair.of(a.begin, nil, a.st.claim)
-	b.QueuedQueries[1].Arguments = append(a.pair.args[:0], a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
+	b := a.claimBatch.of(a.begin, a.st.claim, a.savepoint.set, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
 	// Until the claim's answer says otherwise, the transaction may be open
 	// and the session may hold the lock (but never behind a pooler: see
 	// renderStatements).
@@ -120,10 +136,14 @@ func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
 		case err == nil:
 			inserted = true
 		}
+		if err == nil {
+			_, err = br.Exec() // the savepoint
+		}
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
+	a.atClaim = inserted && err == nil
 	if inserted && a.inherited {
 		a.s.defaultSnapshot.Store(snapshotLevel)
 	}
@@ -260,22 +280,71 @@ func (a *attempt) endTx(ctx context.Context, b *pgx.Batch) error {
 		return err
 	}
 	b.Queue("ROLLBACK")
+	a.atClaim = false
 	return nil
 }
 
-// rollbackAborted replaces a transaction that a failed statement aborted
-// with a new one, in a round trip of its own: PostgreSQL runs nothing but
-// a ROLLBACK in an aborted transaction, and pgx parses a statement new to
-// the connection in a round trip before the statements that use it. AND
-// CHAIN keeps the session inside a transaction, so that a transaction
-// pooler keeps the server connection, and the session's lock, with it
-// until the round trip that ends it.
+// inClaim reports whether the connection may be in the claim's
+// transaction, at or past its savepoint (see atClaim).
+func (a *attempt) inClaim() bool {
+	return a.atClaim && a.open && a.conn.PgConn().TxStatus() != 'I'
+}
+
+// rollbackAborted leaves a transaction block that a failed statement
+// aborted, in a round trip of its own: PostgreSQL runs nothing but a
+// ROLLBACK in an aborted transaction, and pgx parses a statement new to the
+// connection in a round trip before the statements that use it.
+//
+// In the claim's transaction, it rolls back to the claim's savepoint:
+// fn's work is undone, and the claim's row and the key's locks stay, so
+// that the key is settled before anyone can claim it, behind a pooler too.
+// A savepoint that is not there (invalid_savepoint_specification) is proof
+// that the failed block is not the claim's transaction: fn ended that one
+// itself, and began another, which may have followed writes committed on
+// their own; atClaim is then false. Otherwise ROLLBACK AND CHAIN replaces
+// the failed block with a new transaction, keeping the session inside one,
+// so that a transaction pooler keeps the server connection with it until
+// the round trip that ends it. Both go in the simple protocol (pgx's
+// statements without arguments do), which parses nothing ahead.
 func (a *attempt) rollbackAborted(ctx context.Context) error {
 	if !a.open || a.conn.PgConn().TxStatus() != 'E' {
 		return nil
 	}
+	if a.inClaim() {
+		_, err := a.conn.Exec(ctx, a.savepoint.rollbackTo)
+		if sqlState(err) != sqlInvalidSavepoint {
+			return err
+		}
+		a.atClaim = false
+	}
 	_, err := a.conn.Exec(ctx, "ROLLBACK AND CHAIN")
 	return err
+}
+
+// claimSavepoint is the savepoint that ends a claim's round trip, under a
+// name of its connection's own. The name is random, made at the
+// connection's first call, so that no handler knows it: a savepoint of a
+// handler's under the same name, made after the engine's, would stop a
+// ROLLBACK TO short of fn's writes before it. Which transaction a ROLLBACK
+// TO lands in never rests on the name: a transaction is the claim's when
+// its id is (statements.releaseCheck), or when it wrote the claim's row
+// (statements.finish). One name per connection keeps pgx's statement cache
+// to one statement of each per connection.
+type claimSavepoint struct{ set, rollbackTo string }
+
+// savepointKey keys a connection's claimSavepoint in its CustomData.
+const savepointKey = "idempotency.claimSavepoint"
+
+// claimSavepointOf returns conn's claimSavepoint, made at its first use.
+func claimSavepointOf(conn *pgconn.PgConn) *claimSavepoint {
+	data := conn.CustomData()
+	if sp, ok := data[savepointKey].(*claimSavepoint); ok {
+		return sp
+	}
+	name := "idempotency_claim_" + strings.ToLower(rand.Text())
+	sp := &claimSavepoint{set: "SAVEPOINT " + name, rollbackTo: "ROLLBACK TO SAVEPOINT " + name}
+	data[savepointKey] = sp
+	return sp
 }
 
 // releaseConn hands a dead connection back to the pool at once, so that a

@@ -34,9 +34,8 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 		// fn ended the call's transaction and began none: whether it
 		// committed the claim or rolled it back, settle says. What it set
 		// for the session after may have been committed on its own.
-		a.open, a.ended = false, true
-		a.reset = "the handler ended the call's transaction"
-		return a.settleWith(fctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+		a.open = false
+		return a.settleEnded(fctx)
 	case h.refused != "":
 		return a.settleWith(fctx, grpcstatus.New(codes.Internal, h.refused))
 	case h.err != nil && !isFinal:
@@ -65,11 +64,7 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 	return a.commit(fctx, h.resp)
 }
 
-// commit writes the call's result over its claim and commits, and resets
-// the session (see session.go): one round trip, the statement that writes
-// the row (and releases the session's lock; the transaction's covers the
-// COMMIT), what a rollback would leave of the session released, the
-// COMMIT, and what the commit kept of the session reset.
+// commit writes the call's result over its claim and commits (see write).
 func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attemptNext, error) {
 	row, err := a.keyRow(resp, nil, true)
 	if err != nil {
@@ -77,13 +72,40 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 		// fn committed the claim or left its transaction (see release).
 		return a.releaseFor(ctx, func() (result, error) { return result{Result: Result{Outcome: OutcomeReleased}}, err })
 	}
+	return a.write(ctx, &row, resp, nil, false)
+}
+
+// write writes row over the call's claim and commits, and resets the
+// session (see session.go): one round trip, the statement that writes the
+// row (and releases the session's lock; the transaction's covers the
+// COMMIT), what a rollback would leave of the session released, the
+// COMMIT, and what the commit kept of the session reset. undo heads the
+// round trip with ROLLBACK TO the claim's savepoint (see claim), which
+// undoes fn's writes, for an outcome stored without them (a final error):
+// the key stays the claim's throughout. The caller gets returned once row
+// is committed.
+func (a *attempt) write(ctx context.Context, row *keyRow, resp proto.Message, returned error, undo bool) (result, attemptNext, error) {
 	b := &a.commitBatch
+	b.QueuedQueries = b.QueuedQueries[:0]
+	if undo {
+		// Tried once: should the round trip fail, the key is settled
+		// outside the claim's transaction.
+		a.atClaim = false
+		b.Queue(a.savepoint.rollbackTo)
+	}
 	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
 	a.queueReleaseHeld(b, true)
 	b.Queue("COMMIT")
 	a.queueReset(b)
 	start := time.Now()
 	br := a.conn.SendBatch(ctx, b)
+	var err error
+	if undo {
+		if _, err = br.Exec(); err != nil {
+			_ = br.Close()
+			return a.finishRefused(ctx, err)
+		}
+	}
 	var one int64
 	var unlocked, prepared bool
 	if err = br.QueryRow().Scan(&one, &unlocked, &prepared); err != nil {
@@ -122,17 +144,27 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 		b.Queue("COMMIT")
 		_, _ = sendAll(ctx, a.conn, b)
 	}
-	return result{Result: Result{Response: resp, Outcome: OutcomeExecuted}, metadata: row.metadata, ownAnswer: true}, attemptDone, nil
+	return result{Result: Result{Response: resp, Outcome: OutcomeExecuted}, metadata: row.metadata, ownAnswer: row.own}, attemptDone, returned
 }
 
 // finishRefused answers a result that the database refused to write over
-// the claim; the call's transaction is aborted, fn's writes with it.
+// the claim, or a ROLLBACK TO the claim's savepoint that failed before it
+// (see write); the call's transaction is aborted, fn's writes with it.
 func (a *attempt) finishRefused(ctx context.Context, err error) (result, attemptNext, error) {
 	switch sqlState(err) {
-	case sqlDivisionByZero:
-		// The statement's guard: the claim is not this transaction's, so fn
-		// ended the call's transaction and began another (see finish).
-		return a.settleWith(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+	case sqlDivisionByZero, sqlInvalidSavepoint:
+		// The statement's guard, or the claim's savepoint gone: the
+		// transaction is not the claim's, so fn ended the call's
+		// transaction and began another.
+		return a.settleEnded(ctx)
+	case sqlSerializationFailure, sqlDeadlockDetected:
+		// At SERIALIZABLE, the transaction's reads do not serialize (fn's,
+		// even those rolled back to the claim's savepoint): nothing
+		// commits, and the key goes with the transaction, as at its COMMIT
+		// (see commitFailed).
+		res, err := a.failed(ctx, "store result", err)
+		res.Outcome = OutcomeReleased
+		return res, attemptDone, err
 	case sqlReadOnlyTransaction:
 		return a.readOnly(ctx, "the key's row could not be written because the call's transaction is read-only", true)
 	case sqlInsufficientPrivilege:

@@ -31,9 +31,13 @@
 // codes.Internal saying what happened, the answer of every caller. The
 // key's lock is also held by the session, which outlives a handler's
 // ROLLBACK, so a duplicate keeps waiting until the engine has settled the
-// key. A fresh call costs one more statement in its first round trip, a
-// row written twice in its commit, and no more round trips than the
-// handler's own BEGIN and COMMIT.
+// key. The claim's round trip ends with a savepoint of a name no handler
+// knows, so that an outcome stored without the handler's writes (a final
+// error) is written over the claim in the call's own transaction, once
+// they are rolled back to it: the key is never free between the two. A
+// fresh call costs two more statements in its first round trip (the claim
+// and the savepoint), a row written twice in its commit, and no more round
+// trips than the handler's own BEGIN and COMMIT.
 //
 // # Server
 //
@@ -70,7 +74,8 @@
 // its statements failed, or leaves a query's rows open. The refusal only
 // makes the error clearer: what gets past it (a COMMIT in a disguise the
 // check does not read) is caught by the claim all the same. Nested
-// transactions (tx.Begin) are savepoints and work as usual. What a handler
+// transactions (tx.Begin) are savepoints and work as usual, and so do the
+// handler's own savepoints, under any name. What a handler
 // leaves in its session past the transaction (settings and role, temporary
 // tables, session advisory locks, statements prepared with PREPARE, cursors
 // WITH HOLD, sequences' current values, LISTEN), however it set it, is
@@ -88,7 +93,10 @@
 // and writes of the key table read no index page inside the call's
 // transaction, so SERIALIZABLE never fails a call for another key's sake. A
 // serialization failure or deadlock of the handler's work is returned as
-// codes.Aborted: nothing committed, retry with the same key.
+// codes.Aborted: nothing committed, retry with the same key. A final error
+// is committed in the call's transaction too, whose reads PostgreSQL
+// counts even once rolled back to a savepoint: one decided on reads that
+// do not serialize is answered the same way, nothing stored.
 //
 // Which methods need a key is written in the .proto files: the
 // (idempotency.v1.method) option of proto/idempotency/v1/idempotency.proto,

@@ -175,6 +175,19 @@ func gapCases() map[string]gapCase {
 			_, err := tx.Exec(ctx, `ROLLBACK; INSERT INTO ledger (note) VALUES ('outside')`)
 			return err
 		}, ledger: 1},
+		// The handler returns success from a failed block of a transaction
+		// of its own: the key keeps the error that says it left the call's
+		// transaction, not that its writes could not be committed.
+		"ROLLBACK, a write committed outside, then a failed transaction of the handler's own": {end: func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `ROLLBACK; INSERT INTO ledger (note) VALUES ('outside'); COMMIT; BEGIN; SELECT 1/0`, pgx.QueryExecModeSimpleProtocol)
+			switch {
+			case err == nil:
+				return errors.New("SELECT 1/0 did not fail")
+			case errors.Is(err, idempotency.ErrTxOwned):
+				return err // refused, nothing sent
+			}
+			return nil // the handler goes on from the failed block
+		}, ledger: 1},
 		"ROLLBACK on tx.Conn(), then a transaction of the handler's own": {end: func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Conn().Exec(ctx, `ROLLBACK; BEGIN; INSERT INTO ledger (note) VALUES ('its own')`)
 			return err

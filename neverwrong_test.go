@@ -796,24 +796,6 @@ func TestMessageThatCanNeverCommitIsDeadLettered(t *testing.T) {
 // What a review of the engine found, each kept as a test: ways around the
 // checks of the call's transaction, and answers that were not one.
 
-// A savepoint spelled U&"idempotency_call" would shadow the engine's, so
-// that a final error rolled back only to it: refused, nothing committed.
-func TestShadowSavepointIsRefused(t *testing.T) {
-	t.Parallel()
-	db := testdb.New(t, 2)
-	store := migratedStore(t, db)
-	createLedger(t, db)
-	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-		if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('must roll back')`); err != nil {
-			return nil, err
-		}
-		_, _ = tx.Exec(ctx, `SAVEPOINT U&"idempotency_call"`)
-		return nil, idempotency.Final(status.Error(codes.NotFound, "no such order"))
-	})
-	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
-	require.Zero(t, db.Count(t, `SELECT count(*) FROM ledger`))
-}
-
 // SQL-standard function bodies (BEGIN ATOMIC ... END) hold semicolons and
 // an END that end no transaction: allowed.
 func TestBeginAtomicBodyIsAllowed(t *testing.T) {
@@ -914,29 +896,40 @@ func TestStoredEngineErrorIsOneAnswer(t *testing.T) {
 	}
 }
 
-// A handler that commits on tx.Conn() and then panics (behind a recovery
-// middleware): its writes may have committed, so the key keeps an error
-// and the handler never runs again; the panic goes on.
-func TestPanicAfterACommitOnConnRunsOnce(t *testing.T) {
+// A handler that ends the call's transaction on tx.Conn() and then panics
+// (behind a recovery middleware): its writes may have committed, with the
+// claim or on their own outside it, so the key keeps an error and the
+// handler never runs again; the panic goes on.
+func TestPanicAfterEndingTheTransactionOnConnRunsOnce(t *testing.T) {
 	t.Parallel()
-	db := testdb.New(t, 4)
-	store := migratedStore(t, db)
-	createLedger(t, db)
-	var runs atomic.Int64
-	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-		if runs.Add(1) == 1 {
-			_, _ = tx.Conn().Exec(ctx, `INSERT INTO ledger (note) VALUES ('x'); COMMIT`)
-			panic("a bug")
-		}
-		_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
-		return wrapperspb.String("x"), err
+	for _, tc := range []struct{ name, sql string }{
+		{name: "a COMMIT", sql: `INSERT INTO ledger (note) VALUES ('x'); COMMIT`},
+		{name: "a ROLLBACK, then a write outside", sql: `ROLLBACK; INSERT INTO ledger (note) VALUES ('x')`},
+		{name: "a ROLLBACK, a write committed outside, then a failed block of its own",
+			sql: `ROLLBACK; INSERT INTO ledger (note) VALUES ('x'); COMMIT; BEGIN; SELECT 1/0`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, 4)
+			store := migratedStore(t, db)
+			createLedger(t, db)
+			var runs atomic.Int64
+			fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				if runs.Add(1) == 1 {
+					_, _ = tx.Conn().Exec(ctx, tc.sql, pgx.QueryExecModeSimpleProtocol)
+					panic("a bug")
+				}
+				_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('x')`)
+				return wrapperspb.String("x"), err
+			}
+			call := idempotency.Call{Key: "k", Method: "m"}
+			require.PanicsWithValue(t, "a bug", func() { _, _ = store.Execute(context.Background(), call, fn) })
+			_, err := store.Execute(context.Background(), call, fn)
+			requireStoredInternal(t, err, "ended the call's transaction")
+			require.EqualValues(t, 1, runs.Load())
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+		})
 	}
-	call := idempotency.Call{Key: "k", Method: "m"}
-	require.PanicsWithValue(t, "a bug", func() { _, _ = store.Execute(context.Background(), call, fn) })
-	_, err := store.Execute(context.Background(), call, fn)
-	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
-	require.EqualValues(t, 1, runs.Load())
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
 }
 
 // The middleware mounted twice (on a router group and on its route), and

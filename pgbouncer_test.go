@@ -548,3 +548,86 @@ func TestThroughPgBouncerLostAttemptNeverEndsAnotherClientsSession(t *testing.T)
 	require.Equal(t, status.Convert(err1).Proto().String(), status.Convert(err2).Proto().String(), "every caller of the key gets the same answer")
 	require.EqualValues(t, 1, runs.Load())
 }
+
+// Behind PgBouncer the key's lock is the call's transaction's alone. A
+// handler's final error must be stored before that transaction's lock and
+// claim lapse: a duplicate that claimed the key in between would run the
+// handler again, and the first caller would get the duplicate's answer
+// (or "in progress") instead of its own stored error. A trigger of the
+// test's on the key table holds the first call's first write of the key
+// table once its handler has returned (the handler marks its session with
+// an advisory lock of its own, which outlives any rollback), so that a
+// duplicate comes in that moment every time: the handler must still run
+// once, and every caller get the final error its one run returned.
+func TestThroughPgBouncerFinalErrorIsStoredBeforeADuplicateCanClaim(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	pool := bouncedPool(t, "")
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable),
+		idempotency.WithInProgressWait(500*time.Millisecond))
+	require.NoError(t, err)
+	ctx := context.Background()
+	lockKey := time.Now().UnixNano() & (1<<31 - 1)
+	marker := lockKey + 1
+	_, err = db.Pool.Exec(ctx, fmt.Sprintf(`CREATE FUNCTION held() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF EXISTS (SELECT FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND classid = 0 AND objid = %d AND objsubid = 1) THEN
+    PERFORM pg_advisory_xact_lock(%d);
+  END IF;
+  RETURN NULL;
+END $$;
+CREATE TRIGGER held BEFORE UPDATE OR DELETE ON %s FOR EACH STATEMENT EXECUTE FUNCTION held()`, marker, lockKey, pgx.Identifier{db.Schema, idempotency.DefaultTable}.Sanitize()))
+	require.NoError(t, err)
+	holder, err := testdb.Admin(t).Acquire(ctx)
+	require.NoError(t, err)
+	t.Cleanup(holder.Release)
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_lock($1)`, lockKey)
+	require.NoError(t, err)
+	var unlockOnce sync.Once
+	unlock := func() {
+		unlockOnce.Do(func() {
+			_, err := holder.Exec(context.Background(), `SELECT pg_advisory_unlock($1)`, lockKey)
+			require.NoError(t, err)
+		})
+	}
+	t.Cleanup(unlock)
+
+	var runs atomic.Int64
+	call := idempotency.Call{Key: "k", Method: "m"}
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if runs.Add(1) > 1 {
+			return wrapperspb.String("ran again"), nil
+		}
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_lock($1)`, marker); err != nil {
+			return nil, err
+		}
+		return nil, idempotency.Final(status.Error(codes.NotFound, "no such card"))
+	}
+	type answer struct {
+		res idempotency.Result
+		err error
+	}
+	first := make(chan answer, 1)
+	go func() {
+		res, err := store.Execute(ctx, call, fn)
+		first <- answer{res, err}
+	}()
+	// The first call is held in its first write of the key table after
+	// its handler returned, or has answered already.
+	require.Eventually(t, func() bool {
+		return len(first) > 0 || db.Count(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
+AND classid = 0 AND objid = $1 AND objsubid = 1`, lockKey) > 0
+	}, liveness, time.Millisecond, "the first call to store its final error")
+	res, err := store.Execute(ctx, call, fn)
+	t.Logf("the caller that came meanwhile: %v, %v", res.Outcome, err)
+	unlock()
+	got := await(t, first, "the first caller")
+	require.EqualValues(t, 1, runs.Load(), "the handler ran once; the first caller got %v: %v", got.res.Outcome, got.err)
+	require.Equal(t, codes.NotFound, status.Code(got.err), "the first caller: %v", got.err)
+	for range 4 {
+		res, err := store.Execute(ctx, call, fn)
+		require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "%v", err)
+		require.Equal(t, statusBytes(t, got.err), statusBytes(t, err), "every caller of the key gets the first caller's answer")
+	}
+	require.EqualValues(t, 1, runs.Load(), "the handler ran once")
+}

@@ -113,12 +113,30 @@ func (c *callRun) answer(s settled, ran bool, row *keyRow, resp proto.Message, r
 	return res, err
 }
 
-// settle stores row as the call's outcome outside the call's transaction,
-// on the attempt's connection (see settleOn): the call's transaction is
-// rolled back, fn's writes with it, in the same round trip. returned is
-// the error the caller gets when row is stored. row nil only settles a
-// claim found committed.
+// settle stores row as the call's outcome, returned being the error the
+// caller gets when row is stored; row nil only settles a claim found
+// committed.
+//
+// In the claim's transaction, fn's work is rolled back to the claim's
+// savepoint, and row written over the claim and committed, in one round
+// trip (see write): the claim's row and the key's locks hold the key until
+// that COMMIT, so that no duplicate claims it before row is stored, behind
+// a pooler too. Outside it (fn ended the claim's transaction, or the
+// engine did), row is stored in a transaction of its own, on the attempt's
+// connection (see settleOn), the open transaction rolled back in the same
+// round trip. A claim's savepoint found gone says that fn ended the
+// claim's transaction itself: the key keeps the error that says so (see
+// settleEnded).
 func (a *attempt) settle(ctx context.Context, row *keyRow, resp proto.Message, returned error) (result, attemptNext, error) {
+	if row != nil && a.inClaim() {
+		if err := a.rollbackAborted(ctx); err != nil {
+			return a.finishFailed(ctx, err)
+		}
+		if !a.atClaim {
+			return a.settleEnded(ctx)
+		}
+		return a.write(ctx, row, resp, returned, true)
+	}
 	b := &pgx.Batch{}
 	if err := a.endTx(ctx, b); err != nil {
 		return a.finishFailed(ctx, err)
@@ -130,6 +148,17 @@ func (a *attempt) settle(ctx context.Context, row *keyRow, resp proto.Message, r
 	a.open, a.session = false, false
 	res, err := a.answer(s, a.ran, row, resp, returned)
 	return res, attemptDone, err
+}
+
+// settleEnded settles a call whose fn ended the claim's transaction
+// itself: whatever it committed, with the claim or on its own after it,
+// the key keeps the error that says so (a committed claim is settled
+// first, see settleOn), and the connection, whose session fn may have
+// changed outside the call's transaction, is closed when the attempt ends.
+func (a *attempt) settleEnded(ctx context.Context) (result, attemptNext, error) {
+	a.atClaim, a.ended = false, true
+	a.reset = "the handler ended the call's transaction"
+	return a.settleWith(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
 }
 
 // settleWith stores st, an error of the engine's, as the call's final
@@ -159,25 +188,24 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 
 // release rolls the call's transaction back, releases the key and resets
 // the session (see session.go), in one round trip, for a call whose fn
-// failed. settled reports that the key was
-// settled instead, res and err being its answer: fn had committed the
-// claim (it ended the transaction itself first), which the same round trip
-// settles, or had left the claim's transaction for another (see
-// statements.releaseCheck), which may have committed anything: the key
-// then keeps the error that says so; or the claim had committed and a
-// caller that came meanwhile settled it (see probe): the key's answer is
-// this caller's too.
+// failed. settled reports that the key was settled instead, res and err
+// being its answer: fn had committed the claim (it ended the transaction
+// itself first), which the same round trip settles, or had left the
+// claim's transaction for another (see statements.releaseCheck), which may
+// have committed anything: the key then keeps the error that says so.
 func (a *attempt) release(ctx context.Context) (res result, settled bool, err error) {
+	// A failed transaction block runs nothing but a ROLLBACK: it is left
+	// first, for the claim's savepoint when it is the claim's
+	// transaction, for a new transaction when it is not (see
+	// rollbackAborted). Then the round trip checks that the transaction
+	// is still the claim's, which no handler can fake, and only then
+	// releases what the session holds (a session outside any transaction
+	// fails the check too). abandon settles a claim that fn committed.
 	b := &pgx.Batch{}
-	// In a transaction that has not failed, the round trip first checks
-	// that it is still the claim's, and only then releases what the
-	// session holds. A failed one runs nothing but its ROLLBACK (see
-	// rollbackAborted) and shows no transaction: whether fn had committed
-	// the claim before (a COMMIT AND CHAIN, then a statement that failed)
-	// is read after the ROLLBACK, from the claim's transaction. abandon
-	// settles such a claim, unless a caller that came meanwhile did.
-	check := a.ran && a.open && a.conn.PgConn().TxStatus() == 'T'
-	failed := a.ran && a.open && a.conn.PgConn().TxStatus() == 'E'
+	check := a.ran && a.open
+	if err := a.rollbackAborted(ctx); err != nil {
+		return result{}, false, err
+	}
 	if check {
 		b.Queue(a.st.releaseCheck, a.claimed.xact)
 	}
@@ -185,9 +213,6 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		return result{}, false, err
 	}
 	b.Queue(a.st.abandon, a.call.Scope, a.key, abandonedStatus)
-	if failed {
-		b.Queue(a.st.claimStatus, a.claimed.xact)
-	}
 	if a.session && !check {
 		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
@@ -197,15 +222,12 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		a.queueReset(b)
 	}
 	claims, abandoned, prepared := true, false, false
-	var fate *string // the claim's transaction's, in a failed block
 	br := a.conn.SendBatch(ctx, b)
 	for _, q := range b.QueuedQueries[:release] {
 		switch q.SQL {
 		case a.st.releaseCheck:
 			var unlocked *bool
 			err = br.QueryRow().Scan(&claims, &unlocked, &prepared)
-		case a.st.claimStatus:
-			err = br.QueryRow().Scan(&fate)
 		case a.st.abandon:
 			var tag pgconn.CommandTag
 			tag, err = br.Exec()
@@ -243,20 +265,8 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 		// what it held, the key's lock among them: settled as for a
 		// handler that returns outside any transaction (see finish), the
 		// session released in the settle's round trip.
-		a.ended = true
-		a.reset = "the handler ended the call's transaction"
-		res, _, err := a.settleWith(ctx, grpcstatus.New(codes.Internal, errHandlerEndedTx))
+		res, _, err := a.settleEnded(ctx)
 		return res, true, err
-	case fate == nil:
-	case *fate == "committed":
-		// fn committed the claim, and another caller settled it first.
-		res, _, err := a.settle(ctx, nil, nil, nil)
-		return res, true, err
-	case *fate == "in progress":
-		// fn prepared the claim's transaction (PREPARE TRANSACTION), and
-		// began another.
-		return result{Result: Result{Outcome: OutcomeInProgress}}, true,
-			inProgress("the call's transaction is still open in the database (the handler prepared it)", a.s.opts.retryDelay)
 	}
 	return result{}, false, nil
 }

@@ -129,7 +129,9 @@ WHERE scope = $1::text AND key = $2::text AND expires_at < pg_catalog.clock_time
 		releaseCheck: `SELECT c.claims, CASE WHEN c.claims THEN pg_catalog.pg_advisory_unlock_all() IS NULL END,
 EXISTS (SELECT FROM pg_catalog.pg_prepared_statements WHERE from_sql)
 FROM (SELECT pg_catalog.txid_current_if_assigned() IS NOT DISTINCT FROM $1::bigint AS claims) c`,
-		// The result, written over the claim, with the COMMIT after it. The
+		// The result, written over the claim, with the COMMIT after it; a
+		// final error too, once fn's writes are rolled back to the claim's
+		// savepoint (see attempt.write), which keeps the claim's row. The
 		// row is found by its address (a TID scan reads no index, so
 		// SERIALIZABLE tracks no conflict with other keys), and only if
 		// this very transaction inserted it: if the handler ended the
@@ -185,8 +187,7 @@ LEFT JOIN {{table}} k ON k.scope = $1::text AND k.key = $2::text`),
 		endSessionWait: endSession("a.pid, $4::bigint", pooled),
 		// Then what became of the claim's transaction: committed, aborted,
 		// or in progress (its session could not be ended, or it was
-		// prepared). A release of a session in a failed transaction block,
-		// which shows no transaction, reads it too, after its ROLLBACK.
+		// prepared).
 		claimStatus: `SELECT pg_catalog.txid_status($1::bigint)`,
 		lookup:      r.Replace(`SELECT {{record}} FROM {{table}} WHERE scope = $1::text AND key = $2::text`),
 		// A claim that a handler's own COMMIT made durable is settled as
@@ -195,11 +196,11 @@ LEFT JOIN {{table}} k ON k.scope = $1::text AND k.key = $2::text`),
 		// is invisible.
 		abandon: r.Replace(`UPDATE {{table}} SET state = 'failed', response_type = NULL, response = NULL, status = $3::bytea, metadata = NULL,
 completed_at = pg_catalog.clock_timestamp() WHERE scope = $1::text AND key = $2::text AND state = 'running'`),
-		// A final outcome stored in a transaction of its own, unless the key
-		// has a row or another session holds its lock (a duplicate that
-		// took over the key, whose row this would wait for). The
-		// transaction's lock, taken here, lets the session release its own
-		// before the COMMIT.
+		// A final outcome stored in a transaction of its own, once the
+		// claim's is gone (see settle), unless the key has a row or another
+		// session holds its lock (a duplicate that took over the key, whose
+		// row this would wait for). The transaction's lock, taken here, lets
+		// the session release its own before the COMMIT.
 		insertFinal: r.Replace(`INSERT INTO {{table}} (scope, key, method, fingerprint, state, response_type, response, status, metadata, created_at, completed_at, expires_at)
 SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text, NULLIF($6::text, ''), $7::bytea, $8::bytea, $10::bytea, t.now, t.now, t.now + $9::bigint * interval '1 microsecond'
 FROM (SELECT pg_catalog.clock_timestamp() AS now) t WHERE pg_catalog.pg_try_advisory_xact_lock({{lock_key}})

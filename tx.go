@@ -603,7 +603,7 @@ var _ pgx.Tx = (*savepointTx)(nil)
 func (t *callTx) beginSavepoint(ctx context.Context) (pgx.Tx, error) {
 	t.state.Lock()
 	t.savepoints++
-	name := reservedPrefix + "sp_" + strconv.Itoa(t.savepoints)
+	name := "idempotency_sp_" + strconv.Itoa(t.savepoints)
 	t.state.Unlock()
 	if _, err := t.conn.Exec(ctx, "SAVEPOINT "+name); err != nil {
 		return nil, err

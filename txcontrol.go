@@ -2,11 +2,6 @@ package idempotency
 
 import "strings"
 
-// reservedPrefix starts the names of the savepoints the engine and its
-// nested transactions create; a handler's SQL may not create, release or
-// roll back to one of them.
-const reservedPrefix = "idempotency_"
-
 // txControl returns the first statement of sql (one statement, or several
 // separated by semicolons, as the simple protocol allows) that would end or
 // reshape the call's transaction, named for an error message; "" when
@@ -14,10 +9,10 @@ const reservedPrefix = "idempotency_"
 // ROLLBACK (but not ROLLBACK TO SAVEPOINT), PREPARE TRANSACTION, SET
 // TRANSACTION, SET SESSION CHARACTERISTICS, SET of the settings behind
 // those two and of standard_conforming_strings (which changes how SQL
-// reads), DEALLOCATE (which would pull the connection's prepared statements
-// from under pgx), and savepoint statements naming the engine's own
-// savepoints; an identifier written U&"..." where one of those names could
-// hide.
+// reads), and DEALLOCATE (which would pull the connection's prepared
+// statements from under pgx); a setting written U&"..." where one of those
+// names could hide. Savepoints are the handler's to use, under any name:
+// the engine's own has a name no handler knows (see claimSavepoint).
 //
 // It reads SQL as PostgreSQL's lexer does, both with
 // standard_conforming_strings on (the default since 9.1) and off, and
@@ -57,22 +52,11 @@ func scanTxControl(sql string, backslashQuotes bool) string {
 			}
 		case "rollback":
 			switch l.word() {
-			case "to":
-				if n := l.savepointName(); reserved(n) {
-					return "ROLLBACK TO SAVEPOINT " + n
-				}
+			case "to": // ROLLBACK TO SAVEPOINT, within the transaction
 			case "prepared":
 				return "ROLLBACK PREPARED"
 			default:
 				return "ROLLBACK"
-			}
-		case "release":
-			if n := l.savepointName(); reserved(n) {
-				return "RELEASE SAVEPOINT " + n
-			}
-		case "savepoint":
-			if n := l.ident(); reserved(n) {
-				return "SAVEPOINT " + n
 			}
 		case "prepare":
 			if l.word() == "transaction" {
@@ -93,12 +77,6 @@ func scanTxControl(sql string, backslashQuotes bool) string {
 // unicodeIdent stands for an identifier written U&"...", whose escapes
 // could spell any name.
 const unicodeIdent = "U&\"...\""
-
-// reserved reports whether a savepoint name is, or could be, one of the
-// engine's.
-func reserved(name string) bool {
-	return strings.HasPrefix(name, reservedPrefix) || name == unicodeIdent
-}
 
 // maybeStatementName reports whether sql could be the name of a prepared
 // statement rather than SQL: no spaces, and not starting with a word that
@@ -210,16 +188,6 @@ func (l *sqlLexer) ident() string {
 		return strings.ReplaceAll(quoted, `""`, `"`)
 	}
 	return l.word()
-}
-
-// savepointName reads the name after ROLLBACK TO or RELEASE, skipping the
-// optional SAVEPOINT keyword.
-func (l *sqlLexer) savepointName() string {
-	save := l.i
-	if l.word() != "savepoint" {
-		l.i = save
-	}
-	return l.ident()
 }
 
 // setTarget reads what a SET statement sets and names it when it is the

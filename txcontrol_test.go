@@ -31,11 +31,6 @@ func TestUnitTxControlFindsStatementsThatEndTheTransaction(t *testing.T) {
 		"SET transaction_read_only = on":                          "SET transaction_read_only",
 		"SET LOCAL default_transaction_isolation TO serializable": "SET default_transaction_isolation",
 		`SET "transaction_isolation" = 'serializable'`:            "SET transaction_isolation",
-		"SAVEPOINT idempotency_call":                              "SAVEPOINT idempotency_call",
-		"RELEASE SAVEPOINT idempotency_call":                      "RELEASE SAVEPOINT idempotency_call",
-		"RELEASE idempotency_sp_1":                                "RELEASE SAVEPOINT idempotency_sp_1",
-		"ROLLBACK TO SAVEPOINT idempotency_call":                  "ROLLBACK TO SAVEPOINT idempotency_call",
-		`ROLLBACK TO "idempotency_call"`:                          "ROLLBACK TO SAVEPOINT idempotency_call",
 	}
 	for sql, want := range refused {
 		if got, _ := txControl(sql); got != want {
@@ -59,6 +54,11 @@ func TestUnitTxControlFindsStatementsThatEndTheTransaction(t *testing.T) {
 		"ROLLBACK TO SAVEPOINT mine",
 		"ROLLBACK TO mine",
 		"RELEASE SAVEPOINT mine",
+		// Any name: the engine's own savepoint has one no handler knows.
+		"SAVEPOINT idempotency_call",
+		`SAVEPOINT U&"idempotency_call"`,
+		"RELEASE idempotency_sp_1",
+		`ROLLBACK TO "idempotency_sp_1"`,
 		"SET LOCAL search_path = tenant_1",
 		"SET search_path TO tenant_1, public",
 		"SET TIME ZONE 'UTC'",
