@@ -12,10 +12,12 @@
 #   floor_lib      the same on the library's table (primary key and expiry index): the floor
 #   eng_v3         the engine before the row claim: try-lock and lookup, SAVEPOINT; handler; key row, COMMIT
 #   eng_row        the row claim: try-lock, INSERT running ON CONFLICT DO NOTHING, SAVEPOINT; handler; UPDATE, COMMIT
-#   eng_v4         the engine now: one INSERT ... WHERE the session and transaction locks ON CONFLICT DO NOTHING;
+#   eng_v4         the engine before eng_v5: one INSERT ... WHERE the session and transaction locks ON CONFLICT DO NOTHING;
 #                  handler; the UPDATE (by primary key here: pgbench cannot carry the claim's ctid) releasing the
 #                  session lock, in a failing count wrapper, COMMIT
 #   eng_v4_cte     eng_v4 with the claim written as a data-modifying CTE (measured, and not taken)
+#   eng_v5         eng_v4 with what the claim reports, the claim's SAVEPOINT, the release of the session's
+#                  advisory locks in the commit's statement, and the session's reset after the COMMIT
 #
 # Usage: run.sh [rounds] [seconds]   (needs the local PostgreSQL; SCRIPTS="..." to choose)
 set -u
@@ -37,7 +39,7 @@ ticks=$(getconf CLK_TCK)
 server_cpu() { # utime + stime + cutime + cstime of the postmaster, in ticks
 	awk '{sub(/^.*\) /, ""); print $12 + $13 + $14 + $15}' "/proc/$postmaster/stat"
 }
-scripts=${SCRIPTS:-plain floor_pk floor_lib eng_v3 eng_row eng_v4 eng_v4_cte}
+scripts=${SCRIPTS:-plain floor_pk floor_lib eng_v3 eng_row eng_v4 eng_v4_cte eng_v5}
 declare -A tps cpu
 for r in $(seq 1 "$rounds"); do
 	set -- $scripts; n=$#; order=""
