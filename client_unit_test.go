@@ -43,7 +43,7 @@ func TestUnitClientKeyChoice(t *testing.T) {
 	// trust to skip looking for a stored result.
 	sent := func(ctx context.Context) metadata.MD {
 		var md metadata.MD
-		err := o.interceptor(false)(ctx, method, nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
+		err := o.interceptor(nil)(ctx, method, nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
 			md, _ = metadata.FromOutgoingContext(ctx)
 			return nil
 		})
@@ -91,12 +91,12 @@ func TestUnitClientKeyChoice(t *testing.T) {
 func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 	t.Parallel()
 	ctx := WithOutgoingKey(context.Background(), "abc")
-	k, ok := CallKeyFromContext(ctx)
+	k, ok := IncomingKey(ctx)
 	require.False(t, ok)
 	require.Empty(t, k)
 
 	served := withCall(context.Background(), &callTx{attempt: &attempt{callRun: &callRun{s: &Store{opts: defaultStoreOptions()}, tp: &transport{}, call: Call{Scope: "scope", Key: "served-key"}, key: "served-key"}}})
-	k, ok = CallKeyFromContext(served)
+	k, ok = IncomingKey(served)
 	require.True(t, ok)
 	require.Equal(t, "served-key", k)
 	chosen, _, err := evaluateClientOptions(nil).keyFor(WithEffect(served, "charge"), "/no.such.Service/Charge", nil)
@@ -110,7 +110,7 @@ func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (str
 	return o.keyWith(ctx, method, policyForRequest(method, req), md)
 }
 
-// The defaults of the ready chain, which the README's Client table lists:
+// The defaults of the client interceptor, which the README's Client table lists:
 // a budget that outlasts a failover, no count of attempts, no timeout per
 // attempt.
 func TestUnitClientDefaults(t *testing.T) {
@@ -121,8 +121,6 @@ func TestUnitClientDefaults(t *testing.T) {
 	require.Zero(t, o.perAttemptTimeout, "WithPerAttemptTimeout: none, the call's deadline bounds an attempt")
 	require.Equal(t, 50*time.Millisecond, o.backoffBase, "WithRetryBackoff base")
 	require.Equal(t, 2*time.Second, o.backoffMax, "WithRetryBackoff max")
-	require.Len(t, UnaryClientInterceptors(), 2, "the key and retry interceptors, nothing that times attempts")
-	require.Len(t, UnaryClientInterceptors(WithPerAttemptTimeout(time.Second)), 3)
 }
 
 // How one call's retrying decides, attempt by attempt.

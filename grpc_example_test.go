@@ -26,7 +26,7 @@ func ExampleStreamServerInterceptor() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := store.Migrate(ctx); err != nil { // or apply store.Migrations() with your own tool
+	if err := store.Migrate(ctx); err != nil { // or apply idempotency.Migrations with your own tool
 		log.Fatal(err)
 	}
 	go func() { _ = store.RunCleaner(ctx, time.Minute, 1000, func(err error) { log.Print(err) }) }()

@@ -183,7 +183,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintln(stdout, "migrations applied")
 	case "cleanup":
-		n, err := store.DeleteAllExpired(ctx, batch)
+		n, err := store.DeleteExpired(ctx, batch)
 		if err != nil {
 			fmt.Fprintf(stdout, "deleted %d expired keys before the error\n", n)
 			return fail(err)
@@ -448,7 +448,7 @@ func sqlCommand(args []string, schema, table string, stdout, stderr io.Writer) i
 		fmt.Fprintf(stderr, "idempotency sql: -down applies to -format plain only; -format %s writes both directions in its files\n", *format)
 		return 2
 	}
-	ms, err := idempotency.MigrationsFor(schema, table)
+	ms, err := idempotency.Migrations(schema, table)
 	if err != nil {
 		fmt.Fprintln(stderr, "idempotency sql:", message("sql", err))
 		return 2
