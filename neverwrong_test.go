@@ -992,7 +992,7 @@ func TestInspectAndForgetNameEachTransportsKey(t *testing.T) {
 	require.Equal(t, "x", rec.Key)
 	require.Equal(t, "POST /v1/charges", rec.Method)
 
-	require.NoError(t, e.store.Forget(ctx, "", "http x"), "the HTTP charge")
+	require.NoError(t, e.store.Forget(ctx, "", "http x", ""), "the HTTP charge")
 	_, err = e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
 	require.NoError(t, err)
 	require.Equal(t, 1, runs, "the gRPC key was left alone")
