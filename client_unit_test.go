@@ -164,3 +164,42 @@ func TestUnitRetryState(t *testing.T) {
 	require.Contains(t, rs.stop, "the call's deadline")
 	require.Contains(t, rs.explain(unavailable).Error(), "gave up after 1 attempt in")
 }
+
+// WithMaxAttempts(1) makes the interceptor the key alone, with no retry
+// interceptor inside: a keyed call is sent once, a retry interceptor of the
+// application's below it sees none of this package's retry options, and
+// WithPerAttemptTimeout bounds that one attempt, naming the option, as
+// the interceptor with retries bounds each of its attempts.
+func TestUnitKeyAlone(t *testing.T) {
+	t.Parallel()
+	const method = "/no.such.Service/Charge"
+	for _, c := range []struct {
+		name    string
+		opts    []ClientOption
+		wantErr error
+	}{
+		{"the key alone", []ClientOption{WithMaxAttempts(1)}, nil},
+		{"its one attempt bounded", []ClientOption{WithMaxAttempts(1), WithPerAttemptTimeout(time.Millisecond)}, ErrAttemptTimeout},
+	} {
+		var attempts int
+		var seen []grpc.CallOption
+		err := UnaryClientInterceptor(c.opts...)(WithOutgoingKey(context.Background(), "order-7"), method, nil, nil, nil,
+			func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, opts ...grpc.CallOption) error {
+				attempts++
+				seen = opts
+				if _, bounded := ctx.Deadline(); bounded {
+					<-ctx.Done() // a server that hangs past the attempt's deadline
+					return status.FromContextError(ctx.Err()).Err()
+				}
+				return status.Error(codes.Unavailable, "down")
+			}, retry.WithMax(3))
+		require.Equal(t, 1, attempts, c.name)
+		require.Len(t, seen, 1, "%s: only the caller's own option goes below", c.name)
+		if c.wantErr != nil {
+			require.ErrorIs(t, err, c.wantErr, c.name)
+			require.Contains(t, err.Error(), "WithPerAttemptTimeout", c.name)
+		} else {
+			require.Equal(t, codes.Unavailable, status.Code(err), c.name)
+		}
+	}
+}

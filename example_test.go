@@ -70,6 +70,19 @@ func callerFromContext(ctx context.Context) (string, error) {
 	return "", status.Error(codes.Unauthenticated, "no verified client id")
 }
 
+// The store's calls in the service's log, one line each, without their
+// keys, beside OpenTelemetry's or any other tracer.
+func ExampleLogTracer() {
+	var pool *pgxpool.Pool             // the service's pool
+	var metrics idempotency.Tracer     // idempotencyotel.NewTracer(...), say
+	logs := idempotency.LogTracer(nil) // slog.Default()
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(idempotency.JoinTracers(metrics, logs)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	_ = store
+}
+
 // One interceptor gives every logical call one key and retries it under
 // that key.
 func ExampleUnaryClientInterceptor() {

@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"log"
+	"log/slog"
 	"net"
 	"time"
 
@@ -22,7 +23,7 @@ func ExampleStreamServerInterceptor() {
 		log.Fatal(err)
 	}
 	defer pool.Close()
-	store, err := idempotency.NewStore(pool)
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(idempotency.LogTracer(slog.Default())))
 	if err != nil {
 		log.Fatal(err)
 	}
