@@ -150,14 +150,18 @@ func TestServerServesLogsAndStopsGracefully(t *testing.T) {
 	requireStopped(t, stopped)
 	out := logs.String()
 	for _, want := range []string{
-		`level=INFO msg=call transport=http method="POST /v1/charges" outcome=executed key=server-test-http status=200`,
-		"level=INFO msg=call transport=grpc method=/payments.v1.PaymentService/Charge outcome=executed key=server-test-1 code=OK",
+		`level=INFO msg="idempotency call" transport=http method="POST /v1/charges" scope=alice outcome=executed`,
+		"level=INFO msg=\"idempotency call\" transport=grpc method=/payments.v1.PaymentService/Charge attempt=1 outcome=executed",
 		"outcome=replayed",
-		"level=WARN msg=call transport=grpc method=/payments.v1.PaymentService/Charge outcome=key_reused key=server-test-1 code=FailedPrecondition",
+		"level=WARN msg=\"idempotency call\" transport=grpc method=/payments.v1.PaymentService/Charge attempt=1 outcome=key_reused",
+		"code=FailedPrecondition",
 		"shutting down",
-		"level=INFO msg=call service=provider transport=http method=\"POST /v1/charges\" outcome=executed key=dk2-",
+		`level=INFO msg="idempotency call" service=provider transport=http method="POST /v1/charges" scope=payments-example outcome=executed`,
 	} {
 		require.Contains(t, out, want)
+	}
+	for _, key := range []string{"server-test-", "dk2-"} {
+		require.NotContains(t, out, key, "the log carries no key, the client's nor a derived one")
 	}
 }
 
