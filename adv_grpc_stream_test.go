@@ -46,7 +46,7 @@ func TestAdvStreamWithOutgoingKeyIsRefused(t *testing.T) {
 	srv.RegisterService(uploadsDesc(e, &runs), struct{}{})
 	conn, err := grpc.NewClient("passthrough:///"+serve(t, srv),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 

@@ -55,7 +55,7 @@ type Call struct {
 // everything written through it commits together with the stored result, or
 // not at all. Func must not commit or roll back tx; the returned error does
 // that (see [Final]). The same tx, and the call's key, are available to code
-// deeper in the call through [TxFromContext] and [CallKeyFromContext].
+// deeper in the call through [TxFromContext] and [IncomingKey].
 type Func func(ctx context.Context, tx pgx.Tx) (proto.Message, error)
 
 // Outcome says what [Store.Execute] did with a call.

@@ -9,17 +9,6 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// DeleteExpired deletes up to limit expired keys and reports how many it
-// deleted, oldest first. Cleaners on several replicas may run at once: a
-// batch only ever deletes keys that are expired when it runs.
-func (s *Store) DeleteExpired(ctx context.Context, limit int) (int64, error) {
-	if limit <= 0 {
-		return 0, fmt.Errorf("idempotency: DeleteExpired: limit must be positive, got %d", limit)
-	}
-	n, _, err := s.deleteBatch(ctx, limit, false)
-	return n, err
-}
-
 // deleteBatch deletes one batch of up to limit expired keys. Paced, as in
 // a round of the cleaner, a full batch is followed by a pause of nine times
 // as long as it took, which it returns, and traces with the batch.
@@ -46,7 +35,7 @@ func (s *Store) deleteBatch(ctx context.Context, limit int, paced bool) (deleted
 	return tag.RowsAffected(), pause, err
 }
 
-// DeleteAllExpired deletes every expired key, in batches of batchSize, as
+// DeleteExpired deletes every expired key, in batches of batchSize, as
 // one round of [Store.RunCleaner] does: batches until one comes back short,
 // and between two batches a pause of nine times as long as the last one
 // took, so that it spends at most a tenth of its time deleting and never
@@ -54,10 +43,11 @@ func (s *Store) deleteBatch(ctx context.Context, limit int, paced bool) (deleted
 // (after downtime, or a TTL shortened). It returns how many keys it
 // deleted, with the error of the batch that failed, or ctx's if ctx was
 // done during a pause. A tracer that is a [CleanerTracer] sees each batch,
-// and the pause after it.
-func (s *Store) DeleteAllExpired(ctx context.Context, batchSize int) (int64, error) {
+// and the pause after it. Cleaners on several replicas may run at once: a
+// batch only ever deletes keys that are expired when it runs.
+func (s *Store) DeleteExpired(ctx context.Context, batchSize int) (int64, error) {
 	if batchSize <= 0 {
-		return 0, fmt.Errorf("idempotency: DeleteAllExpired: batch size must be positive, got %d", batchSize)
+		return 0, fmt.Errorf("idempotency: DeleteExpired: batch size must be positive, got %d", batchSize)
 	}
 	var total int64
 	for {
@@ -81,7 +71,7 @@ func (s *Store) DeleteAllExpired(ctx context.Context, batchSize int) (int64, err
 // are passed to onError when it is not nil, and the cleaner keeps going.
 // Run it in its own goroutine; one per replica is fine.
 //
-// Each round is a [Store.DeleteAllExpired]: while a backlog lasts, it
+// Each round is a [Store.DeleteExpired]: while a backlog lasts, it
 // pauses between batches for nine times as long as the last batch took.
 func (s *Store) RunCleaner(ctx context.Context, interval time.Duration, batchSize int, onError func(error)) error {
 	if interval <= 0 || batchSize <= 0 {
@@ -90,7 +80,7 @@ func (s *Store) RunCleaner(ctx context.Context, interval time.Duration, batchSiz
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
-		if _, err := s.DeleteAllExpired(ctx, batchSize); err != nil && ctx.Err() == nil && onError != nil {
+		if _, err := s.DeleteExpired(ctx, batchSize); err != nil && ctx.Err() == nil && onError != nil {
 			onError(err)
 		}
 		select {

@@ -40,11 +40,10 @@ SELECT 's', 'expired-' || i, 'm', '\x00', 'succeeded', now() - interval '2 hours
 	require.NoError(t, err)
 }
 
-// DeleteAllExpired is a round of the cleaner: 25 expired keys in batches
-// of 10 are three batches, the two full ones each followed by a pause of
-// nine times its duration, the short one by none; DeleteExpired, one batch
-// alone, pauses after none.
-func TestDeleteAllExpiredPacesItsBatches(t *testing.T) {
+// DeleteExpired is a round of the cleaner: 25 expired keys in batches of
+// 10 are three batches, the two full ones each followed by a pause of nine
+// times its duration, the short one by none.
+func TestDeleteExpiredPacesItsBatches(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	ctx := context.Background()
@@ -52,7 +51,7 @@ func TestDeleteAllExpiredPacesItsBatches(t *testing.T) {
 	store := migratedStore(t, db, idempotency.WithTracer(tracer))
 	expiredKeys(t, db, 25)
 
-	n, err := store.DeleteAllExpired(ctx, 10)
+	n, err := store.DeleteExpired(ctx, 10)
 	require.NoError(t, err)
 	require.EqualValues(t, 25, n)
 	require.Zero(t, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
@@ -67,21 +66,13 @@ func TestDeleteAllExpiredPacesItsBatches(t *testing.T) {
 		}
 	}
 
-	expiredKeys(t, db, 10)
-	tracer.batches = nil
-	n, err = store.DeleteExpired(ctx, 10)
-	require.NoError(t, err)
-	require.EqualValues(t, 10, n)
-	require.Len(t, tracer.batches, 1)
-	require.Zero(t, tracer.batches[0].Pause, "DeleteExpired is one batch, with no pause after it")
-
-	_, err = store.DeleteAllExpired(ctx, 0)
+	_, err = store.DeleteExpired(ctx, 0)
 	require.ErrorContains(t, err, "batch size must be positive")
 }
 
-// A context done during a pause ends DeleteAllExpired with what it
+// A context done during a pause ends DeleteExpired with what it
 // deleted so far: the pause is a wait, not more batches.
-func TestDeleteAllExpiredStopsInAPause(t *testing.T) {
+func TestDeleteExpiredStopsInAPause(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -90,7 +81,7 @@ func TestDeleteAllExpiredStopsInAPause(t *testing.T) {
 	store := migratedStore(t, db, idempotency.WithTracer(idempotency.JoinTracers(tracer, cancelAfterFirstBatch(cancel))))
 	expiredKeys(t, db, 25)
 
-	n, err := store.DeleteAllExpired(ctx, 10)
+	n, err := store.DeleteExpired(ctx, 10)
 	require.ErrorIs(t, err, context.Canceled)
 	require.EqualValues(t, 10, n, "one batch, then the pause the context ended")
 	require.Len(t, tracer.batches, 1)

@@ -24,7 +24,7 @@ import (
 // [UnaryClientInterceptor] rejects an invalid key before sending.
 //
 // The key of the call a server is running is read with
-// [CallKeyFromContext] instead; the two never see each other's key.
+// [IncomingKey] instead; the two never see each other's key.
 //
 // The key also goes into the context's outgoing metadata, replacing the one
 // an earlier WithOutgoingKey put there, so that a call no client
@@ -66,7 +66,11 @@ type captureKey struct {
 
 // UnaryClientInterceptor returns a client interceptor that gives every
 // logical call one idempotency key, in the outgoing metadata under
-// [MetadataKey], and keeps it for all of the call's attempts.
+// [MetadataKey], and retries the call under that key, with
+// go-grpc-middleware's retry interceptor inside it:
+//
+//	conn, err := grpc.NewClient(target,
+//		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
 //
 // The key is, in order: the "idempotency-key" already in the outgoing
 // metadata or the key set with [WithOutgoingKey] (both at once, naming
@@ -87,29 +91,11 @@ type captureKey struct {
 // codes.InvalidArgument before anything is sent, as the server would
 // refuse it: it is another header to gRPC, not the key.
 //
-// Retries must happen below this interceptor, so that they reuse the key:
-// put it before go-grpc-middleware's retry interceptor in the chain (or use
-// [UnaryClientInterceptors], which does), or rely on gRPC's own retry
-// policy, which runs below every interceptor. A call that arrives as a retry
-// attempt of that retry interceptor (or of go-grpc-middleware v1's, whose
-// marker is x-retry-attempty) without a key is refused with [ErrChainOrder]
-// instead of getting a fresh key, which would make the retry a second,
-// different operation. A retry loop of another kind above this interceptor
-// marks nothing, so each of its attempts is a new call with a new key: such
-// a loop must carry the key itself ([CaptureKey] on the first attempt,
-// [WithOutgoingKey] on the others) or run below this interceptor.
+// The retries' defaults, each changed by the option named:
 //
-// It panics if an option is invalid.
-func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
-	return evaluateClientOptions(opts).interceptor(false)
-}
-
-// UnaryClientInterceptors returns the key interceptor followed by
-// go-grpc-middleware's retry interceptor, configured for calls that are safe
-// to retry because they carry a key. Its defaults, each changed by the
-// option named:
-//
-//   - it retries [RetryCodes] (Unavailable, Aborted, ResourceExhausted);
+//   - it retries Unavailable, Aborted (the key is in progress on the
+//     server, or the database aborted the transaction) and
+//     ResourceExhausted, and an attempt cut by [WithPerAttemptTimeout];
 //   - for up to 30 seconds from the call's start ([WithRetryBudget]),
 //     longer than a typical database failover, and never past the call's
 //     deadline, with no limit on the number of attempts ([WithMaxAttempts]);
@@ -120,8 +106,8 @@ func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 //     own deadline bounds each attempt, so a slow handler is never cut
 //     and run again.
 //
-// When the chain stops retrying because the budget, the call's deadline
-// or WithMaxAttempts leaves no room for another attempt, the error is the
+// When it stops retrying because the budget, the call's deadline or
+// WithMaxAttempts leaves no room for another attempt, the error is the
 // last attempt's (its code and details), its message saying how many
 // attempts were made and which limit stopped them.
 //
@@ -130,40 +116,36 @@ func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 // key (key_field): nothing would deduplicate them. Those are retried the
 // same way, with the same codes, backoff and RetryInfo.
 //
-// It panics if an option is invalid.
+// With [WithMaxAttempts](1) it is the key alone, for a client with retries
+// of its own. Those must run below it, so that they reuse the key: after
+// it in the chain, or gRPC's own retry policy, which runs below every
+// interceptor. A call that arrives as a retry attempt of
+// go-grpc-middleware's retry interceptor (or of v1's, whose marker is
+// x-retry-attempty) without a key, from a retry interceptor chained
+// before this one, is refused with [ErrChainOrder] instead of getting a
+// fresh key, which would make the retry a second, different operation. A
+// retry loop of another kind above this interceptor marks nothing, so
+// each of its attempts is a new call with a new key: such a loop must
+// carry the key itself ([CaptureKey] on the first attempt,
+// [WithOutgoingKey] on the others) or run below this interceptor.
 //
-//	conn, err := grpc.NewClient(target,
-//		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
-func UnaryClientInterceptors(opts ...ClientOption) []grpc.UnaryClientInterceptor {
+// It panics if an option is invalid.
+func UnaryClientInterceptor(opts ...ClientOption) grpc.UnaryClientInterceptor {
 	o := evaluateClientOptions(opts)
+	if o.maxAttempts == 1 {
+		return o.interceptor(nil)
+	}
 	// retry.WithMax counts attempts, the first included, as WithMaxAttempts
 	// does; without a count the budget ends the retries (retryState).
 	attempts := ^uint(0)
 	if o.maxAttempts > 0 {
 		attempts = uint(o.maxAttempts)
 	}
-	chain := []grpc.UnaryClientInterceptor{o.interceptor(true), retry.UnaryClientInterceptor(retry.WithMax(attempts))}
-	if o.perAttemptTimeout > 0 {
-		// Below the retry interceptor, so that it bounds each attempt and
-		// its error names the option (retry.WithPerRetryTimeout's would be a
-		// bare DeadlineExceeded, retried past the budget).
-		chain = append(chain, o.attemptTimeout())
-	}
-	return chain
+	return o.interceptor(retry.UnaryClientInterceptor(retry.WithMax(attempts)))
 }
 
-// RetryCodes returns the codes [UnaryClientInterceptors] retries:
-// Unavailable, Aborted (the key is in progress on the server, or the
-// database aborted the transaction) and ResourceExhausted. An attempt cut
-// by [WithPerAttemptTimeout] ([ErrAttemptTimeout], DeadlineExceeded) is
-// retried too.
-func RetryCodes() []codes.Code {
-	return []codes.Code{codes.Unavailable, codes.Aborted, codes.ResourceExhausted}
-}
-
-// ClientOption configures [UnaryClientInterceptor] and
-// [UnaryClientInterceptors]. An invalid value makes them panic, naming the
-// option.
+// ClientOption configures [UnaryClientInterceptor]. An invalid value
+// makes it panic, naming the option.
 type ClientOption func(*clientOptions)
 
 type clientOptions struct {
@@ -221,9 +203,10 @@ func WithKeysForUnknownMethods(generate bool) ClientOption {
 	return func(o *clientOptions) { o.unknownMethodKeys = generate }
 }
 
-// WithMaxAttempts bounds how many attempts [UnaryClientInterceptors] makes
-// of one call, the first included: 1 turns retries off, 3 is the first
-// attempt and two retries. It counts as go-grpc-middleware's
+// WithMaxAttempts bounds how many attempts [UnaryClientInterceptor] makes
+// of one call, the first included: 1 turns retries off (the interceptor is
+// then the key alone, for a client whose retries run below it), 3 is the
+// first attempt and two retries. It counts as go-grpc-middleware's
 // retry.WithMax does (its loop makes n attempts, whatever its doc's word
 // "retries" suggests), as gRPC's service config maxAttempts and
 // [HTTPClient].MaxAttempts do. n must be at least 1. Defaults to no limit:
@@ -240,7 +223,7 @@ func WithMaxAttempts(n int) ClientOption {
 	}
 }
 
-// WithRetryBudget bounds how long [UnaryClientInterceptors] keeps retrying
+// WithRetryBudget bounds how long [UnaryClientInterceptor] keeps retrying
 // a call: a retry whose wait would end more than d after the call started
 // is not made, and the call returns the last attempt's error. It bounds
 // the retries, not the call: an attempt still running when d ends runs on
@@ -252,7 +235,7 @@ func WithRetryBudget(d time.Duration) ClientOption {
 	return func(o *clientOptions) { o.retryBudget = d }
 }
 
-// WithRetryBackoff sets the exponential backoff of [UnaryClientInterceptors]:
+// WithRetryBackoff sets the exponential backoff of [UnaryClientInterceptor]:
 // the first retry waits about base, each later one twice as long, never more
 // than max, each with ±20% jitter; a server's RetryInfo delay is a lower
 // bound. Needs 0 < base <= max. Defaults to 50 milliseconds and 2 seconds.
@@ -261,7 +244,8 @@ func WithRetryBackoff(base, max time.Duration) ClientOption {
 }
 
 // WithPerAttemptTimeout bounds each attempt of the calls
-// [UnaryClientInterceptors] retries. An attempt still running after d is
+// [UnaryClientInterceptor] retries (with [WithMaxAttempts](1), their one
+// attempt). An attempt still running after d is
 // cut with [ErrAttemptTimeout] (DeadlineExceeded, naming this option) and
 // retried with the same key, within the budget. 0 turns it off; negative
 // is invalid. Defaults to 0: the call's own deadline bounds every attempt.
@@ -277,7 +261,9 @@ func WithPerAttemptTimeout(d time.Duration) ClientOption {
 	return func(o *clientOptions) { o.perAttemptTimeout = d }
 }
 
-func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor {
+// interceptor is the key interceptor, with retries, the retry interceptor
+// to run inside it, or nil for the key alone.
+func (o *clientOptions) interceptor(retries grpc.UnaryClientInterceptor) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		pol := policyForRequest(method, req)
 		md, _ := metadata.FromOutgoingContext(ctx)
@@ -298,21 +284,31 @@ func (o *clientOptions) interceptor(retryHints bool) grpc.UnaryClientInterceptor
 		}
 		var rs *retryState
 		switch {
-		case !retryHints:
 		case key == "" && !pol.retrySafeWithoutKey():
 			// Nothing would deduplicate a retry of this call.
-			opts = append(opts, retry.Disable())
+			if retries != nil {
+				opts = append(opts, retry.Disable())
+			}
 		default:
 			// A key in the metadata or in the request (key_field), or a
-			// method safe to repeat: retried alike, with the chain's codes,
-			// backoff, RetryInfo and budget. Per-call retry options come
-			// first so the caller's own retry call options still override
-			// them.
+			// method safe to repeat: retried alike, with the codes,
+			// backoff, RetryInfo and budget of the options. Per-call retry
+			// options come first so the caller's own retry call options
+			// still override them.
 			rs = o.newRetryState(ctx)
 			ctx = context.WithValue(ctx, retryStateKey{}, rs)
-			opts = append(rs.callOptions(), opts...)
+			if retries != nil {
+				opts = append(rs.callOptions(), opts...)
+			}
 		}
-		err = invoker(ctx, method, req, reply, cc, opts...)
+		if o.perAttemptTimeout > 0 {
+			invoker = o.boundAttempts(invoker)
+		}
+		if retries != nil {
+			err = retries(ctx, method, req, reply, cc, invoker, opts...)
+		} else {
+			err = invoker(ctx, method, req, reply, cc, opts...)
+		}
 		if rs != nil {
 			err = rs.explain(err)
 		}
@@ -395,7 +391,7 @@ const outgoingKeyConflict = "WithOutgoingKey set one key and the outgoing metada
 
 type retryStateKey struct{}
 
-// retryState is one call's retrying by [UnaryClientInterceptors]: it
+// retryState is one call's retrying by [UnaryClientInterceptor]: it
 // decides after each failed attempt whether another is made and how long
 // to wait for it, so that the budget, the call's deadline and the
 // server's RetryInfo are weighed together, and it remembers why it
@@ -456,7 +452,7 @@ func (rs *retryState) retriable(err error) bool {
 	return true
 }
 
-// explain adds to the error of a call the chain stopped retrying how many
+// explain adds to the error of a call the interceptor stopped retrying how many
 // attempts it made and which limit stopped it.
 func (rs *retryState) explain(err error) error {
 	if err == nil || rs.stop == "" {
@@ -502,11 +498,12 @@ func (o *clientOptions) cut(ctx, actx context.Context) bool {
 	return !time.Now().Before(end)
 }
 
-// attemptTimeout is the interceptor below the retry interceptor that
-// applies [WithPerAttemptTimeout] to each attempt of a call the chain
-// retries, and names the option when it cut one.
-func (o *clientOptions) attemptTimeout() grpc.UnaryClientInterceptor {
-	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+// boundAttempts applies [WithPerAttemptTimeout] to each attempt invoker
+// sends of a call that is retried (the retry interceptor runs it once per
+// attempt), and names the option when it cut one: retry.WithPerRetryTimeout's
+// error would be a bare DeadlineExceeded, retried past the budget.
+func (o *clientOptions) boundAttempts(invoker grpc.UnaryInvoker) grpc.UnaryInvoker {
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, opts ...grpc.CallOption) error {
 		if ctx.Value(retryStateKey{}) == nil {
 			return invoker(ctx, method, req, reply, cc, opts...) // not retried: bounded by its deadline only
 		}

@@ -183,10 +183,10 @@ func TestDroppedResponsesWithRetryInterceptor(t *testing.T) {
 	t.Parallel()
 	f := newFaultyEnv(t, e2eDrop, 1)
 	var retries, appRetries atomic.Int64
-	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
+	conn := f.dial(t, grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(
 		idempotency.WithMaxAttempts(31),
 		idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond),
-	)...))
+	)))
 	runLogical(t, e2eCalls, e2eWorkers, func(ctx context.Context, i int) (*wrapperspb.StringValue, error) {
 		return chargeUntilDone(ctx, conn, i, &retries, &appRetries)
 	})
@@ -206,7 +206,7 @@ func TestDroppedResponsesWithNativeRetryPolicy(t *testing.T) {
 	f := newFaultyEnv(t, e2eDrop, 2)
 	conn := f.dial(t,
 		grpc.WithDefaultServiceConfig(nativeRetryServiceConfig),
-		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))),
 	)
 	// gRPC caps maxAttempts at 5, so a few logical calls lose every attempt;
 	// the application then retries them with the key the call used.
@@ -251,8 +251,8 @@ const nativeRetryServiceConfig = `{
 func TestSameKeyFromTwoClientsAtOnce(t *testing.T) {
 	t.Parallel()
 	f := newFaultyEnv(t, e2eDrop, 3)
-	conn := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
-		idempotency.WithMaxAttempts(31), idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond))...))
+	conn := f.dial(t, grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(
+		idempotency.WithMaxAttempts(31), idempotency.WithRetryBackoff(5*time.Millisecond, 100*time.Millisecond))))
 	const n = 100
 	var retries, appRetries atomic.Int64
 	for i := 0; i < n; i++ {
@@ -288,7 +288,7 @@ func TestWrongChainOrderFailsLoudly(t *testing.T) {
 	f := newFaultyEnv(t, 0, 4)
 	conn := f.dial(t, grpc.WithChainUnaryInterceptor(
 		retry.UnaryClientInterceptor(retry.WithMax(3), retry.WithCodes(codes.Unavailable)),
-		idempotency.UnaryClientInterceptor(),
+		idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)),
 	))
 	f.proxy.DropNextResponse()
 	_, err := charge(context.Background(), conn, 0)
@@ -329,7 +329,7 @@ func TestClientKeySelection(t *testing.T) {
 	rec := newKeyRecorder()
 	e := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{rec.intercept}})
 	conn := dial(t, e.addr)
-	icpt := idempotency.UnaryClientInterceptor()
+	icpt := idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))
 	call := func(ctx context.Context, method string, opts ...grpc.CallOption) (string, error) {
 		var sent string
 		err := icpt(ctx, method, wrapperspb.String("x"), &wrapperspb.StringValue{}, conn,
@@ -394,7 +394,7 @@ func TestClientKeySelection(t *testing.T) {
 	}
 	sent, _ = call(idempotency.WithOutgoingKey(ctx, "explicit"), "/idempotency.test.Catalog/Get")
 	require.Equal(t, "explicit", sent)
-	noKeys := idempotency.UnaryClientInterceptor(idempotency.WithKeysForUnknownMethods(false))
+	noKeys := idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1), idempotency.WithKeysForUnknownMethods(false))
 	var sentUnknown []string
 	err = noKeys(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, conn,
 		func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
@@ -424,7 +424,7 @@ func TestRetryHonoursRetryInfo(t *testing.T) {
 		}},
 	})
 	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(idempotency.WithRetryBackoff(time.Millisecond, 5*time.Millisecond))...))
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(idempotency.WithRetryBackoff(time.Millisecond, 5*time.Millisecond))))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	_, err = charge(context.Background(), conn, 0)
@@ -442,8 +442,8 @@ func TestRetryHonoursRetryInfo(t *testing.T) {
 func TestRetriesWithoutKeyOnlyWhenSafe(t *testing.T) {
 	t.Parallel()
 	f := newFaultyEnv(t, 0, 6)
-	noKeys := f.dial(t, grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
-		idempotency.WithKeysForUnknownMethods(false), idempotency.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))...))
+	noKeys := f.dial(t, grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(
+		idempotency.WithKeysForUnknownMethods(false), idempotency.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))))
 	f.proxy.DropNextResponse()
 	_, err := charge(context.Background(), noKeys, 0)
 	require.Equal(t, codes.Unavailable, status.Code(err), "not retried: %v", err)
@@ -460,7 +460,7 @@ func TestRetriesWithoutKeyOnlyWhenSafe(t *testing.T) {
 	conn, err := grpc.NewClient("passthrough:///"+p.Addr(), grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithChainUnaryInterceptor(
 			retry.UnaryClientInterceptor(retry.WithMax(3), retry.WithCodes(codes.Unavailable)),
-			idempotency.UnaryClientInterceptor(),
+			idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)),
 		))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
@@ -497,7 +497,7 @@ func TestRetryAttemptsReplayInOneRoundTrip(t *testing.T) {
 	interceptorChain, _ := retryingClient(t, "passthrough:///"+srv.addr, 3)
 	native, err := grpc.NewClient("passthrough:///"+srv.addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))),
 		grpc.WithDefaultServiceConfig(`{"methodConfig": [{"name": [{"service": "idempotency.test.Ledger"}],
 		  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2,
 		    "retryableStatusCodes": ["UNAVAILABLE"]}}]}`))
@@ -539,7 +539,7 @@ func TestReadyChainLetsASlowHandlerFinish(t *testing.T) {
 		return e.insertLedger(ctx, req)
 	}})
 	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 
@@ -574,9 +574,9 @@ func TestPerAttemptTimeoutErrorNamesTheOption(t *testing.T) {
 		},
 	})
 	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(
 			idempotency.WithPerAttemptTimeout(500*time.Millisecond), idempotency.WithMaxAttempts(2),
-			idempotency.WithRetryBackoff(time.Millisecond, time.Millisecond))...))
+			idempotency.WithRetryBackoff(time.Millisecond, time.Millisecond))))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 
@@ -683,7 +683,7 @@ func TestReadyChainOutlastsADatabaseFailover(t *testing.T) {
 	t.Parallel()
 	f := newFailoverEnv(t)
 	var answers answerLog
-	conn := f.dial(t, append(idempotency.UnaryClientInterceptors(), answers.intercept)...)
+	conn := f.dial(t, idempotency.UnaryClientInterceptor(), answers.intercept)
 	_, err := charge(context.Background(), conn, 0) // the store finds its table before the outage
 	require.NoError(t, err)
 
@@ -732,13 +732,13 @@ func TestRetryLimitsCountAttemptsAtTheServer(t *testing.T) {
 		attempts int64
 		says     string
 	}{
-		{"WithMaxAttempts(3)", idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(3), fast), 3, "WithMaxAttempts(3)"},
-		{"WithMaxAttempts(1)", idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(1), fast), 1, ""},
+		{"WithMaxAttempts(3)", []grpc.UnaryClientInterceptor{idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(3), fast)}, 3, "WithMaxAttempts(3)"},
+		{"WithMaxAttempts(1)", []grpc.UnaryClientInterceptor{idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1), fast)}, 1, ""},
 		{"retry.WithMax(3)", []grpc.UnaryClientInterceptor{
-			idempotency.UnaryClientInterceptor(),
+			idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)),
 			retry.UnaryClientInterceptor(retry.WithMax(3), retry.WithCodes(codes.Unavailable, codes.Aborted), retry.WithBackoff(retry.BackoffLinear(time.Millisecond))),
 		}, 3, ""},
-		{"WithRetryBudget", idempotency.UnaryClientInterceptors(idempotency.WithRetryBudget(300*time.Millisecond), fast), 0, "the retry budget of 300ms (WithRetryBudget)"},
+		{"WithRetryBudget", []grpc.UnaryClientInterceptor{idempotency.UnaryClientInterceptor(idempotency.WithRetryBudget(300*time.Millisecond), fast)}, 0, "the retry budget of 300ms (WithRetryBudget)"},
 	} {
 		before := f.arrivals.Load()
 		_, err := charge(context.Background(), f.dial(t, tc.chain...), 0)
@@ -806,7 +806,7 @@ func TestOutgoingKeyConflictSaysWhatToDo(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	conn, err := grpc.NewClient("passthrough:///"+e.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	ctx := context.Background()

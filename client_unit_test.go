@@ -43,7 +43,7 @@ func TestUnitClientKeyChoice(t *testing.T) {
 	// trust to skip looking for a stored result.
 	sent := func(ctx context.Context) metadata.MD {
 		var md metadata.MD
-		err := o.interceptor(false)(ctx, method, nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
+		err := o.interceptor(nil)(ctx, method, nil, nil, nil, func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, _ ...grpc.CallOption) error {
 			md, _ = metadata.FromOutgoingContext(ctx)
 			return nil
 		})
@@ -91,12 +91,12 @@ func TestUnitClientKeyChoice(t *testing.T) {
 func TestUnitOutgoingAndCallKeysAreSeparate(t *testing.T) {
 	t.Parallel()
 	ctx := WithOutgoingKey(context.Background(), "abc")
-	k, ok := CallKeyFromContext(ctx)
+	k, ok := IncomingKey(ctx)
 	require.False(t, ok)
 	require.Empty(t, k)
 
 	served := withCall(context.Background(), &callTx{attempt: &attempt{callRun: &callRun{s: &Store{opts: defaultStoreOptions()}, tp: &transport{}, call: Call{Scope: "scope", Key: "served-key"}, key: "served-key"}}})
-	k, ok = CallKeyFromContext(served)
+	k, ok = IncomingKey(served)
 	require.True(t, ok)
 	require.Equal(t, "served-key", k)
 	chosen, _, err := evaluateClientOptions(nil).keyFor(WithEffect(served, "charge"), "/no.such.Service/Charge", nil)
@@ -110,7 +110,7 @@ func (o *clientOptions) keyFor(ctx context.Context, method string, req any) (str
 	return o.keyWith(ctx, method, policyForRequest(method, req), md)
 }
 
-// The defaults of the ready chain, which the README's Client table lists:
+// The defaults of the client interceptor, which the README's Client table lists:
 // a budget that outlasts a failover, no count of attempts, no timeout per
 // attempt.
 func TestUnitClientDefaults(t *testing.T) {
@@ -121,8 +121,6 @@ func TestUnitClientDefaults(t *testing.T) {
 	require.Zero(t, o.perAttemptTimeout, "WithPerAttemptTimeout: none, the call's deadline bounds an attempt")
 	require.Equal(t, 50*time.Millisecond, o.backoffBase, "WithRetryBackoff base")
 	require.Equal(t, 2*time.Second, o.backoffMax, "WithRetryBackoff max")
-	require.Len(t, UnaryClientInterceptors(), 2, "the key and retry interceptors, nothing that times attempts")
-	require.Len(t, UnaryClientInterceptors(WithPerAttemptTimeout(time.Second)), 3)
 }
 
 // How one call's retrying decides, attempt by attempt.
@@ -165,4 +163,43 @@ func TestUnitRetryState(t *testing.T) {
 	require.False(t, rs.retriable(unavailable))
 	require.Contains(t, rs.stop, "the call's deadline")
 	require.Contains(t, rs.explain(unavailable).Error(), "gave up after 1 attempt in")
+}
+
+// WithMaxAttempts(1) makes the interceptor the key alone, with no retry
+// interceptor inside: a keyed call is sent once, a retry interceptor of the
+// application's below it sees none of this package's retry options, and
+// WithPerAttemptTimeout bounds that one attempt, naming the option, as
+// the interceptor with retries bounds each of its attempts.
+func TestUnitKeyAlone(t *testing.T) {
+	t.Parallel()
+	const method = "/no.such.Service/Charge"
+	for _, c := range []struct {
+		name    string
+		opts    []ClientOption
+		wantErr error
+	}{
+		{"the key alone", []ClientOption{WithMaxAttempts(1)}, nil},
+		{"its one attempt bounded", []ClientOption{WithMaxAttempts(1), WithPerAttemptTimeout(time.Millisecond)}, ErrAttemptTimeout},
+	} {
+		var attempts int
+		var seen []grpc.CallOption
+		err := UnaryClientInterceptor(c.opts...)(WithOutgoingKey(context.Background(), "order-7"), method, nil, nil, nil,
+			func(ctx context.Context, _ string, _, _ any, _ *grpc.ClientConn, opts ...grpc.CallOption) error {
+				attempts++
+				seen = opts
+				if _, bounded := ctx.Deadline(); bounded {
+					<-ctx.Done() // a server that hangs past the attempt's deadline
+					return status.FromContextError(ctx.Err()).Err()
+				}
+				return status.Error(codes.Unavailable, "down")
+			}, retry.WithMax(3))
+		require.Equal(t, 1, attempts, c.name)
+		require.Len(t, seen, 1, "%s: only the caller's own option goes below", c.name)
+		if c.wantErr != nil {
+			require.ErrorIs(t, err, c.wantErr, c.name)
+			require.Contains(t, err.Error(), "WithPerAttemptTimeout", c.name)
+		} else {
+			require.Equal(t, codes.Unavailable, status.Code(err), c.name)
+		}
+	}
 }

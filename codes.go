@@ -2,7 +2,6 @@ package idempotency
 
 import (
 	"errors"
-	"slices"
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -36,7 +35,7 @@ const ErrorDomain = "github.com/exactlyonce/idempotency"
 //
 // Every status of this package that a retry can get past (Unavailable,
 // Aborted) carries a RetryInfo of the store's [WithSuggestedRetryDelay] as
-// [UnaryServerInterceptor] (or [UnaryServer]) sends it; the HTTP middleware
+// [UnaryServerInterceptor] (or package unary's Server) sends it; the HTTP middleware
 // sends the same delay as Retry-After, rounded up to whole seconds and at
 // least 1. An error of [Store.Execute] or [Store.ProcessMessage] carries
 // one only for [ErrInProgress].
@@ -74,9 +73,9 @@ var (
 	// annotated, or it carries a key); see [StreamServerInterceptor] and
 	// [CheckStreamingMethods]. Retrying cannot succeed.
 	ErrStreamingUnsupported = &Error{code: codes.Unimplemented, reason: "STREAMING_UNSUPPORTED", msg: "idempotency keys are not supported on streaming methods"}
-	// ErrAttemptTimeout is returned by the client chain
-	// ([UnaryClientInterceptors]) for an attempt it cut because it ran past
-	// [WithPerAttemptTimeout]; the chain retries it with the same key
+	// ErrAttemptTimeout is returned by the client interceptor
+	// ([UnaryClientInterceptor]) for an attempt it cut because it ran past
+	// [WithPerAttemptTimeout]; the interceptor retries it with the same key
 	// within its budget. The server rolls a cut call back, so a handler
 	// slower than the timeout never succeeds: raise the option, or leave
 	// it unset so that the call's deadline alone bounds each attempt.
@@ -92,8 +91,11 @@ type suggestedDelay struct {
 }
 
 // retryableCode reports whether a client retries a status of code c with
-// the same key: the codes whose statuses of this package carry RetryInfo.
-func retryableCode(c codes.Code) bool { return slices.Contains(RetryCodes(), c) }
+// the same key: the codes whose statuses of this package carry RetryInfo,
+// and ResourceExhausted (see [UnaryClientInterceptor]).
+func retryableCode(c codes.Code) bool {
+	return c == codes.Unavailable || c == codes.Aborted || c == codes.ResourceExhausted
+}
 
 // withSuggestedDelay returns err with delay in its RetryInfo when err is a
 // retryable outcome of this package that no delay was chosen for yet;

@@ -57,7 +57,7 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 	return tx
 }
 
-// CallKeyFromContext returns the idempotency key of the call running in ctx
+// IncomingKey returns the idempotency key of the call running in ctx
 // (the key the client sent, or the message's ID), on the server side. A
 // handler that calls another system (a payment provider, another service)
 // cannot take that system's effect into its transaction; the key it sends
@@ -67,7 +67,7 @@ func MustTxFromContext(ctx context.Context) pgx.Tx {
 // deduplicates too.
 //
 // It does not read keys set for outgoing calls with [WithOutgoingKey].
-func CallKeyFromContext(ctx context.Context) (string, bool) {
+func IncomingKey(ctx context.Context) (string, bool) {
 	t, ok := callFrom(ctx)
 	if !ok {
 		return "", false

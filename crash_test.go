@@ -172,7 +172,7 @@ func serveCrashChild() error {
 	}
 	defer pool.Close()
 	store, err := idempotency.NewStore(pool, idempotency.WithInProgressWait(crashInProgressWait),
-		idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		idempotency.WithTracer(endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 			if data.Outcome == idempotency.OutcomeExecuted {
 				k.hit("after-commit")
 			}

@@ -75,9 +75,9 @@ func (s *Store) dbError(ctx context.Context, op string, err error) error {
 		return &dbFailure{code: codes.Aborted, msg: "the database aborted the transaction (a serialization failure or deadlock); nothing was committed, retry with the same key", op: op, cause: pgErr}
 	case code == sqlUndefinedTable:
 		s.forgetTable()
-		return s.misconfigured(op, pgErr, "the key table %s does not exist: run Store.Migrate, or apply Store.Migrations() with your migration tool", s.ident.Sanitize())
+		return s.misconfigured(op, pgErr, "the key table %s does not exist: run Store.Migrate, or apply idempotency.Migrations with your migration tool", s.ident.Sanitize())
 	case code == sqlUndefinedColumn || code == sqlDatatypeMismatch || code == sqlNotNullViolation:
-		return s.misconfigured(op, pgErr, "the key table %s is not at this version's schema: run Store.Migrate, or apply the missing Store.Migrations()", s.ident.Sanitize())
+		return s.misconfigured(op, pgErr, "the key table %s is not at this version's schema: run Store.Migrate, or apply the missing idempotency.Migrations", s.ident.Sanitize())
 	case code == sqlInsufficientPrivilege:
 		return s.misconfigured(op, pgErr, "the database role may not use the key table %s: grant it SELECT, INSERT, UPDATE and DELETE", s.ident.Sanitize())
 	case code == sqlInvalidStatementName:

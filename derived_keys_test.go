@@ -215,7 +215,7 @@ func TestNamedDownstreamGRPCCallsKeepTheirKeys(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
 	inner := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{innerKeys.intercept}})
-	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(1))...)
+	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)))
 	invoke := func(ctx context.Context, body string) error {
 		return innerConn.Invoke(ctx, methodCharge, wrapperspb.String(body), &wrapperspb.StringValue{})
 	}

@@ -149,12 +149,14 @@
 // # Client
 //
 // [UnaryClientInterceptor] gives each logical call one key (a UUIDv7, or one
-// chosen with [WithOutgoingKey]) and keeps it on every retry; retries must
-// run below it, in go-grpc-middleware's retry interceptor or in gRPC's own
-// retry policy. [UnaryClientInterceptors] is the ready chain:
+// chosen with [WithOutgoingKey]) and retries it under that key, with
+// go-grpc-middleware's retry interceptor inside it, for up to 30 seconds:
 //
 //	conn, err := grpc.NewClient(target,
-//		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+//		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
+//
+// A client with retries of its own makes it the key alone with
+// [WithMaxAttempts](1), and runs them below it.
 //
 // # Outcomes
 //
@@ -186,11 +188,11 @@
 //
 // # Other RPC frameworks
 //
-// [UnaryServer] and [UnaryClient] are the server and client sides of the
-// layer for any RPC framework's unary calls: UnaryServerInterceptor runs
-// on UnaryServer, and the module
+// The package github.com/exactlyonce/idempotency/unary lends the engine
+// UnaryServerInterceptor runs on, and the client's key and retries, to
+// the adapters of other RPC frameworks' unary calls: the module
 // github.com/exactlyonce/idempotency/idempotencyconnect runs connect-go's
-// interceptors on both, so that a key sent through connect's protocols or
+// interceptors on it, so that a key sent through connect's protocols or
 // to a grpc-go server on the same store and scope is one call.
 //
 // # Message consumers
@@ -207,11 +209,13 @@
 // # Operations
 //
 // A [Tracer] set with [WithTracer] sees every call of every transport and
-// every cleaner batch, for metrics, traces and logs; the module
+// every cleaner batch, for metrics, traces and logs: [LogTracer] logs a
+// line per call to a log/slog logger, and the module
 // github.com/exactlyonce/idempotency/idempotencyotel reports them to
-// OpenTelemetry. [Store.Inspect] and [Store.Forget] look at and remove one
-// key, and cmd/idempotency does both from a shell, applies the migrations
-// or prints them for golang-migrate, goose or Atlas.
+// OpenTelemetry. [Store.RunCleaner] deletes expired keys. [Store.Inspect],
+// [Store.List] and [Store.Forget] look at keys and remove one, and
+// cmd/idempotency does the same from a shell, applies the migrations or
+// prints them ([Migrations]) for golang-migrate, goose or Atlas.
 //
 // Behind PgBouncer in transaction pooling, pgx's default query mode,
 // cache_statement, needs a pooler that carries prepared statements
@@ -222,7 +226,8 @@
 // # Options
 //
 // Each constructor takes its own option type: [StoreOption] for [NewStore],
-// [ServerOption] for [UnaryServerInterceptor], [ClientOption] for the client
-// interceptors, [HTTPOption] for [HTTPMiddleware]. An invalid option makes NewStore return an error and the
-// interceptor constructors panic, each message naming the option.
+// [ServerOption] for [UnaryServerInterceptor], [ClientOption] for
+// [UnaryClientInterceptor], [HTTPOption] for [HTTPMiddleware]. An invalid
+// option makes NewStore return an error and the interceptor constructors
+// panic, each message naming the option.
 package idempotency

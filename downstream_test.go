@@ -85,7 +85,7 @@ func TestDownstreamCallsOfARerunSendTheSameKeys(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
 	inner := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{innerKeys.intercept}})
-	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(1))...)
+	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)))
 
 	var runs atomic.Int64
 	outer := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
@@ -135,7 +135,7 @@ func TestDownstreamExplicitKeysWin(t *testing.T) {
 	t.Parallel()
 	var innerKeys keyLog
 	inner := newEnv(t, envConfig{interceptors: []grpc.UnaryServerInterceptor{innerKeys.intercept}})
-	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptor())
+	innerConn := dialKeyed(t, inner.addr, idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)))
 	call := func(ctx context.Context, body string) error {
 		return innerConn.Invoke(ctx, methodCharge, wrapperspb.String(body), &wrapperspb.StringValue{})
 	}

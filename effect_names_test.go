@@ -40,13 +40,13 @@ var chargeClients = []chargeClient{
 	{"HTTPClient", func(t *testing.T) (string, func(context.Context, string) (bool, error), func() int64, func() int64) {
 		return httpCharges(t, (&idempotency.HTTPClient{MaxAttempts: 2, BackoffBase: time.Millisecond, BackoffMax: 10 * time.Millisecond}).Do)
 	}},
-	{"UnaryClientInterceptors", func(t *testing.T) (string, func(context.Context, string) (bool, error), func() int64, func() int64) {
+	{"UnaryClientInterceptor", func(t *testing.T) (string, func(context.Context, string) (bool, error), func() int64, func() int64) {
 		inner := newEnv(t, envConfig{})
-		chain := idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(2), idempotency.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
+		chain := idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(2), idempotency.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
 		conns := map[string]*grpc.ClientConn{}
 		send := func(ctx context.Context, addr string) (bool, error) {
 			if conns[addr] == nil {
-				conns[addr] = dialKeyed(t, addr, chain...)
+				conns[addr] = dialKeyed(t, addr, chain)
 			}
 			err := conns[addr].Invoke(ctx, methodCharge, wrapperspb.String("charge order-14"), &wrapperspb.StringValue{})
 			return status.Code(err) == codes.Unavailable && strings.Contains(status.Convert(err).Message(), "connection refused"), err
@@ -185,8 +185,8 @@ func TestOutgoingCallsInsideACallNeedANameOrAKey(t *testing.T) {
 	srv.RegisterService(catalogDesc(), nil)
 	srv.RegisterService(ledgerDesc(), &ledger{handler: func(_ context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) { return req, nil }})
 	addr := serve(t, srv)
-	conn := dialKeyed(t, addr, idempotency.UnaryClientInterceptors(idempotency.WithMaxAttempts(1))...)
-	noUnknownKeys := dialKeyed(t, addr, idempotency.UnaryClientInterceptor(idempotency.WithKeysForUnknownMethods(false)))
+	conn := dialKeyed(t, addr, idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)))
+	noUnknownKeys := dialKeyed(t, addr, idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1), idempotency.WithKeysForUnknownMethods(false)))
 	store := migratedStore(t, testdb.New(t, 2))
 
 	transport := (&http.Client{Transport: &idempotency.HTTPTransport{}}).Do

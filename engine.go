@@ -82,6 +82,7 @@ func (s *Store) execute(ctx context.Context, call Call, tp *transport, fn Func) 
 	if err != nil {
 		return result{Result: Result{Outcome: outcomeOf(err)}}, err
 	}
+	tp.trace.setScope(call.Scope)
 	w := waiter{wait0: s.opts.inProgressWait, trace: tp.trace}
 	probe := call.Retry
 	for conflicts, retried := 0, false; ; {

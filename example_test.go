@@ -40,7 +40,7 @@ func ExampleUnaryServerInterceptor() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := store.Migrate(ctx); err != nil { // or apply store.Migrations() with your own tool
+	if err := store.Migrate(ctx); err != nil { // or apply idempotency.Migrations with your own tool
 		log.Fatal(err)
 	}
 	go func() { _ = store.RunCleaner(ctx, time.Minute, 1000, func(err error) { log.Print(err) }) }()
@@ -70,12 +70,25 @@ func callerFromContext(ctx context.Context) (string, error) {
 	return "", status.Error(codes.Unauthenticated, "no verified client id")
 }
 
-// The ready client chain: the key interceptor, then go-grpc-middleware's
-// retry interceptor configured for keyed calls.
-func ExampleUnaryClientInterceptors() {
+// The store's calls in the service's log, one line each, without their
+// keys, beside OpenTelemetry's or any other tracer.
+func ExampleLogTracer() {
+	var pool *pgxpool.Pool             // the service's pool
+	var metrics idempotency.Tracer     // idempotencyotel.NewTracer(...), say
+	logs := idempotency.LogTracer(nil) // slog.Default()
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(idempotency.JoinTracers(metrics, logs)))
+	if err != nil {
+		log.Fatal(err)
+	}
+	_ = store
+}
+
+// One interceptor gives every logical call one key and retries it under
+// that key.
+func ExampleUnaryClientInterceptor() {
 	conn, err := grpc.NewClient("127.0.0.1:50051",
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
 	)
 	if err != nil {
 		log.Fatal(err)
@@ -83,13 +96,14 @@ func ExampleUnaryClientInterceptors() {
 	defer conn.Close()
 }
 
-// A chain built by hand: the key interceptor must come first, outside the
-// retry interceptor, so every attempt carries the same key.
-func ExampleUnaryClientInterceptor() {
+// A client with retries of its own: WithMaxAttempts(1) makes the
+// interceptor the key alone, and the retry interceptor must come after it,
+// inside, so every attempt carries the same key.
+func ExampleUnaryClientInterceptor_ownRetries() {
 	conn, err := grpc.NewClient("127.0.0.1:50051",
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithChainUnaryInterceptor(
-			idempotency.UnaryClientInterceptor(), // outside: one key per logical call
+			idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1)), // outside: one key per logical call
 			retry.UnaryClientInterceptor(retry.WithMax(5), retry.WithCodes(codes.Unavailable, codes.Aborted)),
 		),
 	)
@@ -100,11 +114,12 @@ func ExampleUnaryClientInterceptor() {
 }
 
 // gRPC's own retry policy runs below every interceptor, so the key
-// interceptor runs once per logical call and every attempt has its key.
+// interceptor (the key alone, WithMaxAttempts(1)) runs once per logical
+// call and every attempt has its key.
 func ExampleUnaryClientInterceptor_nativeRetry() {
 	conn, err := grpc.NewClient("127.0.0.1:50051",
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))),
 		grpc.WithDefaultServiceConfig(`{
 		  "methodConfig": [{
 		    "name": [{"service": "payments.v1.PaymentService"}],
@@ -128,7 +143,7 @@ func ExampleUnaryClientInterceptor_nativeRetry() {
 // ID), and CaptureKey to learn a generated key and retry the same logical
 // call later.
 func ExampleWithOutgoingKey() {
-	var conn *grpc.ClientConn // with idempotency.UnaryClientInterceptors()
+	var conn *grpc.ClientConn // with idempotency.UnaryClientInterceptor()
 	var req, resp any         // your request and response messages
 	ctx := idempotency.WithOutgoingKey(context.Background(), "order-1001")
 	err := conn.Invoke(ctx, "/payments.v1.PaymentService/Charge", req, resp)
@@ -145,9 +160,9 @@ func ExampleWithOutgoingKey() {
 // A handler reads the key of the call it runs, to log it. The keys of the
 // calls it makes to other systems are derived from it (see EffectKey and
 // HTTPTransport), never the key itself.
-func ExampleCallKeyFromContext() {
+func ExampleIncomingKey() {
 	handler := func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-		key, _ := idempotency.CallKeyFromContext(ctx)
+		key, _ := idempotency.IncomingKey(ctx)
 		log.Printf("charging %s under key %s", req.GetValue(), key)
 		return req, nil
 	}
@@ -378,7 +393,7 @@ func ExampleIsInProgress() {
 // key explicitly.
 func ExampleWithOutgoingKey_separateFromCallKey() {
 	ctx := idempotency.WithOutgoingKey(context.Background(), "abc")
-	_, ok := idempotency.CallKeyFromContext(ctx)
+	_, ok := idempotency.IncomingKey(ctx)
 	fmt.Println("a client's chosen key is not the key of a served call:", !ok)
 	// Output:
 	// a client's chosen key is not the key of a served call: true

@@ -15,9 +15,10 @@ import (
 	"github.com/exactlyonce/idempotency"
 )
 
-// ForgetFailed deletes a failed record, so that the key runs again, and
-// never a succeeded one: 16 redrives of one failed message at once, each
-// forgetting and running the message again, apply it once.
+// Forget with the state "failed" deletes a failed record, so that the key
+// runs again, and never a succeeded one: 16 redrives of one failed
+// message at once, each forgetting and running the message again, apply
+// it once. Any other state is refused, nothing forgotten.
 func TestForgetFailedNeverForgetsAnAppliedEffect(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
@@ -28,13 +29,13 @@ func TestForgetFailedNeverForgetsAnAppliedEffect(t *testing.T) {
 	fail := func(context.Context, pgx.Tx) error { return idempotency.Final(errors.New("poison today")) }
 	apply := func(context.Context, pgx.Tx) error { applied.Add(1); return nil }
 
-	require.ErrorIs(t, store.ForgetFailed(ctx, m.Scope, "message m-1"), idempotency.ErrKeyNotFound)
+	require.ErrorIs(t, store.Forget(ctx, m.Scope, "message m-1", "failed"), idempotency.ErrKeyNotFound)
 	_, err := store.ProcessMessage(ctx, m, fail)
 	require.True(t, idempotency.IsFinal(err))
 
 	// A redrive: forget the failure, then deliver the message again.
 	redrive := func() error {
-		if err := store.ForgetFailed(ctx, m.Scope, "message m-1"); err != nil && !errors.Is(err, idempotency.ErrKeyNotFound) {
+		if err := store.Forget(ctx, m.Scope, "message m-1", "failed"); err != nil && !errors.Is(err, idempotency.ErrKeyNotFound) {
 			return err
 		}
 		for {
@@ -57,7 +58,7 @@ func TestForgetFailedNeverForgetsAnAppliedEffect(t *testing.T) {
 		}
 	}
 	require.EqualValues(t, 1, applied.Load(), "the message is applied once")
-	err = store.ForgetFailed(ctx, m.Scope, "message m-1")
+	err = store.Forget(ctx, m.Scope, "message m-1", "failed")
 	require.ErrorIs(t, err, idempotency.ErrNotFailed, "a succeeded record is kept")
 	require.Contains(t, err.Error(), "succeeded")
 	rec, err := store.Inspect(ctx, m.Scope, "message m-1")
@@ -70,6 +71,9 @@ func TestForgetFailedNeverForgetsAnAppliedEffect(t *testing.T) {
 		return nil, idempotency.Final(fmt.Errorf("declined"))
 	})
 	require.Error(t, err)
-	require.NoError(t, store.ForgetFailed(ctx, "redrive", "k"))
-	require.ErrorIs(t, store.ForgetFailed(ctx, "redrive", "k"), idempotency.ErrKeyNotFound)
+	for _, state := range []string{"succeeded", "running", "Failed"} {
+		require.ErrorContains(t, store.Forget(ctx, "redrive", "k", state), `use "failed", or "" for any`, state)
+	}
+	require.NoError(t, store.Forget(ctx, "redrive", "k", "failed"))
+	require.ErrorIs(t, store.Forget(ctx, "redrive", "k", "failed"), idempotency.ErrKeyNotFound)
 }

@@ -117,7 +117,7 @@ func TestFormattingSettingsChangeNothing(t *testing.T) {
 			n, err := store.DeleteExpired(ctx, 10)
 			require.NoError(t, err)
 			require.GreaterOrEqual(t, n, int64(1))
-			require.NoError(t, store.Forget(ctx, scope, "k"))
+			require.NoError(t, store.Forget(ctx, scope, "k", ""))
 			res, err = store.Execute(ctx, call, ok)
 			require.NoError(t, err)
 			require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, "a forgotten key runs again")

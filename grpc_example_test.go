@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"log"
+	"log/slog"
 	"net"
 	"time"
 
@@ -22,11 +23,11 @@ func ExampleStreamServerInterceptor() {
 		log.Fatal(err)
 	}
 	defer pool.Close()
-	store, err := idempotency.NewStore(pool)
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(idempotency.LogTracer(slog.Default())))
 	if err != nil {
 		log.Fatal(err)
 	}
-	if err := store.Migrate(ctx); err != nil { // or apply store.Migrations() with your own tool
+	if err := store.Migrate(ctx); err != nil { // or apply idempotency.Migrations with your own tool
 		log.Fatal(err)
 	}
 	go func() { _ = store.RunCleaner(ctx, time.Minute, 1000, func(err error) { log.Print(err) }) }()

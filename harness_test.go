@@ -440,16 +440,16 @@ func (a *attemptLog) requireOnlyFailures(t *testing.T, allowed ...codes.Code) {
 	}
 }
 
-// retryingClient dials target with the library's retry chain and an
-// attemptLog below it.
+// retryingClient dials target with the library's client interceptor and
+// an attemptLog below it.
 func retryingClient(t *testing.T, target string, retryMax uint, extra ...grpc.DialOption) (*grpc.ClientConn, *attemptLog) {
 	t.Helper()
 	log := &attemptLog{}
-	chain := append(idempotency.UnaryClientInterceptors(
+	chain := []grpc.UnaryClientInterceptor{idempotency.UnaryClientInterceptor(
 		idempotency.WithMaxAttempts(int(retryMax)+1),
 		idempotency.WithRetryBackoff(10*time.Millisecond, 250*time.Millisecond),
 		idempotency.WithPerAttemptTimeout(30*time.Second),
-	), log.intercept)
+	), log.intercept}
 	opts := append([]grpc.DialOption{
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithChainUnaryInterceptor(chain...),
@@ -465,6 +465,10 @@ func retryCounter(n *atomic.Int64) grpc.CallOption {
 	return retry.WithOnRetryCallback(func(context.Context, uint, error) { n.Add(1) })
 }
 
+// retryCodes are the codes UnaryClientInterceptor retries, as its doc lists
+// them.
+var retryCodes = []codes.Code{codes.Unavailable, codes.Aborted, codes.ResourceExhausted}
+
 // chargeUntilDone finishes logical call i: the retry chain retries it with
 // one key; when the chain gives up on a retryable error, the application
 // retries the same logical call later with the key it captured.
@@ -472,7 +476,7 @@ func chargeUntilDone(ctx context.Context, conn *grpc.ClientConn, i int, retries,
 	var key string
 	onRetry := retryCounter(retries)
 	resp, err := charge(ctx, conn, i, idempotency.CaptureKey(&key), onRetry)
-	for err != nil && slices.Contains(idempotency.RetryCodes(), status.Code(err)) && ctx.Err() == nil {
+	for err != nil && slices.Contains(retryCodes, status.Code(err)) && ctx.Err() == nil {
 		appRetries.Add(1)
 		time.Sleep(100 * time.Millisecond)
 		resp, err = charge(idempotency.WithOutgoingKey(ctx, key), conn, i, onRetry)
@@ -520,7 +524,7 @@ func await[T any](t testing.TB, ch <-chan T, what string) T {
 // countExecutions is a store's tracer that counts the calls that executed
 // in n, and passes every call on to also, when it is not nil.
 func countExecutions(n *atomic.Int64, also idempotency.Tracer) idempotency.Tracer {
-	counting := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+	counting := endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		if data.Outcome == idempotency.OutcomeExecuted {
 			n.Add(1)
 		}
@@ -558,3 +562,13 @@ JOIN (SELECT hashtextextended(k, hashtextextended($1, $2::regclass::oid::bigint)
 ON l.locktype = 'advisory' AND l.objsubid = 1 AND l.classid::bigint = (key.h >> 32) & 4294967295 AND l.objid::bigint = key.h & 4294967295`,
 		scope, table, keys)
 }
+
+// endTracer is an idempotency.Tracer that only looks at the end of each
+// call.
+type endTracer func(ctx context.Context, data idempotency.TraceCallEndData)
+
+func (f endTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	return ctx
+}
+
+func (f endTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) { f(ctx, data) }

@@ -86,7 +86,7 @@ const ReplayedHeader = "Idempotency-Replayed"
 // out as trailers and are stored and replayed by the same list as headers;
 // a 1xx response other than 101 goes out at once, unstored. Which handler
 // responses are stored: see
-// [DefaultStoredStatus]. A handler that streams (Flush, Hijack, full duplex
+// [DefaultFinalStatus]. A handler that streams (Flush, Hijack, full duplex
 // through http.ResponseController) gets an error from those calls, and a
 // response over the size limit ([WithHTTPMaxResponseBytes]) fails the
 // request with 500 and stores nothing: a stored response is always whole.
@@ -148,7 +148,7 @@ func defaultHTTPOptions() httpOptions {
 		scope:       func(*http.Request) (string, error) { return "", nil },
 		keyRequired: true,
 		ttl:         DefaultTTL,
-		stored:      DefaultStoredStatus,
+		stored:      DefaultFinalStatus,
 		replayed:    DefaultReplayedHeaders(),
 		maxRequest:  1 << 20,
 		maxResponse: 1 << 20,
@@ -162,7 +162,7 @@ func (o *httpOptions) validate() error {
 	case o.scope == nil:
 		return errors.New("idempotency: WithHTTPScope: function is nil")
 	case o.stored == nil:
-		return errors.New("idempotency: WithHTTPStoredStatus: function is nil")
+		return errors.New("idempotency: WithHTTPFinalStatus: function is nil")
 	case o.ttl <= 0:
 		return fmt.Errorf("idempotency: WithHTTPTTL: must be positive, got %v", o.ttl)
 	case o.maxRequest <= 0:
@@ -176,15 +176,16 @@ func (o *httpOptions) validate() error {
 	return nil
 }
 
-// DefaultStoredStatus reports whether a handler's response with this
-// status is stored and replayed by default, matching the gRPC side: 2xx and
+// DefaultFinalStatus reports whether a handler's response with this
+// status is final by default: stored and replayed, as the codes of
+// [DefaultFinalCodes] are on the gRPC side. 2xx and
 // 3xx are, with the handler's writes; 5xx are not (the key is released and
 // a retry runs again); of 4xx, those that say the request was decided are
 // stored, their writes rolled back as a final error's are (403, 404, 409,
 // 410, 412 and the other 4xx), those that say it was never processed are
 // not: 400, 401, 408, 413, 414, 415, 422, 429 and 431, so the corrected
 // request can reuse its key.
-func DefaultStoredStatus(status int) bool {
+func DefaultFinalStatus(status int) bool {
 	switch {
 	case status >= 500:
 		return false
@@ -268,10 +269,10 @@ func WithHTTPTTL(ttl time.Duration) HTTPOption {
 	return func(o *httpOptions) { o.ttl = ttl }
 }
 
-// WithHTTPStoredStatus replaces [DefaultStoredStatus]: f reports whether a
+// WithHTTPFinalStatus replaces [DefaultFinalStatus]: f reports whether a
 // handler's response with a status is stored and replayed (true) or
 // releases the key, its writes rolled back (false). f must not be nil.
-func WithHTTPStoredStatus(f func(status int) bool) HTTPOption {
+func WithHTTPFinalStatus(f func(status int) bool) HTTPOption {
 	return func(o *httpOptions) { o.stored = f }
 }
 

@@ -541,7 +541,7 @@ func TestHTTPMiddlewareComposes(t *testing.T) {
 	db := suiteDB(t)
 	var routes []string
 	var mu sync.Mutex
-	store := migratedStore(t, db, idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+	store := migratedStore(t, db, idempotency.WithTracer(endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		mu.Lock()
 		defer mu.Unlock()
 		routes = append(routes, fmt.Sprintf("%s %v %d", data.Method, data.Outcome, data.HTTPStatus))

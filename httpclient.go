@@ -17,7 +17,7 @@ import (
 
 // HTTPClient sends HTTP requests under one idempotency key per logical
 // request, and retries them under that key: for HTTP what
-// [UnaryClientInterceptors] does for gRPC. The zero value is ready to use.
+// [UnaryClientInterceptor] does for gRPC. The zero value is ready to use.
 // An HTTPClient is safe for concurrent use; do not change its fields while
 // it is in use.
 //

@@ -22,7 +22,7 @@ type routeRecorder struct {
 }
 
 func (rr *routeRecorder) tracer() idempotency.Tracer {
-	return idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+	return endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		rr.mu.Lock()
 		defer rr.mu.Unlock()
 		if rr.methods == nil {

@@ -1,12 +1,15 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -59,30 +62,32 @@ type Record struct {
 	Metadata []byte
 }
 
-// HTTPResponse returns the response an HTTP request's record holds: its
-// status, the headers a replay of it can send, and its body. Set-Cookie,
-// Authorization and the other headers no replay ever sends are left out,
-// though the middleware's first version stored them; of the others a
-// record of that version holds (Date, say), a replay sends only those its
-// middleware's WithHTTPReplayedHeaders allows. ok is false for a record of
-// another transport, or one without a response (an error the engine
-// stored, such as a handler that ended the transaction; Status has it).
-func (r Record) HTTPResponse() (status int, header http.Header, body []byte, ok bool) {
+// HTTPResponse returns the response an HTTP request's record holds, as a
+// replay of it sends it: its status, body, and the headers and trailers a
+// replay can send. Set-Cookie, Authorization and the other headers no
+// replay ever sends are left out, though the middleware's first version
+// stored them; of the others a record of that version holds (Date, say),
+// a replay sends only those its middleware's WithHTTPReplayedHeaders
+// allows. It is nil for a record of another transport, or one without a
+// response (an error the engine stored, such as a handler that ended the
+// transaction; Status has it).
+func (r Record) HTTPResponse() *http.Response {
 	rr := r.httpResponse()
 	if rr == nil {
-		return 0, nil, nil, false
+		return nil
 	}
-	return rr.statusCode(), rr.sent, rr.body.Bytes(), true
-}
-
-// HTTPTrailer returns the trailers stored with an HTTP request's response
-// that a replay can send (as HTTPResponse's headers), nil when there are
-// none or the record is not an HTTP response.
-func (r Record) HTTPTrailer() http.Header {
-	if rr := r.httpResponse(); rr != nil && len(rr.trailer) > 0 {
-		return rr.trailer
+	code := rr.statusCode()
+	return &http.Response{
+		Status:        strconv.Itoa(code) + " " + http.StatusText(code),
+		StatusCode:    code,
+		Proto:         "HTTP/1.1",
+		ProtoMajor:    1,
+		ProtoMinor:    1,
+		Header:        rr.sent,
+		Trailer:       rr.trailer,
+		Body:          io.NopCloser(bytes.NewReader(rr.body.Bytes())),
+		ContentLength: int64(rr.body.Len()),
 	}
-	return nil
 }
 
 // httpResponse decodes the HTTP response the record holds, nil for none,
@@ -241,45 +246,6 @@ func (r *rawRecord) record(scope string) (Record, error) {
 	return rec, nil
 }
 
-// ScopesWithKey returns, in order, up to limit scopes that hold a record of
-// key (in any transport's namespace, or in the one it names, as for
-// Inspect): where an operator who found no record of a key in one scope
-// should look. The table's primary key leads with the scope, so it looks
-// the key up once per scope, stepping from one scope to the next through
-// the index: its cost grows with the number of scopes, not of keys
-// (about a second for 10,000 scopes on the test machine); on a table of
-// many scopes, give ctx a deadline.
-func (s *Store) ScopesWithKey(ctx context.Context, key string, limit int) ([]string, error) {
-	if limit <= 0 {
-		return nil, fmt.Errorf("idempotency: ScopesWithKey: limit must be positive, got %d", limit)
-	}
-	st, err := s.statements(ctx)
-	if err != nil {
-		return nil, s.dbError(ctx, "look for the key's scopes", err)
-	}
-	// A loose index scan: each scope is the smallest one after the last.
-	q := `WITH RECURSIVE s(scope) AS (
-  (SELECT scope FROM ` + st.table + ` ORDER BY scope LIMIT 1)
-  UNION ALL
-  SELECT (SELECT w.scope FROM ` + st.table + ` w WHERE w.scope > s.scope ORDER BY w.scope LIMIT 1) FROM s WHERE s.scope IS NOT NULL)
-SELECT s.scope FROM s WHERE s.scope IS NOT NULL
-AND EXISTS (SELECT FROM ` + st.table + ` w WHERE w.scope = s.scope AND w.key = ANY($1::text[]))
-LIMIT $2::int`
-	var scopes []string
-	err = s.readCommitted(ctx, func(tx pgx.Tx) error {
-		rows, err := tx.Query(ctx, q, storedKeys(key), limit)
-		if err != nil {
-			return err
-		}
-		scopes, err = pgx.CollectRows(rows, pgx.RowTo[string])
-		return err
-	})
-	if err != nil {
-		return nil, s.dbError(ctx, "look for the key's scopes", err)
-	}
-	return scopes, nil
-}
-
 // ListFilter chooses the records [Store.List] returns.
 type ListFilter struct {
 	// Scope is the scope whose records are listed ("" is the empty scope,
@@ -299,15 +265,26 @@ type ListFilter struct {
 	// OlderThan those created more than this long ago, by the database's
 	// clock. Zero, the default, bounds nothing.
 	NewerThan, OlderThan time.Duration
+	// Key keeps the records of one key, named as for Inspect: with a
+	// transport's namespace before it ("http KEY", "message KEY") the
+	// record of that transport's, without one those of every transport's.
+	// With AnyScope it is found in every scope that holds it, where an
+	// operator who found no record of a key in one scope should look: the
+	// table's primary key leads with the scope, so List steps from one
+	// scope to the next through its index and looks the key up in each,
+	// at a cost of the number of scopes, not of keys (about a second for
+	// 10,000 scopes on the test machine). Defaults to "", every key.
+	Key string
 	// After continues a listing where the page before stopped: its
 	// ListPage.Next. Defaults to "", the beginning.
 	After string
 	// Limit is the most records a page holds. Defaults to 100; at most
 	// 10,000.
 	Limit int
-	// Examine is the most rows a page looks at, matching or not, so that
-	// no call reads much of a large table when a filter matches few
-	// records: the page then ends early, with Next set to go on. Defaults
+	// Examine is the most rows a page looks at, matching or not (with a
+	// Key and AnyScope, the most scopes it steps through), so that no call
+	// reads much of a large table when a filter matches few records: the
+	// page then ends early, with Next set to go on. Defaults
 	// to 10,000: on the test machine, with 10 million keys of random UUIDs,
 	// 0.25 s when the rows are in PostgreSQL's cache and up to 2 s when
 	// they are read from disk (each row is a page of its own in key
@@ -341,34 +318,57 @@ func (f *ListFilter) withDefaults() error {
 	return nil
 }
 
-// after decodes f.After: the scope and stored key after which to read.
-func (f *ListFilter) after() (scope, key string, err error) {
+// listPosition is where a listing stopped: after the stored key key of
+// scope, or, past, after every key of scope (a listing of one key stops
+// between two scopes).
+type listPosition struct {
+	scope, key string
+	past       bool
+}
+
+// pastScope is the key of an encoded position past its scope: no key
+// holds a NUL byte.
+const pastScope = "\x00"
+
+// after decodes f.After: the position after which to read.
+func (f *ListFilter) after() (listPosition, error) {
 	if f.After == "" { // an empty key comes before every key
 		if f.AnyScope {
-			return "", "", nil
+			return listPosition{}, nil
 		}
-		return f.Scope, "", nil
+		return listPosition{scope: f.Scope}, nil
 	}
 	b, err := base64.RawURLEncoding.DecodeString(f.After)
+	var pos listPosition
 	if err == nil {
 		var ok bool
-		if scope, key, ok = strings.Cut(string(b), "\x00"); !ok {
+		if pos.scope, pos.key, ok = strings.Cut(string(b), "\x00"); !ok {
 			err = errors.New("no separator")
+		}
+		if pos.key == pastScope {
+			pos.key, pos.past = "", true
 		}
 	}
 	if err != nil {
-		return "", "", fmt.Errorf("idempotency: ListFilter.After: %q is not a ListPage.Next", f.After)
+		return pos, fmt.Errorf("idempotency: ListFilter.After: %q is not a ListPage.Next", f.After)
 	}
-	if !f.AnyScope && scope != f.Scope {
-		return "", "", fmt.Errorf("idempotency: ListFilter.After: the page it continues listed scope %q, not %q", scope, f.Scope)
+	if !f.AnyScope && pos.scope != f.Scope {
+		return pos, fmt.Errorf("idempotency: ListFilter.After: the page it continues listed scope %q, not %q", pos.scope, f.Scope)
 	}
-	return scope, key, nil
+	if pos.past && f.Key == "" {
+		return pos, errors.New("idempotency: ListFilter.After: the page it continues listed the records of one key (ListFilter.Key); give it the same Key")
+	}
+	return pos, nil
 }
 
-// encodeListPosition is a ListPage.Next: the scope and the stored key of
-// the last row a page read (text, so never a NUL byte).
-func encodeListPosition(scope, key string) string {
-	return base64.RawURLEncoding.EncodeToString([]byte(scope + "\x00" + key))
+// next is a ListPage.Next: the position encoded, as text (so never a NUL
+// byte but the separator and pastScope).
+func (p listPosition) next() string {
+	key := p.key
+	if p.past {
+		key = pastScope
+	}
+	return base64.RawURLEncoding.EncodeToString([]byte(p.scope + "\x00" + key))
 }
 
 // ListPage is one page of [Store.List].
@@ -377,7 +377,8 @@ type ListPage struct {
 	// order: by scope, then by key as stored (a transport's namespace
 	// before the key, "http " or "message ", as for Inspect).
 	Records []Record
-	// Examined is how many rows the page looked at.
+	// Examined is how many rows the page looked at (with a Key and
+	// AnyScope, how many scopes).
 	Examined int
 	// Next is where the page stopped, for ListFilter.After, or "" when
 	// the listing is complete. Set when the page is full (Limit) and when
@@ -399,36 +400,46 @@ const listPageRows = 1000
 // statement reads the table as it is then: a key written or deleted while
 // a listing goes on may or may not be in it.
 func (s *Store) List(ctx context.Context, f ListFilter) (ListPage, error) {
-	var page ListPage
 	if err := f.withDefaults(); err != nil {
-		return page, err
+		return ListPage{}, err
 	}
-	afterScope, afterKey, err := f.after()
+	pos, err := f.after()
 	if err != nil {
-		return page, err
+		return ListPage{}, err
 	}
 	st, err := s.statements(ctx)
 	if err != nil {
-		return page, s.dbError(ctx, "list keys", err)
-	}
-	// Each row comes with whether it matches; the record's columns only
-	// when it does. Parameters: the position after which to read, how many
-	// rows, then the filters (NULL: any).
-	rangeCond, order := `(w.scope, w.key) > ($1::text, $2::text)`, "w.scope, w.key"
-	if !f.AnyScope {
-		rangeCond, order = `w.scope = $1::text AND w.key > $2::text`, "w.key"
+		return ListPage{}, s.dbError(ctx, "list keys", err)
 	}
 	var columns []string
 	for _, c := range recordColumns {
 		columns = append(columns, "CASE WHEN w.match THEN "+c+" END")
 	}
-	q := `SELECT w.scope, w.key, w.match, ` + strings.Join(columns, ", ") + `
-FROM (SELECT w.*, ($4::text IS NULL OR w.method = $4::text) AND ($5::text IS NULL OR pg_catalog.starts_with(w.method, $5::text))
+	l := lister{s: s, f: f, table: st.table, columns: strings.Join(columns, ", "), filters: listFilters(f)}
+	if f.Key != "" {
+		return l.key(ctx, pos)
+	}
+	return l.rows(ctx, pos)
+}
+
+// lister is one call of List.
+type lister struct {
+	s       *Store
+	f       ListFilter
+	table   string
+	columns string // a row's record, NULL where the row does not match
+	filters []any  // the arguments of listMatch
+}
+
+// listMatch is whether a row of the table aliased w matches the filters,
+// parameters $4 to $8 (NULL: any).
+const listMatch = `($4::text IS NULL OR w.method = $4::text) AND ($5::text IS NULL OR pg_catalog.starts_with(w.method, $5::text))
   AND ($6::text IS NULL OR w.state = $6::text)
   AND ($7::bigint IS NULL OR w.created_at > pg_catalog.now() - $7::bigint * interval '1 microsecond')
-  AND ($8::bigint IS NULL OR w.created_at <= pg_catalog.now() - $8::bigint * interval '1 microsecond') AS match
-  FROM ` + st.table + ` w WHERE ` + rangeCond + ` ORDER BY ` + order + ` LIMIT $3::int) w
-ORDER BY ` + order
+  AND ($8::bigint IS NULL OR w.created_at <= pg_catalog.now() - $8::bigint * interval '1 microsecond')`
+
+// listFilters are the arguments of listMatch for f.
+func listFilters(f ListFilter) []any {
 	var exact, prefix, state *string
 	if m, ok := strings.CutSuffix(f.Method, "*"); ok {
 		prefix = &m
@@ -445,14 +456,41 @@ ORDER BY ` + order
 		m := d.Microseconds()
 		return &m
 	}
-	newer, older := micros(f.NewerThan), micros(f.OlderThan)
+	return []any{exact, prefix, state, micros(f.NewerThan), micros(f.OlderThan)}
+}
+
+// add adds the record of a row that matched to page.
+func (l *lister) add(page *ListPage, raw *rawRecord, scope, key string) error {
+	rec, err := raw.record(scope)
+	if err != nil {
+		return fmt.Errorf("idempotency: list keys: the record of key %q of scope %q: %w", key, scope, err)
+	}
+	page.Records = append(page.Records, rec)
+	return nil
+}
+
+// rows lists the table's rows after pos, a thousand a statement.
+func (l *lister) rows(ctx context.Context, pos listPosition) (ListPage, error) {
+	var page ListPage
+	f := l.f
+	// Each row comes with whether it matches; the record's columns only
+	// when it does. Parameters: the position after which to read, how many
+	// rows, then the filters.
+	rangeCond, order := `(w.scope, w.key) > ($1::text, $2::text)`, "w.scope, w.key"
+	if !f.AnyScope {
+		rangeCond, order = `w.scope = $1::text AND w.key > $2::text`, "w.key"
+	}
+	q := `SELECT w.scope, w.key, w.match, ` + l.columns + `
+FROM (SELECT w.*, ` + listMatch + ` AS match
+  FROM ` + l.table + ` w WHERE ` + rangeCond + ` ORDER BY ` + order + ` LIMIT $3::int) w
+ORDER BY ` + order
 	for page.Examined < f.Examine && len(page.Records) < f.Limit {
 		n := min(listPageRows, f.Examine-page.Examined)
 		var read int
 		var full bool
 		var decodeErr error
-		err := s.readCommitted(ctx, func(tx pgx.Tx) error {
-			rows, err := tx.Query(ctx, q, afterScope, afterKey, n, exact, prefix, state, newer, older)
+		err := l.s.readCommitted(ctx, func(tx pgx.Tx) error {
+			rows, err := tx.Query(ctx, q, append([]any{pos.scope, pos.key, n}, l.filters...)...)
 			if err != nil {
 				return err
 			}
@@ -468,14 +506,11 @@ ORDER BY ` + order
 					return err
 				}
 				read++
-				afterScope, afterKey = scope, key
+				pos = listPosition{scope: scope, key: key}
 				if match {
-					rec, err := raw.record(scope)
-					if err != nil {
-						decodeErr = fmt.Errorf("idempotency: list keys: the record of key %q of scope %q: %w", key, scope, err)
+					if decodeErr = l.add(&page, &raw, scope, key); decodeErr != nil {
 						return decodeErr
 					}
-					page.Records = append(page.Records, rec)
 				}
 			}
 			return rows.Err()
@@ -485,41 +520,138 @@ ORDER BY ` + order
 			return ListPage{}, decodeErr
 		}
 		if err != nil {
-			return ListPage{}, s.dbError(ctx, "list keys", err)
+			return ListPage{}, l.s.dbError(ctx, "list keys", err)
 		}
 		if !full && read < n {
 			return page, nil // the end of the table, or of the scope
 		}
 	}
-	page.Next = encodeListPosition(afterScope, afterKey)
+	page.Next = pos.next()
+	return page, nil
+}
+
+// key lists the records of f.Key after pos: with AnyScope by a loose index
+// scan, each scope the smallest one after the last, a thousand scopes a
+// statement, the key looked up in each (a scope that holds none is a row
+// whose key is NULL); else in f.Scope alone.
+func (l *lister) key(ctx context.Context, pos listPosition) (ListPage, error) {
+	var page ListPage
+	f := l.f
+	if !f.AnyScope && pos.past {
+		return page, nil // the scope's listing is over
+	}
+	// Parameters: the position after which to read, how many scopes, the
+	// filters, then the stored keys f.Key names.
+	query := func(first string) string {
+		scopes := `SELECT $1::text, 1 WHERE $3::int > 0`
+		if f.AnyScope {
+			scopes = `(SELECT w.scope, 1 FROM ` + l.table + ` w WHERE ` + first + ` ORDER BY w.scope LIMIT 1)
+  UNION ALL
+  SELECT (SELECT w.scope FROM ` + l.table + ` w WHERE w.scope > s.scope ORDER BY w.scope LIMIT 1), s.n + 1
+  FROM s WHERE s.scope IS NOT NULL AND s.n < $3::int`
+		}
+		return `WITH RECURSIVE s(scope, n) AS (` + scopes + `)
+SELECT s.n, s.scope, w.key, w.match, ` + l.columns + `
+FROM s LEFT JOIN LATERAL (SELECT w.*, ` + listMatch + ` AS match
+  FROM ` + l.table + ` w WHERE w.scope = s.scope AND w.key = ANY($9::text[]) AND (w.scope <> $1::text OR w.key > $2::text)) w ON true
+WHERE s.scope IS NOT NULL ORDER BY s.n, w.key`
+	}
+	within, after := query(`w.scope >= $1::text`), query(`w.scope > $1::text`)
+	keys := storedKeys(f.Key)
+	for page.Examined < f.Examine && len(page.Records) < f.Limit {
+		n := min(listPageRows, f.Examine-page.Examined)
+		q := within
+		if pos.past {
+			q = after
+		}
+		var stepped, last int
+		var full bool
+		var decodeErr error
+		err := l.s.readCommitted(ctx, func(tx pgx.Tx) error {
+			rows, err := tx.Query(ctx, q, append(append([]any{pos.scope, pos.key, n}, l.filters...), keys)...)
+			if err != nil {
+				return err
+			}
+			defer rows.Close()
+			for rows.Next() {
+				if full = len(page.Records) == f.Limit; full {
+					return nil // the rest is the next page's
+				}
+				var step int
+				var scope string
+				var key *string
+				var match *bool
+				var raw rawRecord
+				if err := rows.Scan(append([]any{&step, &scope, &key, &match}, raw.targets()...)...); err != nil {
+					return err
+				}
+				if step != last {
+					stepped, last = stepped+1, step
+				}
+				if key == nil { // the scope holds no record of the key
+					pos = listPosition{scope: scope, past: true}
+					continue
+				}
+				pos = listPosition{scope: scope, key: *key}
+				if match != nil && *match {
+					if decodeErr = l.add(&page, &raw, scope, *key); decodeErr != nil {
+						return decodeErr
+					}
+				}
+			}
+			return rows.Err()
+		})
+		page.Examined += stepped
+		if decodeErr != nil {
+			return ListPage{}, decodeErr
+		}
+		if err != nil {
+			return ListPage{}, l.s.dbError(ctx, "list keys", err)
+		}
+		if full {
+			break
+		}
+		if !f.AnyScope || stepped < n {
+			return page, nil // the scope, or the table, has no more
+		}
+		pos = listPosition{scope: pos.scope, past: true} // every row of its last scope was read
+	}
+	page.Next = pos.next()
 	return page, nil
 }
 
 // Forget deletes the record of one key, so that the next call with it runs
-// again: for an operator who knows the stored result must not be replayed
-// (a customer's charge that was refunded by hand, say). It deletes the
-// record Inspect shows (name a transport's key with its namespace, as for
-// Inspect). It refuses, with [ErrInProgress], while a call holds the key
-// (in any of the transports it may name), and returns [ErrKeyNotFound]
-// when there is no record.
-func (s *Store) Forget(ctx context.Context, scope, key string) error {
-	return s.forget(ctx, scope, key, false)
+// again. It deletes the record [Store.Inspect] shows: name a transport's
+// key with its namespace, as for Inspect.
+//
+// With state "", whatever the record holds: for an operator who knows the
+// stored result must not be replayed (a customer's charge that was
+// refunded by hand, say). With state "failed", only a record whose call
+// failed for good (State "failed": a [Final] error, a message given up),
+// so that the next call with the key runs again once its cause is fixed (a
+// redrive): a record in another state is kept, in the same statement that
+// would delete it, and Forget returns [ErrNotFailed], so that a redrive
+// repeated, or racing the call it redrives, never forgets an effect that
+// was applied. Any other state is refused.
+//
+// It refuses, with [ErrInProgress], while a call holds the key (in any of
+// the transports it may name), and returns [ErrKeyNotFound] when there is
+// no record.
+func (s *Store) Forget(ctx context.Context, scope, key, state string) error {
+	switch state {
+	case "":
+		return s.forget(ctx, scope, key, false)
+	case "failed":
+		return s.forget(ctx, scope, key, true)
+	}
+	return fmt.Errorf("idempotency: Forget: state %q: use \"failed\", or \"\" for any", state)
 }
 
-// ErrNotFailed is returned by [Store.ForgetFailed] for a key whose record
-// is not a failure: its call succeeded (or its handler committed its own
-// transaction), and its effect must not be applied again.
+// ErrNotFailed is returned by [Store.Forget], asked to forget a failure,
+// for a key whose record is not one: its call succeeded (or its handler
+// committed its own transaction), and its effect must not be applied
+// again.
 var ErrNotFailed = errors.New("idempotency: the key's call did not fail; its record is kept")
-
-// ForgetFailed is Forget for a record whose call failed for good (State
-// "failed": a Final error, a message given up): it deletes it, so that the
-// next call with the key runs again once its cause is fixed. A record of a
-// call that succeeded is kept ([ErrNotFailed]), in the same statement that
-// would delete it: a redrive repeated, or racing the call it redrives,
-// never forgets an effect that was applied.
-func (s *Store) ForgetFailed(ctx context.Context, scope, key string) error {
-	return s.forget(ctx, scope, key, true)
-}
 
 func (s *Store) forget(ctx context.Context, scope, key string, onlyFailed bool) error {
 	st, err := s.statements(ctx)

@@ -71,12 +71,15 @@ func TestInspectShowsNoHeaderAReplayOmits(t *testing.T) {
 
 	rec, err := store.Inspect(ctx, "", "order-1")
 	require.NoError(t, err)
-	code, header, body, ok := rec.HTTPResponse()
-	require.True(t, ok)
-	require.Equal(t, http.StatusCreated, code)
+	resp := rec.HTTPResponse()
+	require.NotNil(t, resp)
+	require.Equal(t, http.StatusCreated, resp.StatusCode)
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
 	require.Equal(t, `{"id":"ch_1"}`, string(body))
+	header := resp.Header
 	require.Equal(t, http.Header{"Content-Type": {"application/json"}, "Location": {"/v1/charges/ch_1"}}, header)
-	require.Nil(t, rec.HTTPTrailer())
+	require.Empty(t, resp.Trailer, "a trailer no replay sends")
 
 	replay := send()
 	require.Equal(t, "true", replay.Header().Get(idempotency.ReplayedHeader))
@@ -187,9 +190,11 @@ func explain(t *testing.T, db *testdb.DB, mode string, call pgx.TraceQueryStartD
 	return plan
 }
 
-// ScopesWithKey names the scopes that hold a key, in order and at most
-// limit of them, in every transport's namespace.
-func TestScopesWithKey(t *testing.T) {
+// List with a Key finds it in every scope that holds it, in every
+// transport's namespace or in the one it names, page by page: Limit bounds
+// the records, Examine the scopes a page steps through, and a page's Next
+// goes on where it stopped, so that the pages together are the listing.
+func TestListFindsAKeyInEveryScope(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	store := migratedStore(t, db)
@@ -197,21 +202,83 @@ func TestScopesWithKey(t *testing.T) {
 	for _, scope := range []string{"e", "d", "c", "b", "a"} {
 		keyRows(t, db, scope, 3, "succeeded", "m")
 	}
-	_, err := db.Pool.Exec(ctx, `UPDATE idempotency_keys SET key = 'http k-000001' WHERE scope = 'c' AND key = 'k-000001'`)
+	_, err := db.Pool.Exec(ctx, `UPDATE idempotency_keys SET key = 'http k-000001' WHERE scope = 'c' AND key = 'k-000001';
+DELETE FROM idempotency_keys WHERE scope = 'b' AND key = 'k-000001';
+INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, expires_at) VALUES ('d', 'message k-000001', 'idempotency/message', '\x00', 'failed', now() + interval '1 day')`)
 	require.NoError(t, err)
-	_, err = db.Pool.Exec(ctx, `DELETE FROM idempotency_keys WHERE scope = 'b' AND key = 'k-000001'`)
+	found := func(records []idempotency.Record) []string {
+		var out []string
+		for _, r := range records {
+			require.Equal(t, "k-000001", r.Key)
+			out = append(out, r.Scope+"/"+string(r.Transport))
+		}
+		return out
+	}
+	everywhere := []string{"a/grpc", "c/http", "d/grpc", "d/message", "e/grpc"}
+	for _, c := range []struct {
+		name     string
+		f        idempotency.ListFilter
+		pages    [][]string // the records of each page, followed by Next
+		examined []int
+	}{
+		{"every scope", idempotency.ListFilter{AnyScope: true, Key: "k-000001"}, [][]string{everywhere}, []int{5}},
+		{"two records a page", idempotency.ListFilter{AnyScope: true, Key: "k-000001", Limit: 2},
+			[][]string{{"a/grpc", "c/http"}, {"d/grpc", "d/message"}, {"e/grpc"}}, nil},
+		{"two scopes a page", idempotency.ListFilter{AnyScope: true, Key: "k-000001", Examine: 2},
+			[][]string{{"a/grpc"}, {"c/http", "d/grpc", "d/message"}, {"e/grpc"}}, []int{2, 2, 1}},
+		{"one record a page", idempotency.ListFilter{AnyScope: true, Key: "k-000001", Limit: 1},
+			[][]string{{"a/grpc"}, {"c/http"}, {"d/grpc"}, {"d/message"}, {"e/grpc"}}, nil},
+		{"a namespaced key", idempotency.ListFilter{AnyScope: true, Key: "http k-000001"}, [][]string{{"c/http"}}, nil},
+		{"with a filter", idempotency.ListFilter{AnyScope: true, Key: "k-000001", State: "failed"}, [][]string{{"d/message"}}, nil},
+		{"in one scope", idempotency.ListFilter{Scope: "d", Key: "k-000001"}, [][]string{{"d/grpc", "d/message"}}, []int{1}},
+		{"nowhere", idempotency.ListFilter{AnyScope: true, Key: "nowhere"}, [][]string{nil}, []int{5}},
+	} {
+		f := c.f
+		for i, want := range c.pages {
+			page, err := store.List(ctx, f)
+			require.NoError(t, err, "%s, page %d", c.name, i)
+			require.Equal(t, want, found(page.Records), "%s, page %d", c.name, i)
+			if c.examined != nil {
+				require.Equal(t, c.examined[i], page.Examined, "%s, page %d: scopes stepped through", c.name, i)
+			}
+			if i == len(c.pages)-1 {
+				if page.Next != "" { // a full last page may not know it is the last
+					next, err := store.List(ctx, idempotency.ListFilter{AnyScope: f.AnyScope, Scope: f.Scope, Key: f.Key, State: f.State, After: page.Next})
+					require.NoError(t, err)
+					require.Empty(t, next.Records, "%s: nothing after the last page", c.name)
+				}
+				break
+			}
+			require.NotEmpty(t, page.Next, "%s, page %d", c.name, i)
+			f.After = page.Next
+		}
+	}
+	page, err := store.List(ctx, idempotency.ListFilter{AnyScope: true, Key: "k-000001", Examine: 2})
 	require.NoError(t, err)
+	_, err = store.List(ctx, idempotency.ListFilter{AnyScope: true, After: page.Next})
+	require.ErrorContains(t, err, "give it the same Key", "a page between two scopes goes on only with the key")
+}
 
-	scopes, err := store.ScopesWithKey(ctx, "k-000001", 10)
+// List with a Key steps from one scope to the next through the primary
+// key, a thousand scopes a statement at most: its cost is the scopes, not
+// the keys. Here 3,000 scopes of 20 keys each, the key in the last.
+func TestListOfAKeyStepsThroughScopes(t *testing.T) {
+	t.Parallel()
+	traced := &listStatements{}
+	db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 2; cfg.ConnConfig.Tracer = traced })
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, expires_at)
+SELECT 'tenant-' || lpad(s::text, 5, '0'), 'k-' || k, 'm', '\x00', 'succeeded', now() + interval '1 day'
+FROM generate_series(1, 3000) s, generate_series(1, 20) k;
+DELETE FROM idempotency_keys WHERE key = 'k-1' AND scope <> 'tenant-03000';
+ANALYZE idempotency_keys`)
 	require.NoError(t, err)
-	require.Equal(t, []string{"a", "c", "d", "e"}, scopes)
-	scopes, err = store.ScopesWithKey(ctx, "k-000001", 2)
+	page, err := store.List(ctx, idempotency.ListFilter{AnyScope: true, Key: "k-1"})
 	require.NoError(t, err)
-	require.Equal(t, []string{"a", "c"}, scopes)
-	scopes, err = store.ScopesWithKey(ctx, "http k-000001", 10)
-	require.NoError(t, err)
-	require.Equal(t, []string{"c"}, scopes, "a namespaced key names its transport's")
-	scopes, err = store.ScopesWithKey(ctx, "nowhere", 10)
-	require.NoError(t, err)
-	require.Empty(t, scopes)
+	require.Len(t, page.Records, 1)
+	require.Equal(t, "tenant-03000", page.Records[0].Scope)
+	require.Equal(t, 3000, page.Examined, "every scope, once")
+	require.Empty(t, page.Next)
+	require.Len(t, traced.calls, 4, "three statements of a thousand scopes, and one that finds no more")
 }

@@ -3,6 +3,8 @@ package idempotency
 import (
 	"context"
 	"fmt"
+	"math"
+	"strconv"
 	"time"
 
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
@@ -11,6 +13,8 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/exactlyonce/idempotency/internal/seam"
 )
 
 // MetadataKey is the gRPC metadata key carrying the idempotency key.
@@ -43,11 +47,11 @@ const ReplayedTrailer = "idempotency-replayed"
 // It panics if store is nil or an option is invalid, as those are
 // programming errors found at startup.
 func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServerInterceptor {
-	s := &UnaryServer{store: store, o: mustServerOptions("UnaryServerInterceptor", store, opts)}
+	s := &unaryServer{store: store, o: mustServerOptions("UnaryServerInterceptor", store, opts)}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		msg, isProto := req.(proto.Message)
 		md, _ := metadata.FromIncomingContext(ctx)
-		call := UnaryCall{Method: info.FullMethod, Request: msg, Metadata: md}
+		call := seam.Call{Method: info.FullMethod, Request: msg, Metadata: md}
 		p, err := s.prepare(ctx, call)
 		if err == nil && p.passThrough {
 			return handler(ctx, req)
@@ -58,7 +62,7 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 		// The handler's headers and trailers are held back until the
 		// call's answer is known, and stored with it.
 		hctx, rec := recordMetadata(ctx)
-		reply, err := s.protect(hctx, call, p, err, func(ctx context.Context) (proto.Message, ResponseMetadata, error) {
+		reply, err := s.protect(hctx, call, p, err, func(ctx context.Context) (proto.Message, seam.Metadata, error) {
 			if rec != nil {
 				rec.reset()
 			}
@@ -68,12 +72,12 @@ func UnaryServerInterceptor(store *Store, opts ...ServerOption) grpc.UnaryServer
 			}
 			m, ok := resp.(proto.Message)
 			if !ok {
-				return nil, ResponseMetadata{}, status.Errorf(codes.Internal, "idempotency: response of %s is %T, not a proto message", info.FullMethod, resp)
+				return nil, seam.Metadata{}, status.Errorf(codes.Internal, "idempotency: response of %s is %T, not a proto message", info.FullMethod, resp)
 			}
 			return m, rec.recorded(), nil
 		})
 		switch {
-		case reply.Outcome == OutcomeReplayed:
+		case Outcome(reply.Outcome) == OutcomeReplayed:
 			if len(reply.Header) > 0 {
 				_ = grpc.SetHeader(ctx, reply.Header) // fails only if the stream is already done
 			}
@@ -233,6 +237,21 @@ var retryMarkers = []string{retry.AttemptMetadataKey, "x-retry-attempty"}
 // the engine looks for a stored result before anything else.
 func isRetryAttempt(md metadata.MD) bool {
 	return len(md.Get(grpcPreviousAttempts)) > 0 || isMarkedRetry(md)
+}
+
+// clientAttempt is which of its client's attempts a call is, by the marks
+// gRPC's retry policy and the retry interceptors set (for traces only): 1
+// for a call without one.
+func clientAttempt(md metadata.MD) int {
+	n := 1
+	for _, k := range append([]string{grpcPreviousAttempts}, retryMarkers...) {
+		if v := md.Get(k); len(v) > 0 {
+			if before, err := strconv.Atoi(v[0]); err == nil && before > 0 && before < math.MaxInt32 {
+				n = max(n, before+1)
+			}
+		}
+	}
+	return n
 }
 
 // isMarkedRetry reports whether md carries a retry interceptor's marker.

@@ -454,7 +454,7 @@ func TestDisconnectAfterSuccessStillStores(t *testing.T) {
 			<-ctx.Done() // the client hung up; the work is already done
 		}
 		return resp, err
-	}, tracer: idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+	}, tracer: endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		if data.Outcome == idempotency.OutcomeExecuted {
 			finished <- data.Err
 		}
@@ -737,7 +737,7 @@ func TestHandlerCannotEndTheTransaction(t *testing.T) {
 	var commitErr, rollbackErr error
 	var key string
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-		key, _ = idempotency.CallKeyFromContext(ctx)
+		key, _ = idempotency.IncomingKey(ctx)
 		tx := idempotency.MustTxFromContext(ctx)
 		commitErr = tx.Commit(ctx)
 		rollbackErr = tx.Rollback(ctx)
@@ -796,7 +796,7 @@ func TestTracerSeesEveryKeyedCall(t *testing.T) {
 	t.Parallel()
 	var mu sync.Mutex
 	var seen []idempotency.Outcome
-	e := newEnv(t, envConfig{tracer: idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+	e := newEnv(t, envConfig{tracer: endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		mu.Lock()
 		defer mu.Unlock()
 		seen = append(seen, data.Outcome)

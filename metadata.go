@@ -11,6 +11,8 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
+
+	"github.com/exactlyonce/idempotency/internal/seam"
 )
 
 // MaxStoredMetadata is the most header and trailer data, in bytes of keys
@@ -123,19 +125,19 @@ func (r *recordingStream) flush() {
 
 // recorded is what the handler set, for storage; nothing on a nil
 // recorder (no stream to record).
-func (r *recordingStream) recorded() ResponseMetadata {
+func (r *recordingStream) recorded() seam.Metadata {
 	if r == nil {
-		return ResponseMetadata{}
+		return seam.Metadata{}
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return ResponseMetadata{Header: r.header.Copy(), Trailer: r.trailer.Copy()}
+	return seam.Metadata{Header: r.header.Copy(), Trailer: r.trailer.Copy()}
 }
 
 // encodeResponseMetadata returns a handler's headers and trailers in their
 // stored form. A key the handler may not set, or more than
 // MaxStoredMetadata, is an error: the call fails, nothing stored.
-func encodeResponseMetadata(md ResponseMetadata) ([]byte, error) {
+func encodeResponseMetadata(md seam.Metadata) ([]byte, error) {
 	if err := refuseUnstorable(md.Header); err != nil {
 		return nil, err
 	}
@@ -200,10 +202,10 @@ func appendEntry(b []byte, field protowire.Number, key string, values []string) 
 }
 
 // decodeMD reads the stored form back. Field 3, when there is one, holds
-// what an adapter keeps beside them (ResponseMetadata.Adapter).
-func decodeMD(b []byte) (md ResponseMetadata, err error) {
+// what an adapter keeps beside them (unary.Metadata.Adapter).
+func decodeMD(b []byte) (md seam.Metadata, err error) {
 	header, trailer, adapter, err := decodeStoredMD(b)
-	return ResponseMetadata{Header: header, Trailer: trailer, Adapter: adapter}, err
+	return seam.Metadata{Header: header, Trailer: trailer, Adapter: adapter}, err
 }
 
 func decodeStoredMD(b []byte) (header, trailer metadata.MD, adapter []byte, err error) {

@@ -40,17 +40,14 @@ type Migration struct {
 	Down string
 }
 
-// Migrations returns the SQL that creates and evolves this store's table, in
-// order, with the configured table name filled in, for a migration tool
-// that runs each in a transaction of its own. [Store.Migrate] makes the
-// same changes, but moves the rows of 003 in batches of their own
-// transactions rather than with its single UPDATE.
-func (s *Store) Migrations() ([]Migration, error) { return renderMigrations(s.ident) }
-
-// MigrationsFor is [Store.Migrations] for a table named without a store,
-// as [WithTable] names it (an empty schema leaves it to the search_path),
-// for tools that render the SQL without a database.
-func MigrationsFor(schemaName, table string) ([]Migration, error) {
+// Migrations returns the SQL that creates and evolves the key table named
+// as [WithTable] names it (an empty schema leaves it to the search_path;
+// the store's default table is [DefaultTable]), in order, for a migration
+// tool that runs each in a transaction of its own: goose, Atlas,
+// golang-migrate. [Store.Migrate] makes the same changes, but moves the
+// rows of 003 in batches of their own transactions rather than with its
+// single UPDATE. It needs no database.
+func Migrations(schemaName, table string) ([]Migration, error) {
 	o, err := newStoreOptions([]StoreOption{WithTable(schemaName, table)})
 	if err != nil {
 		return nil, err

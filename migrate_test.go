@@ -24,9 +24,9 @@ import (
 // downgradeTo makes the default key table of db look as the release that
 // had applied the migrations up to version left it: the later ones are
 // reverted and forgotten.
-func downgradeTo(t *testing.T, db *testdb.DB, store *idempotency.Store, version int) {
+func downgradeTo(t *testing.T, db *testdb.DB, version int) {
 	t.Helper()
-	ms, err := store.Migrations()
+	ms, err := idempotency.Migrations("", idempotency.DefaultTable)
 	require.NoError(t, err)
 	for i := len(ms) - 1; i >= 0 && ms[i].Version > version; i-- {
 		_, err := db.Pool.Exec(context.Background(), ms[i].Down)
@@ -75,7 +75,7 @@ func TestMigrateNeverStallsCallsBehindItsLockRequest(t *testing.T) {
 	db := testdb.New(t, 16)
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	downgradeTo(t, db, store, 1) // the first release's table
+	downgradeTo(t, db, 1) // the first release's table
 	require.NoError(t, olderReleaseCall(ctx, db.Pool, "before"))
 	reader, _ := openReader(t, db)
 
@@ -115,7 +115,7 @@ func TestMigrateNeverStallsCallsBehindItsLockRequest(t *testing.T) {
 	case <-time.After(liveness):
 		t.Fatal("Migrate never finished after the reader ended")
 	}
-	all, err := store.Migrations()
+	all, err := idempotency.Migrations("", idempotency.DefaultTable)
 	require.NoError(t, err)
 	require.Equal(t, len(all), db.Count(t, `SELECT count(*) FROM idempotency_keys_migrations`))
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM information_schema.columns WHERE table_schema = $1 AND table_name = 'idempotency_keys' AND column_name = 'metadata'`, db.Schema))
@@ -133,7 +133,7 @@ func TestMigrateGivesUpSayingWhoHoldsTheLock(t *testing.T) {
 	db := testdb.New(t, 4)
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	downgradeTo(t, db, store, 1)
+	downgradeTo(t, db, 1)
 	reader, readerPID := openReader(t, db)
 
 	var err error
@@ -160,7 +160,7 @@ func TestMigrateGivesUpSayingWhoHoldsTheLock(t *testing.T) {
 
 	require.NoError(t, reader.Rollback(ctx))
 	require.NoError(t, store.Migrate(ctx))
-	all, err := store.Migrations()
+	all, err := idempotency.Migrations("", idempotency.DefaultTable)
 	require.NoError(t, err)
 	require.Equal(t, len(all), db.Count(t, `SELECT count(*) FROM idempotency_keys_migrations`))
 }
@@ -176,7 +176,7 @@ func TestMigrateOneTableNamedTwoWays(t *testing.T) {
 	require.NoError(t, err)
 	qualified, err := idempotency.NewStore(db.Pool, idempotency.WithTable(db.Schema, "keys"))
 	require.NoError(t, err)
-	all, err := bare.Migrations()
+	all, err := idempotency.Migrations("", "keys")
 	require.NoError(t, err)
 	for round := range 16 {
 		_, err := db.Pool.Exec(ctx, `DROP TABLE IF EXISTS keys, keys_migrations`)
@@ -224,7 +224,7 @@ func TestMigrateMovesRowsInBatchesAndResumes(t *testing.T) {
 	})
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	downgradeTo(t, db, store, 2) // before 003, as the release that wrote these rows left the table
+	downgradeTo(t, db, 2) // before 003, as the release that wrote these rows left the table
 	_, err := db.Pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, response_type, response, metadata, expires_at)
 SELECT 'tenant-' || (i % 7), k || i,
   CASE k WHEN 'm-' THEN 'idempotency/message' WHEN 'g-' THEN '/pay.v1.Pay/Charge' ELSE 'POST /v1/charges' END,
@@ -241,7 +241,7 @@ VALUES ('tenant-1', 'taken', 'POST /v1/charges', '\x01', 'succeeded', 'google.pr
 	// What 003's single UPDATE makes of the same rows, on a copy.
 	_, err = db.Pool.Exec(ctx, `CREATE TABLE expected_keys (LIKE idempotency_keys INCLUDING ALL); INSERT INTO expected_keys SELECT * FROM idempotency_keys`)
 	require.NoError(t, err)
-	copyMs, err := idempotency.MigrationsFor(db.Schema, "expected_keys")
+	copyMs, err := idempotency.Migrations(db.Schema, "expected_keys")
 	require.NoError(t, err)
 	_, err = db.Pool.Exec(ctx, copyMs[2].SQL)
 	require.NoError(t, err)
@@ -340,8 +340,8 @@ func TestMigrateThroughPgBouncer(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	ctx := context.Background()
-	store := migratedStore(t, db)
-	downgradeTo(t, db, store, 1)
+	migratedStore(t, db)
+	downgradeTo(t, db, 1)
 	bounced, err := idempotency.NewStore(bouncedPool(t, ""), idempotency.WithTable(db.Schema, idempotency.DefaultTable))
 	require.NoError(t, err)
 	// A session's lock would be taken on one server connection and waited
@@ -349,7 +349,7 @@ func TestMigrateThroughPgBouncer(t *testing.T) {
 	bounded, cancel := context.WithTimeout(ctx, liveness)
 	defer cancel()
 	require.NoError(t, bounced.Migrate(bounded))
-	all, err := store.Migrations()
+	all, err := idempotency.Migrations("", idempotency.DefaultTable)
 	require.NoError(t, err)
 	require.Equal(t, len(all), db.Count(t, `SELECT count(*) FROM idempotency_keys_migrations`))
 	// The lock, as Migrate derives it: FNV-64a of the quoted, qualified name.

@@ -731,7 +731,7 @@ func TestOutcomesOfCancellationAndMisconfiguration(t *testing.T) {
 	t.Parallel()
 	var mu sync.Mutex
 	var outcomes []idempotency.Outcome
-	tracer := idempotency.TraceCallEndFunc(func(_ context.Context, d idempotency.TraceCallEndData) {
+	tracer := endTracer(func(_ context.Context, d idempotency.TraceCallEndData) {
 		mu.Lock()
 		defer mu.Unlock()
 		outcomes = append(outcomes, d.Outcome)
@@ -992,7 +992,7 @@ func TestInspectAndForgetNameEachTransportsKey(t *testing.T) {
 	require.Equal(t, "x", rec.Key)
 	require.Equal(t, "POST /v1/charges", rec.Method)
 
-	require.NoError(t, e.store.Forget(ctx, "", "http x"), "the HTTP charge")
+	require.NoError(t, e.store.Forget(ctx, "", "http x", ""), "the HTTP charge")
 	_, err = e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
 	require.NoError(t, err)
 	require.Equal(t, 1, runs, "the gRPC key was left alone")
@@ -1046,7 +1046,7 @@ func TestMigrationMovesOlderRowsIntoTheirNamespaces(t *testing.T) {
 	_, err = store.ProcessMessage(ctx, idempotency.Message{ID: "m"}, func(context.Context, pgx.Tx) error { return nil })
 	require.NoError(t, err)
 
-	ms, err := store.Migrations()
+	ms, err := idempotency.Migrations("", idempotency.DefaultTable)
 	require.NoError(t, err)
 	downgrade := func() { // as the older version's table looks
 		_, err := e.db.Pool.Exec(ctx, ms[2].Down)

@@ -313,7 +313,7 @@ func TestPolicyOfServiceBuiltAtRunTime(t *testing.T) {
 		// The client reads the same descriptor: it sends no generated key
 		// beside request_id (which would win on the server and make each
 		// logical call a new key), so two calls with one request_id run once.
-		chained := dialWith(t, runtimeServer(t, db, store, nil, v1), grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+		chained := dialWith(t, runtimeServer(t, db, store, nil, v1), grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
 		for range 2 {
 			c := &rtCall{method: charge, fields: map[string]string{"request_id": "rt-3", "body": "rt-3"}}
 			require.NoError(t, c.do(chained))
@@ -376,7 +376,7 @@ func TestPolicyProto2DefaultIsNotAKey(t *testing.T) {
 	})
 
 	t.Run("CaptureKey reports no key for an unset field, the field when set", func(t *testing.T) {
-		client := dialWith(t, addr, grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
+		client := dialWith(t, addr, grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))))
 		captured := "unchanged"
 		c := &rtCall{method: charge, fields: map[string]string{"body": "captured"}, opts: []grpc.CallOption{idempotency.CaptureKey(&captured)}}
 		require.Equal(t, "request_id", badRequestField(t, c.do(client)))

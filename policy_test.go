@@ -261,7 +261,7 @@ func TestPolicyDefaultsForUnannotatedMethods(t *testing.T) {
 // none for natural keys, disabled methods or safe levels.
 func TestClientFollowsProtoOptions(t *testing.T) {
 	t.Parallel()
-	icpt := idempotency.UnaryClientInterceptor()
+	icpt := idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))
 	svc := "/" + testingv1.PolicyService_ServiceDesc.ServiceName + "/"
 	for method, want := range map[string]bool{
 		"Required": true, "Optional": true, "Unannotated": true, "RequiredDespiteLevel": true, "ShortTTL": true,

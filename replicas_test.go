@@ -50,7 +50,7 @@ func (l *replicaLog) interceptor(name string) grpc.UnaryServerInterceptor {
 }
 
 func (l *replicaLog) outcomes(name string) idempotency.Tracer {
-	return idempotency.TraceCallEndFunc(func(ctx context.Context, data idempotency.TraceCallEndData) {
+	return endTracer(func(ctx context.Context, data idempotency.TraceCallEndData) {
 		o, key := data.Outcome, data.Key
 		l.mu.Lock()
 		defer l.mu.Unlock()

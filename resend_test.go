@@ -129,7 +129,7 @@ func runReplicaChild() int {
 	}
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
 	srv.RegisterService(ledgerDesc(), &ledger{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-		key, _ := idempotency.CallKeyFromContext(ctx)
+		key, _ := idempotency.IncomingKey(ctx)
 		if _, err := pool.Exec(ctx, `INSERT INTO runs (key) VALUES ($1)`, key); err != nil {
 			return nil, err
 		}

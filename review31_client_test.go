@@ -32,7 +32,7 @@ func review31Failing(t *testing.T, fail func(n int64) error, opts ...idempotency
 	}})
 	addr := serve(t, srv)
 	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(opts...)...))
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(opts...)))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn, &n

@@ -41,7 +41,7 @@ func TestReview31SixteenReplicasMigrateOneTableSpelledFourWays(t *testing.T) {
 		require.NoError(t, err)
 		stores = append(stores, s)
 	}
-	all, err := stores[0].Migrations()
+	all, err := idempotency.Migrations("", "keys")
 	require.NoError(t, err)
 	for round := range 3 {
 		_, err := db.Pool.Exec(ctx, `DROP TABLE IF EXISTS keys, keys_migrations`)
@@ -81,7 +81,7 @@ func TestReview31MigrateWhileSixteenWorkersCall(t *testing.T) {
 	db := testdb.New(t, 20)
 	ctx := context.Background()
 	store := migratedStore(t, db)
-	downgradeTo(t, db, store, 2)
+	downgradeTo(t, db, 2)
 	_, err := db.Pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, response_type, response, metadata, expires_at)
 SELECT 'tenant-' || (i % 7), 'h-' || i, 'POST /v1/charges', '\x01', 'succeeded', 'google.protobuf.BytesValue', '\x0a027b7d'::bytea, '\x08c901'::bytea, now() + interval '1 hour'
 FROM generate_series(1, 6000) i;

@@ -264,7 +264,7 @@ func TestThroughPgBouncerCommitOnConnLeavesNoLock(t *testing.T) {
 	require.NoError(t, otherTx.Commit(ctx))
 	_, err2 := store.Execute(ctx, call, fn)
 	t.Logf("second call: %v", err2)
-	errForget := store.Forget(ctx, "", "k")
+	errForget := store.Forget(ctx, "", "k", "")
 	t.Logf("forget: %v", errForget)
 	require.EqualValues(t, 1, runs.Load())
 	requireNoKeyLocks(t, db, "", []string{"k"}, "no lock of the key outlives its calls")
@@ -468,7 +468,7 @@ func TestTinyTTLsWithCleanerAndForget(t *testing.T) {
 	bg.Go(func() {
 		for ctx.Err() == nil {
 			for k := range 3 {
-				_ = store.Forget(ctx, "", fmt.Sprintf("k%d", k))
+				_ = store.Forget(ctx, "", fmt.Sprintf("k%d", k), "")
 			}
 		}
 	})

@@ -8,41 +8,34 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/exactlyonce/idempotency/internal/seam"
 )
 
-// UnaryClient is the client side of the idempotency layer for the unary
-// calls of an RPC framework that has no retry interceptor of its own: it
-// gives each logical call one key and retries it with that key, as
-// [UnaryClientInterceptors] does for grpc-go (the same options, defaults,
-// codes, backoff, RetryInfo and budget; the same key choice, derived keys
-// inside a running call included).
-// github.com/exactlyonce/idempotency/idempotencyconnect runs connect-go's
-// client interceptor on it.
-type UnaryClient struct {
+// unaryClient is the client side of the layer for the unary calls of an
+// RPC framework that has no retry interceptor of its own, lent to its
+// adapter by package unary: it gives each logical call one key and retries
+// it with that key, as [UnaryClientInterceptor] does for grpc-go (the same
+// options, defaults, codes, backoff, RetryInfo and budget; the same key
+// choice, derived keys inside a running call included).
+type unaryClient struct {
 	o *clientOptions
 }
 
-// NewUnaryClient returns the client side of the idempotency layer with
-// the options [UnaryClientInterceptors] takes. It fails if an option is
-// invalid, naming it.
-func NewUnaryClient(opts ...ClientOption) (*UnaryClient, error) {
-	o := defaultClientOptions()
-	for _, opt := range opts {
-		opt(&o)
-	}
-	if err := o.validate(); err != nil {
-		return nil, err
-	}
-	return &UnaryClient{o: &o}, nil
-}
+var _ seam.Client = (*unaryClient)(nil)
 
-// UnaryAttempt sends one attempt of a call with md, the call's outgoing
-// metadata with its key (lower-case keys, as gRPC has them; an HTTP
-// framework sends them as request headers). Its error is read as a gRPC
-// status (status.FromError): a framework's own error type should
-// implement GRPCStatus, or be converted, so that its code and details
-// (RetryInfo) decide whether the call is retried.
-type UnaryAttempt func(ctx context.Context, md metadata.MD) error
+func init() {
+	seam.NewClient = func(opts any) (seam.Client, error) {
+		o := defaultClientOptions()
+		for _, opt := range opts.([]ClientOption) {
+			opt(&o)
+		}
+		if err := o.validate(); err != nil {
+			return nil, err
+		}
+		return &unaryClient{o: &o}, nil
+	}
+}
 
 // Invoke makes a call of method with req: it picks the call's key (the one
 // md carries already, [WithOutgoingKey]'s, one derived from the call
@@ -52,7 +45,7 @@ type UnaryAttempt func(ctx context.Context, md metadata.MD) error
 // the call's metadata as the application set it. key is the key the
 // attempts carried ("" when none: the method needs none, or its request
 // carries it in its key field).
-func (c *UnaryClient) Invoke(ctx context.Context, method string, req proto.Message, md metadata.MD, attempt UnaryAttempt) (key string, err error) {
+func (c *unaryClient) Invoke(ctx context.Context, method string, req proto.Message, md metadata.MD, attempt seam.Attempt) (key string, err error) {
 	pol := policyForRequest(method, req)
 	key, inMetadata, err := c.o.keyWith(ctx, method, pol, md)
 	if err != nil {
@@ -91,7 +84,7 @@ func (c *UnaryClient) Invoke(ctx context.Context, method string, req proto.Messa
 
 // attempt sends one attempt, bounded by WithPerAttemptTimeout when the
 // call is retried.
-func (c *UnaryClient) attempt(ctx context.Context, method string, md metadata.MD, attempt UnaryAttempt, retried bool) error {
+func (c *unaryClient) attempt(ctx context.Context, method string, md metadata.MD, attempt seam.Attempt, retried bool) error {
 	if !retried || c.o.perAttemptTimeout <= 0 {
 		return attempt(ctx, md)
 	}

@@ -218,7 +218,7 @@ FROM {{table}} WHERE scope = $1::text AND key = ANY($2::text[]) ORDER BY pg_cata
 		lockForget: r.Replace(`SELECT pg_catalog.bool_and(pg_catalog.pg_try_advisory_xact_lock({{lock_key_k}})) FROM pg_catalog.unnest($2::text[]) AS k`),
 		forget: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = (SELECT key FROM {{table}} WHERE scope = $1::text AND key = ANY($2::text[])
 ORDER BY pg_catalog.array_position($2::text[], key) LIMIT 1)`),
-		// ForgetFailed's: the record forget would delete, deleted only when
+		// Forget's of a failure: the record forget would delete, deleted only when
 		// its call failed for good; its state either way.
 		forgetFailed: r.Replace(`WITH k AS (SELECT key, state FROM {{table}} WHERE scope = $1::text AND key = ANY($2::text[])
 ORDER BY pg_catalog.array_position($2::text[], key) LIMIT 1),

@@ -78,7 +78,7 @@ func (s *Store) poolConfig(conn *pgx.Conn) *pgxpool.Config {
 }
 
 // NewStore returns a Store on db. The table must exist: run [Store.Migrate]
-// once at startup, or apply [Store.Migrations] with your own tool. An
+// once at startup, or apply [Migrations] with your own tool. An
 // invalid option is reported as an error naming it.
 func NewStore(db DB, opts ...StoreOption) (*Store, error) {
 	if db == nil {
@@ -348,7 +348,7 @@ func WithInProgressWait(d time.Duration) StoreOption {
 // the RetryInfo detail of every retryable status of the layer
 // ([ErrInProgress], [ErrStoreUnavailable], the database's Aborted; HTTP:
 // Retry-After, in whole seconds, at least 1), which [RetryDelay] reads on
-// the client and the client chain waits at least. It is not the client's
+// the client and the client interceptor waits at least. It is not the client's
 // own backoff ([WithRetryBackoff]). Defaults to 500 milliseconds.
 func WithSuggestedRetryDelay(d time.Duration) StoreOption {
 	return func(o *storeOptions) { o.retryDelay = d }

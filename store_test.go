@@ -40,7 +40,7 @@ func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
 	}
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, schema, table))
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE tablename = 'victim'`))
-	all, err := store.Migrations()
+	all, err := idempotency.Migrations(schema, table)
 	require.NoError(t, err)
 	require.Equal(t, len(all), db.Count(t, `SELECT count(*) FROM `+pgx.Identifier{schema, table + "_migrations"}.Sanitize()), "each migration applied once")
 	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relpersistence = 'u'`, table), "the key table must not be UNLOGGED")
@@ -50,7 +50,7 @@ func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
 
-	ms, err := store.Migrations()
+	ms, err := idempotency.Migrations(schema, table)
 	require.NoError(t, err)
 	require.NotEmpty(t, ms)
 	require.Contains(t, ms[0].SQL, pgx.Identifier{schema, table}.Sanitize(), "exported SQL names the configured table")
@@ -74,9 +74,14 @@ func TestDeleteExpiredAndCleaner(t *testing.T) {
 
 	n, err := store.DeleteExpired(ctx, 2)
 	require.NoError(t, err)
-	require.EqualValues(t, 2, n, "a batch deletes at most its limit")
+	require.EqualValues(t, 5, n, "every expired key, in batches of 2")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`), "the live key is kept")
 	_, err = store.DeleteExpired(ctx, 0)
 	require.Error(t, err)
+	for i := 0; i < 3; i++ {
+		run("again-"+string(rune('a'+i)), time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond)
 
 	cctx, cancel := context.WithCancel(ctx)
 	stopped := make(chan error, 1)

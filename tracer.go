@@ -5,8 +5,13 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime/debug"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // Tracer observes the calls of a [Store], whatever their transport, for
@@ -60,12 +65,21 @@ type TraceCallStartData struct {
 	// span name taken from it stays bounded; empty for a message (see
 	// Scope); or Call.Method.
 	Method string
-	// Scope is a message's Scope; empty for other transports. It can name
-	// a tenant, one of thousands: keep it off metric labels.
+	// Scope is the call's key scope: a message's Scope from the start; for
+	// the other transports, whose scope is decided once the call has
+	// started ([WithScope], [WithHTTPScope], Call.Scope), only in
+	// TraceCallEnd, and empty for a call refused before. It can name a
+	// tenant, one of thousands: keep it off metric labels.
 	Scope string
 	// Key is the call's idempotency key, or message ID, as the client sent
-	// it (maybe invalid, maybe empty).
+	// it (maybe invalid, maybe empty). It can be a secret (a payment's
+	// token, say): keep it out of logs and metrics.
 	Key string
+	// Attempt is which of its client's attempts a gRPC or connect call is,
+	// as the client marked it (the retry interceptors' x-retry-attempt,
+	// gRPC's grpc-previous-rpc-attempts): 1 for a call with no mark; 0 for
+	// the transports whose clients mark nothing (HTTP, messages, Execute).
+	Attempt int
 }
 
 // TraceCallEndData is what became of a call. The durations add up to less
@@ -100,8 +114,7 @@ type TraceCleanerBatchData struct {
 	Duration time.Duration
 	// Pause is how long the cleaner waits before its next batch: nine
 	// times Duration after a full batch of a round ([Store.RunCleaner],
-	// [Store.DeleteAllExpired]); zero after a round's last batch and for
-	// [Store.DeleteExpired].
+	// [Store.DeleteExpired]); zero after a round's last batch.
 	Pause time.Duration
 	// Err is the batch's error, or nil.
 	Err error
@@ -161,17 +174,91 @@ func (g *guardedTracer) recover(method string) {
 		"method", method, "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
 }
 
-// TraceCallEndFunc is a [Tracer] that only looks at the end of each call,
-// for code that counts or logs outcomes.
-type TraceCallEndFunc func(ctx context.Context, data TraceCallEndData)
+// LogTracer returns a [Tracer] that logs one line per call's end to logger
+// (slog.Default() when nil), for a service that wants its calls in its
+// log: the transport, the method (or HTTP route), the scope, the client's
+// attempt, the outcome, the duration and, for a call that ended in an
+// error, its gRPC code and message (an HTTP call's status too). The level
+// says who must act:
+//
+//   - Info: the call was answered, executed or replayed, a decided
+//     failure (NotFound, FailedPrecondition, ...) included;
+//   - Warn: it was not, and the client retries or corrects it (released,
+//     in progress, unavailable, key reused, rejected, canceled);
+//   - Error: an operator must look: a failure stored for good that no
+//     one decided (Internal, Unknown or DataLoss, such as a handler that
+//     ended the call's transaction, or an HTTP 5xx stored), and a store
+//     that cannot work as configured (misconfigured).
+//
+// It never logs the key, which can be a secret (a payment's token, say)
+// and which a log reader can replay with; an error's message that quotes
+// it has it replaced with "<key>". A service that wants keys in its log
+// logs them where it knows they are no secret, with [IncomingKey].
+//
+// Join it with a metrics tracer with [JoinTracers].
+func LogTracer(logger *slog.Logger) Tracer { return logTracer{logger: logger} }
 
-// TraceCallStart returns ctx.
-func (f TraceCallEndFunc) TraceCallStart(ctx context.Context, _ TraceCallStartData) context.Context {
+type logTracer struct {
+	logger *slog.Logger
+}
+
+func (l logTracer) TraceCallStart(ctx context.Context, _ TraceCallStartData) context.Context {
 	return ctx
 }
 
-// TraceCallEnd calls f.
-func (f TraceCallEndFunc) TraceCallEnd(ctx context.Context, data TraceCallEndData) { f(ctx, data) }
+func (l logTracer) TraceCallEnd(ctx context.Context, data TraceCallEndData) {
+	logger := l.logger
+	if logger == nil {
+		logger = slog.Default()
+	}
+	level := logLevel(data)
+	if !logger.Enabled(ctx, level) {
+		return
+	}
+	attrs := make([]slog.Attr, 0, 9)
+	attrs = append(attrs, slog.String("transport", string(data.Transport)))
+	if data.Method != "" {
+		attrs = append(attrs, slog.String("method", data.Method))
+	}
+	if data.Scope != "" {
+		attrs = append(attrs, slog.String("scope", data.Scope))
+	}
+	if data.Attempt > 0 {
+		attrs = append(attrs, slog.Int("attempt", data.Attempt))
+	}
+	attrs = append(attrs, slog.String("outcome", data.Outcome.String()), slog.Duration("duration", data.Duration))
+	if data.HTTPStatus != 0 {
+		attrs = append(attrs, slog.Int("http_status", data.HTTPStatus))
+	}
+	if data.Err != nil {
+		msg := data.Err.Error()
+		if data.Key != "" {
+			msg = strings.ReplaceAll(msg, strconv.Quote(data.Key), `"<key>"`)
+		}
+		attrs = append(attrs, slog.String("code", status.Code(data.Err).String()), slog.String("error", msg))
+	}
+	logger.LogAttrs(ctx, level, "idempotency call", attrs...)
+}
+
+// logLevel is the level of a call's line in [LogTracer].
+func logLevel(data TraceCallEndData) slog.Level {
+	switch data.Outcome {
+	case OutcomeExecuted:
+		switch status.Code(data.Err) {
+		case codes.Internal, codes.Unknown, codes.DataLoss:
+			return slog.LevelError
+		}
+		if data.HTTPStatus >= 500 {
+			return slog.LevelError
+		}
+		return slog.LevelInfo
+	case OutcomeReplayed:
+		return slog.LevelInfo
+	case OutcomeMisconfigured:
+		return slog.LevelError
+	}
+	return slog.LevelWarn
+}
 
 // JoinTracers returns a [Tracer] that calls each of ts: TraceCallStart in
 // order, each on the context the one before returned, TraceCallEnd in the
@@ -229,6 +316,13 @@ func (s *Store) startTrace(ctx context.Context, start TraceCallStartData) (conte
 		return ctx, nil
 	}
 	return traced, &callTrace{tracer: g, start: time.Now(), data: TraceCallEndData{TraceCallStartData: start}}
+}
+
+// setScope records the call's scope, once decided.
+func (t *callTrace) setScope(scope string) {
+	if t != nil {
+		t.data.Scope = scope
+	}
 }
 
 // setHTTPStatus records the status an HTTP call answered with.

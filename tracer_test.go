@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -275,4 +276,54 @@ func TestPanickingTracerNeverFailsACall(t *testing.T) {
 			require.Contains(t, logs.String(), "tracer_test.go", "with the stack")
 		})
 	}
+}
+
+// LogTracer writes one line per call's end: the transport, method, scope,
+// the client's attempt, the outcome, the duration and the error with its
+// code, at a level that says whether someone must act; never the key,
+// which can be a secret (a payment's token, say).
+func TestLogTracerLogsEveryCallsEndWithoutItsKey(t *testing.T) {
+	t.Parallel()
+	var logs testdb.SyncBuffer
+	e := newEnv(t, envConfig{
+		tracer: idempotency.LogTracer(slog.New(slog.NewTextHandler(&logs, nil))),
+		opts:   []idempotency.ServerOption{idempotency.WithScope(func(context.Context) (string, error) { return "tenant-a", nil })},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			switch req.GetValue() {
+			case "flaky":
+				return nil, status.Error(codes.Unavailable, "provider down")
+			case "decline":
+				return nil, status.Error(codes.FailedPrecondition, "insufficient funds")
+			case "broken": // ends the call's transaction: the engine stores Internal
+				_, err := idempotency.MustTxFromContext(ctx).Exec(ctx, "COMMIT")
+				return nil, err
+			}
+			return wrapperspb.String("done"), nil
+		},
+	})
+	ctx := context.Background()
+	retried := metadata.AppendToOutgoingContext(ctx, "x-retry-attempt", "2")
+	for _, c := range []struct {
+		name      string
+		ctx       context.Context
+		key, body string
+		want      []string // in the call's line
+	}{
+		{"executed", ctx, "secret-k1", "ok", []string{"level=INFO", "outcome=executed", "attempt=1"}},
+		{"replayed on the client's third attempt", retried, "secret-k1", "ok", []string{"level=INFO", "outcome=replayed", "attempt=3"}},
+		{"released", ctx, "secret-k2", "flaky", []string{"level=WARN", "outcome=released", "code=Unavailable", `error="rpc error: code = Unavailable desc = provider down"`}},
+		{"a decided failure stored", ctx, "secret-k3", "decline", []string{"level=INFO", "outcome=executed", "code=FailedPrecondition", "insufficient funds"}},
+		{"a fault stored for good", ctx, "secret-k4", "broken", []string{"level=ERROR", "outcome=executed", "code=Internal"}},
+		{"key reused", ctx, "secret-k1", "other", []string{"level=WARN", "outcome=key_reused", "code=FailedPrecondition"}},
+	} {
+		before := len(logs.String())
+		_ = e.call(c.ctx, methodCharge, c.key, c.body)
+		line := strings.TrimSuffix(logs.String()[before:], "\n")
+		require.NotContains(t, line, "\n", "%s: one line per call", c.name)
+		for _, w := range append([]string{"transport=grpc", "method=" + methodCharge, "scope=tenant-a", "duration="}, c.want...) {
+			require.Contains(t, line, w, c.name)
+		}
+		t.Logf("%s: %s", c.name, line)
+	}
+	require.NotContains(t, logs.String(), "secret-k", "keys are never logged")
 }

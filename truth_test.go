@@ -155,7 +155,7 @@ func TestHandlerPastItsDeadline(t *testing.T) {
 			}
 			return wrapperspb.String("late"), sleep(ctx, idempotency.MustTxFromContext(ctx))
 		},
-		tracer: idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+		tracer: endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 			outcome.Store([2]any{data.Outcome, status.Code(data.Err)})
 		}),
 		// A server-side timeout, as a handler-timeout middleware sets one.
@@ -310,7 +310,7 @@ func TestHandlersDeadlockIsAborted(t *testing.T) {
 	}})
 	r := e.call(context.Background(), methodCharge, "k", "x")
 	require.Equal(t, codes.Aborted, status.Code(r.err), "%v", r.err)
-	require.Contains(t, idempotency.RetryCodes(), status.Code(r.err))
+	require.Contains(t, retryCodes, status.Code(r.err), "a code the client interceptor retries")
 	require.Equal(t, 0, e.keyRows(), "released: the retry runs again")
 }
 

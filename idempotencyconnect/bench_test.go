@@ -166,7 +166,7 @@ func grpcCaller(store *idempotency.Store, write writer, protected bool, key func
 		var copts []grpc.UnaryClientInterceptor
 		if protected {
 			sopts = append(sopts, grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
-			copts = idempotency.UnaryClientInterceptors()
+			copts = []grpc.UnaryClientInterceptor{idempotency.UnaryClientInterceptor()}
 		}
 		srv := grpc.NewServer(sopts...)
 		testingv1.RegisterPolicyServiceServer(srv, benchService{write: write})

@@ -10,14 +10,16 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/unary"
 )
 
 // NewClientInterceptor returns a connect client interceptor that gives
 // each unary call one idempotency key and retries it with that key: it is
-// [idempotency.UnaryClientInterceptors] for connect-go, which has no retry
+// [idempotency.UnaryClientInterceptor] for connect-go, which has no retry
 // interceptor of its own, with the same options and defaults (the codes
-// [idempotency.RetryCodes], exponential backoff from 50 ms to 2 s, at least
-// the server's RetryInfo, a 30 s budget, no timeout per attempt). The key
+// Unavailable, Aborted and ResourceExhausted, exponential backoff from
+// 50 ms to 2 s, at least the server's RetryInfo, a 30 s budget, no timeout
+// per attempt). The key
 // is, in order: an Idempotency-Key header already on the request,
 // [idempotency.WithOutgoingKey]'s (both at once, different, is an error),
 // inside a running call (a handler's downstream call: a re-run sends the
@@ -33,7 +35,7 @@ import (
 // Give it to the client with connect.WithInterceptors, outermost (first),
 // so that the interceptors after it see each attempt.
 func NewClientInterceptor(opts ...idempotency.ClientOption) (connect.Interceptor, error) {
-	c, err := idempotency.NewUnaryClient(opts...)
+	c, err := unary.NewClient(opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -48,7 +50,7 @@ func KeyOf(req connect.AnyRequest) string {
 }
 
 type clientInterceptor struct {
-	client *idempotency.UnaryClient
+	client *unary.Client
 }
 
 func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {

@@ -34,7 +34,7 @@ func serveCrashChild() error {
 		return err
 	}
 	defer pool.Close()
-	store, err := idempotency.NewStore(pool, idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, d idempotency.TraceCallEndData) {
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(endTracer(func(_ context.Context, d idempotency.TraceCallEndData) {
 		if kill == "kill" && d.Outcome == idempotency.OutcomeExecuted {
 			crashproc.KillSelf() // committed, not answered
 		}
@@ -93,3 +93,13 @@ func TestServerKilledBetweenCommitAndAnswerLeavesOneEffect(t *testing.T) {
 		replica.Kill()
 	}
 }
+
+// endTracer is an idempotency.Tracer that only looks at the end of each
+// call.
+type endTracer func(ctx context.Context, data idempotency.TraceCallEndData)
+
+func (f endTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	return ctx
+}
+
+func (f endTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) { f(ctx, data) }

@@ -4,8 +4,9 @@
 // writes commit with its stored response in one PostgreSQL transaction,
 // and a retry gets that response, in whichever of connect's protocols
 // (Connect, gRPC, gRPC-Web) it comes. It is the library's gRPC interceptor
-// and client chain for connect-go, on the same engine ([idempotency.UnaryServer],
-// [idempotency.UnaryClient]), options, proto options and answers: a key
+// and client interceptors for connect-go, on the same engine (the Server
+// and Client of github.com/exactlyonce/idempotency/unary), options, proto
+// options and answers: a key
 // sent to a connect handler and to a grpc-go server with
 // idempotency.UnaryServerInterceptor on the same store is one call. It is
 // a module of its own, so that the core library's go.mod has no connect.

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/unary"
 )
 
 // NewHandlerInterceptor returns a connect handler interceptor that runs
@@ -52,7 +53,7 @@ import (
 // interceptors that authenticate the caller (the scope,
 // [idempotency.WithScope], reads their context).
 func NewHandlerInterceptor(store *idempotency.Store, opts ...idempotency.ServerOption) (connect.Interceptor, error) {
-	s, err := idempotency.NewUnaryServer(store, opts...)
+	s, err := unary.NewServer(store, opts...)
 	if err != nil {
 		return nil, err
 	}
@@ -60,7 +61,7 @@ func NewHandlerInterceptor(store *idempotency.Store, opts ...idempotency.ServerO
 }
 
 type handlerInterceptor struct {
-	server *idempotency.UnaryServer
+	server *unary.Server
 }
 
 // replayedMessage is a stored response as connect sends it: a
@@ -83,12 +84,12 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 		info, _ := connect.CallInfoForHandlerContext(ctx)
 		before := snapshot(info)
 		var own connect.AnyResponse
-		reply, err := h.server.Serve(ctx, idempotency.UnaryCall{
+		reply, err := h.server.Serve(ctx, unary.Call{
 			Method:    req.Spec().Procedure,
 			Request:   msg,
 			Metadata:  metadataOf(req.Header()),
 			Transport: idempotency.TransportConnect,
-		}, func(ctx context.Context) (proto.Message, idempotency.ResponseMetadata, error) {
+		}, func(ctx context.Context) (proto.Message, unary.Metadata, error) {
 			before.restore(info) // what an earlier run of the handler set is not this run's
 			resp, err := next(ctx, req)
 			// The replay marker is the layer's to set: a handler's is taken
@@ -139,7 +140,7 @@ func (h *handlerInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc
 		// and the answer's headers and trailers are put back where the
 		// first answer had them.
 		before.restore(info)
-		p := place(info, reply.ResponseMetadata, err != nil)
+		p := place(info, reply.Metadata, err != nil)
 		if err != nil {
 			return nil, toConnect(err, p.errorMeta)
 		}
@@ -199,7 +200,7 @@ func reset(dst, to http.Header) {
 }
 
 // placement is where connect had the values of a response's headers and
-// trailers, kept beside them (ResponseMetadata.Adapter): of each key, how
+// trailers, kept beside them (unary.Metadata.Adapter): of each key, how
 // many of its first values the handler's context (connect.CallInfo) held,
 // the others being the response's, or an error's metadata; and the keys
 // the handler deleted from its context.
@@ -225,14 +226,14 @@ func (p placement) encode() []byte {
 // whose values it changed, with all its values now (a replay sets them as
 // they are: a value the handler replaced is replaced again), and each key
 // it deleted.
-func (h headers) changed(info connect.CallInfo) (idempotency.ResponseMetadata, placement) {
+func (h headers) changed(info connect.CallInfo) (unary.Metadata, placement) {
 	var p placement
 	if info == nil {
-		return idempotency.ResponseMetadata{}, p
+		return unary.Metadata{}, p
 	}
 	header, dh := diff(info.ResponseHeader(), h.header)
 	trailer, dt := diff(info.ResponseTrailer(), h.trailer)
-	md := idempotency.ResponseMetadata{Header: metadataOf(header), Trailer: metadataOf(trailer)}
+	md := unary.Metadata{Header: metadataOf(header), Trailer: metadataOf(trailer)}
 	p.Header, p.Trailer = counts(md.Header), counts(md.Trailer)
 	p.DeletedHeader, p.DeletedTrailer = dh, dt
 	return md, p
@@ -327,7 +328,7 @@ type placed struct {
 // headers on the response (in the context, for an error) and its trailers
 // on the response (in the error's metadata, for an error): where gRPC
 // sends them.
-func place(info connect.CallInfo, md idempotency.ResponseMetadata, isError bool) placed {
+func place(info connect.CallInfo, md unary.Metadata, isError bool) placed {
 	var p placement
 	if len(md.Adapter) > 0 {
 		_ = json.Unmarshal(md.Adapter, &p) // a placement that does not parse puts nothing in the context

@@ -203,7 +203,7 @@ func TestReview32SixteenCallersAcrossFrameworksSerializable(t *testing.T) {
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
 	grpcURL := "http://" + lis.Addr().String()
-	gc := grpcClient(t, grpcURL, idempotency.UnaryClientInterceptors(idempotency.WithRetryBackoff(5*time.Millisecond, 20*time.Millisecond))...)
+	gc := grpcClient(t, grpcURL, idempotency.UnaryClientInterceptor(idempotency.WithRetryBackoff(5*time.Millisecond, 20*time.Millisecond)))
 
 	const n = 16
 	ids := make([]int64, n)

@@ -22,7 +22,7 @@ import (
 
 // The caller cancels its call while the client interceptor waits before a
 // retry (the first attempt answered Unavailable). The caller asked to stop:
-// the call ends with Canceled, as grpc-go's chain (UnaryClientInterceptors)
+// the call ends with Canceled, as grpc-go's (idempotency.UnaryClientInterceptor)
 // ends it, not with the attempt's Unavailable, which tells the caller to
 // retry a call it gave up.
 func TestReview32bCancelledDuringTheBackoff(t *testing.T) {
@@ -54,11 +54,11 @@ func TestReview32bCancelledDuringTheBackoff(t *testing.T) {
 
 	// grpc-go, the library's chain, against the same handler.
 	answered2 := make(chan struct{}, 1)
-	gc := grpcClient(t, url, append(idempotency.UnaryClientInterceptors(backoff), func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	gc := grpcClient(t, url, idempotency.UnaryClientInterceptor(backoff), func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		err := invoker(ctx, method, req, reply, cc, opts...)
 		answered2 <- struct{}{}
 		return err
-	})...)
+	})
 	ctx2, cancel2 := context.WithCancel(context.Background())
 	go func() { <-answered2; cancel2() }()
 	_, err = gc.Required(ctx2, &testingv1.Request{Body: "g"})

@@ -90,7 +90,7 @@ func TestReview32bSerializableContentionHeadersOfTheCommittedRun(t *testing.T) {
 	go func() { _ = srv.Serve(lis) }()
 	t.Cleanup(srv.Stop)
 	copts := []idempotency.ClientOption{idempotency.WithRetryBackoff(2*time.Millisecond, 20*time.Millisecond)}
-	gc := grpcClient(t, "http://"+lis.Addr().String(), idempotency.UnaryClientInterceptors(copts...)...)
+	gc := grpcClient(t, "http://"+lis.Addr().String(), idempotency.UnaryClientInterceptor(copts...))
 
 	// answer is what a caller saw: the body and the three run numbers.
 	type answer struct{ body, hdr, resp, trailer string }

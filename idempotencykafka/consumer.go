@@ -1123,7 +1123,7 @@ func neverProduced(err error) bool {
 // original: one that applied the original replays it.
 //
 // The effect stays once: the ID's record is forgotten only when it failed
-// ([idempotency.Store.ForgetFailed]), so a Redrive repeated, or of a
+// ([idempotency.Store.Forget] of state "failed"), so a Redrive repeated, or of a
 // record that was applied after all, produces a copy that is replayed, or
 // refuses. Another group keeps its ID of the original for its TTL from
 // when it applied it: a copy it reads after that (it lags, or re-reads the
@@ -1135,7 +1135,7 @@ func neverProduced(err error) bool {
 // key_reused: produce it again under a new ID), and a dead letter without
 // the record's value ([HeaderValueOmitted]: produce the original, at the
 // position the dead letter names, again with its ID header, after
-// ForgetFailed of its ID). dl is the record as read from the dead-letter
+// Forget of its ID's failure). dl is the record as read from the dead-letter
 // topic.
 func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 	if !isDeadLetter(dl) {
@@ -1145,7 +1145,7 @@ func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 	id, topic, scope := h(HeaderMessageID), h(HeaderTopic), h(HeaderScope)
 	where := topic + "/" + h(HeaderPartition) + "@" + h(HeaderOffset)
 	if _, omitted := lastHeader(dl, HeaderValueOmitted); omitted {
-		return fmt.Errorf("idempotencykafka: redrive %s: the dead letter has no value (%s); produce the original record at %s again, with its ID header, after Store.ForgetFailed(%q, %q)",
+		return fmt.Errorf("idempotencykafka: redrive %s: the dead letter has no value (%s); produce the original record at %s again, with its ID header, after Store.Forget(%q, %q, \"failed\")",
 			where, HeaderValueOmitted, where, scope, "message "+id)
 	}
 	if h(HeaderOutcome) == idempotency.OutcomeKeyReused.String() {
@@ -1172,7 +1172,7 @@ func (c *Consumer) Redrive(ctx context.Context, dl *kgo.Record) error {
 	if got := c.idOf(again.Headers, from); got != id {
 		return fmt.Errorf("idempotencykafka: redrive %s: this consumer identifies the record as %q, the dead letter names %q (another ID header?): redrive it with the consumer that dead-lettered it", where, got, id)
 	}
-	switch err := c.store.ForgetFailed(ctx, scope, "message "+id); {
+	switch err := c.store.Forget(ctx, scope, "message "+id, "failed"); {
 	case errors.Is(err, idempotency.ErrNotFailed):
 		return fmt.Errorf("idempotencykafka: redrive %s: message %q was applied already; redriving it would apply it twice: %w", where, id, err)
 	case err != nil && !errors.Is(err, idempotency.ErrKeyNotFound):

@@ -69,7 +69,7 @@ func runChild() error {
 	}
 	defer pool.Close()
 	var executed atomic.Int64
-	store, err := idempotency.NewStore(pool, idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, d idempotency.TraceCallEndData) {
+	store, err := idempotency.NewStore(pool, idempotency.WithTracer(endTracer(func(_ context.Context, d idempotency.TraceCallEndData) {
 		// After the record's transaction committed, before its offset is.
 		if d.Outcome == idempotency.OutcomeExecuted && executed.Add(1) == c.KillAfterExecuted {
 			crashproc.KillSelf()
@@ -714,3 +714,13 @@ func TestHandlerPanicIsDeadLetteredAfterItsAttempts(t *testing.T) {
 	rows, _ := w.credits(t)
 	require.Equal(t, 1, rows, "m-2 applied; m-1's writes rolled back")
 }
+
+// endTracer is an idempotency.Tracer that only looks at the end of each
+// call.
+type endTracer func(ctx context.Context, data idempotency.TraceCallEndData)
+
+func (f endTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	return ctx
+}
+
+func (f endTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) { f(ctx, data) }

@@ -36,10 +36,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -183,7 +185,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		fmt.Fprintln(stdout, "migrations applied")
 	case "cleanup":
-		n, err := store.DeleteAllExpired(ctx, batch)
+		n, err := store.DeleteExpired(ctx, batch)
 		if err != nil {
 			fmt.Fprintf(stdout, "deleted %d expired keys before the error\n", n)
 			return fail(err)
@@ -214,7 +216,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 				len(page.Records), page.Examined, page.Next)
 		}
 	case "forget":
-		if err := store.Forget(ctx, rest[0], rest[1]); err != nil {
+		if err := store.Forget(ctx, rest[0], rest[1], ""); err != nil {
 			return fail(elsewhere(ctx, store, rest[0], rest[1], err))
 		}
 		fmt.Fprintf(stdout, "forgot key %q of scope %q\n", rest[1], rest[0])
@@ -263,11 +265,13 @@ func elsewhere(ctx context.Context, store *idempotency.Store, scope, key string,
 	}
 	lookCtx, cancel := context.WithTimeout(ctx, scopesWait)
 	defer cancel()
-	scopes, lookErr := store.ScopesWithKey(lookCtx, key, scopesNamed+2)
+	// Every scope, until the wait ends: a key has a record per transport
+	// at most in each.
+	page, lookErr := store.List(lookCtx, idempotency.ListFilter{AnyScope: true, Key: key, Limit: 3 * (scopesNamed + 2), Examine: math.MaxInt32})
 	var others []string
-	for _, s := range scopes {
-		if s != scope {
-			others = append(others, strconv.Quote(s))
+	for _, rec := range page.Records {
+		if q := strconv.Quote(rec.Scope); rec.Scope != scope && !slices.Contains(others, q) {
+			others = append(others, q)
 		}
 	}
 	switch {
@@ -371,9 +375,10 @@ func recordJSON(rec idempotency.Record, types protoTypes) inspected {
 	if !rec.CompletedAt.IsZero() {
 		out.CompletedAt = &rec.CompletedAt
 	}
-	if code, header, body, ok := rec.HTTPResponse(); ok {
+	if resp := rec.HTTPResponse(); resp != nil {
+		body, _ := io.ReadAll(resp.Body) // a bytes.Reader's: never fails
 		out.ResponseType = ""
-		out.HTTP = &httpJSON{Status: code, Header: header, Trailer: rec.HTTPTrailer()}
+		out.HTTP = &httpJSON{Status: resp.StatusCode, Header: resp.Header, Trailer: resp.Trailer}
 		if utf8.Valid(body) {
 			text := string(body)
 			out.HTTP.Body = &text
@@ -448,7 +453,7 @@ func sqlCommand(args []string, schema, table string, stdout, stderr io.Writer) i
 		fmt.Fprintf(stderr, "idempotency sql: -down applies to -format plain only; -format %s writes both directions in its files\n", *format)
 		return 2
 	}
-	ms, err := idempotency.MigrationsFor(schema, table)
+	ms, err := idempotency.Migrations(schema, table)
 	if err != nil {
 		fmt.Fprintln(stderr, "idempotency sql:", message("sql", err))
 		return 2

@@ -147,7 +147,7 @@ func TestForgetRefusesAKeyInProgress(t *testing.T) {
 	require.Contains(t, errOut, "still in progress")
 	releaseOnce.Do(func() { close(release) })
 	require.NoError(t, <-done)
-	require.NoError(t, store.Forget(ctx, "", "busy"), "once the call is over")
+	require.NoError(t, store.Forget(ctx, "", "busy", ""), "once the call is over")
 }
 
 // The printed SQL, applied with psql, makes a table a Store works with; the

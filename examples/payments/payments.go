@@ -4,7 +4,7 @@
 // the stored response.
 //
 // The binaries beside it: server (a standalone gRPC server), client (one
-// charge through the retrying client chain) and demo (two replicas behind a
+// charge through the retrying client interceptor) and demo (two replicas behind a
 // faulty network, hundreds of charges, a verdict).
 package payments
 
@@ -12,7 +12,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -327,49 +326,6 @@ func NewGRPCServer(svc *Server, store *idempotency.Store, opts ...idempotency.Se
 	)
 	paymentsv1.RegisterPaymentServiceServer(srv, svc)
 	return srv
-}
-
-// LogTracer returns a tracer, for the store, that logs one structured line
-// per keyed call, gRPC or HTTP: the method or route, the outcome, the key
-// (at most 64 bytes of it), the status, where the time went, and on
-// failures the cause, which stays in the server's log and is never sent to
-// the client. Executions and replays are Info, calls the client must act on
-// Warn, a database that failed or a store an operator must fix Error.
-func LogTracer(logger *slog.Logger) idempotency.Tracer {
-	return idempotency.TraceCallEndFunc(func(ctx context.Context, data idempotency.TraceCallEndData) {
-		attrs := []slog.Attr{
-			slog.String("transport", string(data.Transport)),
-			slog.String("method", data.Method),
-			slog.String("outcome", data.Outcome.String()),
-			slog.String("key", truncateKey(data.Key)),
-		}
-		if data.Transport == idempotency.TransportHTTP {
-			attrs = append(attrs, slog.Int("status", data.HTTPStatus))
-		} else {
-			attrs = append(attrs, slog.String("code", status.Code(data.Err).String()))
-		}
-		attrs = append(attrs, slog.Duration("took", data.Duration), slog.Duration("handler", data.Handler))
-		level := slog.LevelInfo
-		switch {
-		case data.Outcome == idempotency.OutcomeUnavailable, data.Outcome == idempotency.OutcomeMisconfigured:
-			level = slog.LevelError
-		case data.Err != nil && data.Outcome != idempotency.OutcomeReplayed && data.Outcome != idempotency.OutcomeExecuted:
-			level = slog.LevelWarn
-		}
-		if data.Err != nil {
-			attrs = append(attrs, slog.String("cause", data.Err.Error()))
-		}
-		logger.LogAttrs(ctx, level, "call", attrs...)
-	})
-}
-
-// truncateKey keeps log lines short whatever key a client sends.
-func truncateKey(key string) string {
-	const keep = 64
-	if len(key) <= keep {
-		return key
-	}
-	return fmt.Sprintf("%s...(%d bytes)", key[:keep], len(key))
 }
 
 // Balance reads an account directly from the database, for checks: its

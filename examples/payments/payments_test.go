@@ -42,7 +42,7 @@ func newServiceOn(t *testing.T, db *testdb.DB, store *idempotency.Store) (paymen
 	t.Cleanup(srv.Stop)
 	conn, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	return paymentsv1.NewPaymentServiceClient(conn), db

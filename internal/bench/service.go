@@ -267,7 +267,7 @@ func (o *outcomeCounts) read() (c [16]int64) {
 // outcomesByTransport is a store's tracer that counts the outcomes of its
 // gRPC calls in grpc and of its HTTP calls in http (either may be nil).
 func outcomesByTransport(grpc, http *outcomeCounts) idempotency.Tracer {
-	return idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+	return endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		switch {
 		case data.Transport == idempotency.TransportGRPC && grpc != nil:
 			grpc.add(data.Outcome)
@@ -302,3 +302,13 @@ func payload(n int) string {
 	const alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
 	return strings.Repeat(alphabet, n/len(alphabet)+1)[:n]
 }
+
+// endTracer is an idempotency.Tracer that only looks at the end of each
+// call.
+type endTracer func(ctx context.Context, data idempotency.TraceCallEndData)
+
+func (f endTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	return ctx
+}
+
+func (f endTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) { f(ctx, data) }

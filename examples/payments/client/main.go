@@ -1,6 +1,6 @@
 // Command client charges an account through the example PaymentService,
-// using the idempotency client interceptor and its retry chain, then prints
-// the account's balance.
+// using the idempotency client interceptor (one key, retried under it),
+// then prints the account's balance.
 //
 //	go -C examples/payments run ./client -account acct-1 -amount 250     (at the repository's root)
 //
@@ -31,7 +31,7 @@ func main() {
 
 	conn, err := grpc.NewClient(*addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()),
 	)
 	if err != nil {
 		log.Fatal(err)

@@ -167,7 +167,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	defer cleanup()
 	rep := &report{charges: c.charges}
 	var attempts, executed, replayed, inProgress, mismatch atomic.Int64
-	count := idempotency.TraceCallEndFunc(func(_ context.Context, data idempotency.TraceCallEndData) {
+	count := endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		switch data.Outcome {
 		case idempotency.OutcomeExecuted:
 			executed.Add(1)
@@ -273,15 +273,15 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	}
 
 	// One client connection, round robin over both replicas, with the
-	// library's ready retry chain.
+	// library's client interceptor: one key per charge, retried under it.
 	res := manual.NewBuilderWithScheme("demo")
 	res.InitialState(resolver.State{Addresses: addrs})
 	conn, err := grpc.NewClient(res.Scheme()+":///payments",
 		grpc.WithResolvers(res),
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig": [{"round_robin": {}}]}`),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors(
-			idempotency.WithMaxAttempts(21), idempotency.WithRetryBackoff(10*time.Millisecond, 500*time.Millisecond))...),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(
+			idempotency.WithMaxAttempts(21), idempotency.WithRetryBackoff(10*time.Millisecond, 500*time.Millisecond))),
 	)
 	if err != nil {
 		return nil, err
@@ -308,7 +308,7 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	var wrongResponses atomic.Int64
 	onRetry := retry.WithOnRetryCallback(func(context.Context, uint, error) { retries.Add(1) })
 
-	// charge makes one logical charge with key, retrying beyond the chain's
+	// charge makes one logical charge with key, retrying beyond the interceptor's
 	// retries with the same key if it has to.
 	charge := func(j job, key string) *paymentsv1.ChargeResponse {
 		ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
@@ -440,7 +440,7 @@ type demoProvider struct {
 
 func startProvider(ctx context.Context, pool *pgxpool.Pool, c config, rep *report) (*demoProvider, error) {
 	p := &demoProvider{}
-	store, err := provider.NewStore(pool, idempotency.WithTracer(idempotency.TraceCallEndFunc(func(_ context.Context, d idempotency.TraceCallEndData) {
+	store, err := provider.NewStore(pool, idempotency.WithTracer(endTracer(func(_ context.Context, d idempotency.TraceCallEndData) {
 		if d.Outcome == idempotency.OutcomeReplayed {
 			p.replayed.Add(1)
 		}
@@ -636,3 +636,13 @@ start the local server. At the repository's root:
 		dropSchema()
 	}, nil
 }
+
+// endTracer is an idempotency.Tracer that only looks at the end of each
+// call.
+type endTracer func(ctx context.Context, data idempotency.TraceCallEndData)
+
+func (f endTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	return ctx
+}
+
+func (f endTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) { f(ctx, data) }

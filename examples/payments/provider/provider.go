@@ -136,7 +136,7 @@ func (h *handler) charge(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if req.AmountCents > h.declineAbove {
-		// 402 is stored by the middleware (DefaultStoredStatus), as a
+		// 402 is stored by the middleware (DefaultFinalStatus), as a
 		// provider stores its declines: the key's answer is decided.
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusPaymentRequired)

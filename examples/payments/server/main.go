@@ -172,7 +172,7 @@ func (lis listeners) close() {
 // run serves until ctx is done, then stops gracefully.
 func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) error {
 	defer lis.close()
-	tracer := payments.LogTracer(logger)
+	tracer := idempotency.LogTracer(logger)
 	var metricsHandler http.Handler
 	if lis.metrics != nil {
 		// The store's OpenTelemetry metrics, read by Prometheus's exporter
@@ -315,7 +315,7 @@ func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listene
 		if err != nil {
 			return nil, nil, stop, fmt.Errorf("provider database: %w", err)
 		}
-		pstore, err := provider.NewStore(ppool, idempotency.WithTracer(payments.LogTracer(logger.With("service", "provider"))))
+		pstore, err := provider.NewStore(ppool, idempotency.WithTracer(idempotency.LogTracer(logger.With("service", "provider"))))
 		if err == nil {
 			err = provider.Migrate(ctx, ppool, pstore)
 		}

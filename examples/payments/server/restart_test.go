@@ -218,7 +218,7 @@ func serverClient(t *testing.T, ctx context.Context, addr string) paymentsv1.Pay
 	t.Helper()
 	conn, err := grpc.NewClient("passthrough:///"+addr,
 		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptors()...))
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor()))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close() })
 	client := paymentsv1.NewPaymentServiceClient(conn)
