@@ -1,5 +1,3 @@
-//go:build newapi
-
 package idempotency_test
 
 import (
