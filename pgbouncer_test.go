@@ -77,7 +77,15 @@ func bouncedPool(t *testing.T, mode string) *pgxpool.Pool {
 // by tweak.
 func bouncedPoolWith(t *testing.T, tweak func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
-	url := pgbouncerURL(t)
+	return bouncedPoolAt(t, pgbouncerURL(t), tweak)
+}
+
+// bouncedPoolAt is bouncedPoolWith through the PgBouncer at url: a test
+// that ends a server connection the pooler may have handed to another
+// client uses a PgBouncer of its own (pgbouncerOf), so that no other
+// test's session is the one it ends.
+func bouncedPoolAt(t *testing.T, url string, tweak func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
 	cfg, err := pgxpool.ParseConfig(url)
 	require.NoError(t, err)
 	cfg.MaxConns = 16

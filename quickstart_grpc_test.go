@@ -64,8 +64,8 @@ func quickstartGRPCServer(ctx context.Context, pool *pgxpool.Pool) *grpc.Server 
 func quickstartGRPCClient(addr string, creds credentials.TransportCredentials) *grpc.ClientConn {
 	conn, err := grpc.NewClient(addr,
 		grpc.WithTransportCredentials(creds),
-		// One key per call, kept for every retry; Unavailable and Aborted
-		// retried with backoff for up to 30 seconds.
+		// One key per call, kept for every retry; Unavailable, Aborted and
+		// ResourceExhausted retried with backoff for up to 30 seconds.
 		grpc.WithChainUnaryInterceptor(idempotency.UnaryClientInterceptor()),
 	)
 	if err != nil {

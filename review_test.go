@@ -278,12 +278,16 @@ func TestThroughPgBouncerCommitOnConnLeavesNoLock(t *testing.T) {
 func TestThroughPgBouncerRollbackOnConnRunsOnce(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
-	pool := bouncedPoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 2 })
+	// A PgBouncer of the test's own: the test ends the handler's server
+	// connection after the pooler handed it on, which on a shared pooler
+	// may be another test's by then.
+	url := pgbouncerOf(t, 2)
+	pool := bouncedPoolAt(t, url, func(cfg *pgxpool.Config) { cfg.MaxConns = 2 })
 	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable), idempotency.WithInProgressWait(200*time.Millisecond))
 	require.NoError(t, err)
 	ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
 	ctx := context.Background()
-	other, err := pgx.Connect(ctx, pgbouncerURL(t))
+	other, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = other.Close(context.Background()) })
 	var otherTx pgx.Tx
