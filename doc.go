@@ -3,7 +3,7 @@
 //
 // # The guarantee
 //
-// Whatever a client sends (markers, hints, headers) and whatever a handler
+// Whatever a client sends (retry markers, headers) and whatever a handler
 // does, a key that has a stored result never runs its handler again, and
 // every caller of one key gets the same answer.
 //
@@ -16,28 +16,11 @@
 // the stored result instead of running the handler again.
 //
 // This holds across restarts and across any number of replicas sharing the
-// database, because the only state is the key table and PostgreSQL's own
-// locks, and it holds whatever the handler does to its transaction. The
-// call's transaction begins with the claim: one statement that takes the
-// key's advisory lock (without waiting for it) and inserts the key's row in
-// the state running. The call's result is written over that row, and
-// committed, in the round trip of the COMMIT. Nothing is decided by
-// checking first and inserting later: the table's primary key (scope, key)
-// decides. And since the claim is in the handler's transaction from its
-// first statement, a handler that commits that transaction itself (on
-// tx.Conn(), or by any SQL at all) commits the claim with its writes: a key
-// whose handler may have committed anything then holds a running row that
-// every later caller finds, and the first to find it stores
-// codes.Internal saying what happened, the answer of every caller. The
-// key's lock is also held by the session, which outlives a handler's
-// ROLLBACK, so a duplicate keeps waiting until the engine has settled the
-// key. The claim's round trip ends with a savepoint of a name no handler
-// knows, so that an outcome stored without the handler's writes (a final
-// error) is written over the claim in the call's own transaction, once
-// they are rolled back to it: the key is never free between the two. A
-// fresh call costs two more statements in its first round trip (the claim
-// and the savepoint), a row written twice in its commit, and no more round
-// trips than the handler's own BEGIN and COMMIT.
+// database, and whatever the handler does to its transaction: the call's
+// transaction begins with the claim, the key's row inserted behind its
+// advisory lock, and the table's primary key (scope, key) decides, never a
+// check first and an insert later. docs/guarantee.md in the repository says
+// how the database keeps it, and what a fresh call costs.
 //
 // # Server
 //
@@ -45,9 +28,11 @@
 // [UnaryServerInterceptor]. Handlers write through the call's transaction,
 // which they get from [TxFromContext]:
 //
-//	store, err := idempotency.NewStore(pool)
+//	store, err := idempotency.NewStore(pool, idempotency.WithTracer(idempotency.LogTracer(slog.Default())))
 //	...
 //	err = store.Migrate(ctx)
+//	...
+//	go store.RunCleaner(ctx, time.Minute, 1000, nil)
 //	...
 //	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
 //		idempotency.UnaryServerInterceptor(store, idempotency.WithScope(callerID)),
