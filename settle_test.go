@@ -2,8 +2,10 @@ package idempotency_test
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -45,12 +47,25 @@ func TestCutAttemptToldTheTruth(t *testing.T) {
 			var db *testdb.DB
 			storeOpts := []idempotency.StoreOption{idempotency.WithInProgressWait(liveness), idempotency.WithoutSQLCheck()}
 			var pool *pgxpool.Pool
+			// A stubborn wait survives the cancel request pgx sends once it
+			// gives up on the statement, which the network loses here: the
+			// postmaster signals a backend twice for one request, and a
+			// second signal that lands in the wait's exception handler ends
+			// the statement after all.
+			configure := func(cfg *pgxpool.Config) {
+				if strings.Contains(tc.sql, "{stubborn wait}") {
+					loseCancelRequests(cfg)
+				}
+			}
 			if tc.bounced {
 				db = testdb.New(t, 4)
-				pool = bouncedPool(t, "")
+				pool = bouncedPoolWith(t, configure)
 				storeOpts = append(storeOpts, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
 			} else {
-				db = testdb.New(t, 20)
+				db = testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
+					cfg.MaxConns = 20
+					configure(cfg)
+				})
 				pool = db.Pool
 			}
 			migratedStore(t, db)
@@ -230,7 +245,7 @@ type cutCase struct {
 	// protocol. {ledger} is the ledger table; {wait} waits for an advisory
 	// lock the test holds until the attempt has answered, which the
 	// attempt's deadline cuts; {stubborn wait} too, and survives the
-	// cancel request pgx sends. Without a wait, PostgreSQL refuses sql (or
+	// cancel request pgx sends (see loseCancelRequests). Without a wait, PostgreSQL refuses sql (or
 	// a statement of it fails) and the handler waits for its deadline, or
 	// (code Unavailable) the handler returns an error of its own once sql
 	// ran, or failed (fails).
@@ -616,4 +631,37 @@ func TestSerializableFinalErrorOnReadsThatDoNotSerialize(t *testing.T) {
 	require.Equal(t, codes.NotFound, status.Code(err))
 	require.EqualValues(t, 2, runs.Load())
 	require.Zero(t, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// loseCancelRequests makes the network lose every cancel request a pool
+// configured by cfg sends: the request's connection is made, and what is
+// written to it never arrives.
+func loseCancelRequests(cfg *pgxpool.Config) {
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &cancelLosingConn{Conn: c}, nil
+	}
+}
+
+// cancelLosingConn drops a cancel request, the first message of its
+// connection (protocol code 80877102), and closes the connection, as a
+// server that processed it would.
+type cancelLosingConn struct {
+	net.Conn
+	wrote bool
+}
+
+func (c *cancelLosingConn) Write(p []byte) (int, error) {
+	if !c.wrote {
+		c.wrote = true
+		if len(p) >= 8 && binary.BigEndian.Uint32(p[4:8]) == 80877102 {
+			_ = c.Conn.Close()
+			return len(p), nil
+		}
+	}
+	return c.Conn.Write(p)
 }
