@@ -14,6 +14,30 @@ import (
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
+// Reading Config hands out no connection (the next call gets the same
+// backend), and works on a savepoint.
+func TestConfigHandsOutNoConnection(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 1)
+	store := migratedStore(t, db)
+	pid := func(key string, read bool) (p int) {
+		_, err := store.Execute(context.Background(), idempotency.Call{Key: key, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			if read {
+				require.NotNil(t, tx.(review2Configured).Config())
+				sp, err := tx.Begin(ctx)
+				require.NoError(t, err)
+				require.NotNil(t, sp.(review2Configured).Config())
+				require.NoError(t, sp.Commit(ctx))
+			}
+			return nil, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&p)
+		})
+		require.NoError(t, err)
+		return p
+	}
+	first := pid("a", true)
+	require.Equal(t, first, pid("b", false), "the connection went back to the pool")
+}
+
 type review2Configured interface{ Config() *pgxpool.Config }
 
 // The call's transaction has Config() for River's driver, which reads
