@@ -103,9 +103,9 @@ func TestGRPCRetryOfTheSameRequestDerivesTheSameKeys(t *testing.T) {
 // different requests must never derive the same keys, and one request sent
 // byte for byte again, across a deploy, must derive the same.
 
-// review2Schema builds idempotency.test.PayRequest of one release from
+// digestSchema builds idempotency.test.PayRequest of one release from
 // field declarations (each a separate build: nothing is registered).
-func review2Schema(t *testing.T, syntax string, fields ...*descriptorpb.FieldDescriptorProto) protoreflect.MessageDescriptor {
+func digestSchema(t *testing.T, syntax string, fields ...*descriptorpb.FieldDescriptorProto) protoreflect.MessageDescriptor {
 	t.Helper()
 	msg := &descriptorpb.DescriptorProto{Name: proto.String("PayRequest"), Field: fields}
 	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
@@ -116,7 +116,7 @@ func review2Schema(t *testing.T, syntax string, fields ...*descriptorpb.FieldDes
 	return fd.Messages().Get(0)
 }
 
-func review2Field(name string, number int32, kind descriptorpb.FieldDescriptorProto_Type, repeated bool) *descriptorpb.FieldDescriptorProto {
+func digestField(name string, number int32, kind descriptorpb.FieldDescriptorProto_Type, repeated bool) *descriptorpb.FieldDescriptorProto {
 	label := descriptorpb.FieldDescriptorProto_LABEL_OPTIONAL
 	if repeated {
 		label = descriptorpb.FieldDescriptorProto_LABEL_REPEATED
@@ -126,10 +126,10 @@ func review2Field(name string, number int32, kind descriptorpb.FieldDescriptorPr
 	}
 }
 
-// review2PayServer serves methodPay with requests decoded as md on store;
+// digestPayServer serves methodPay with requests decoded as md on store;
 // the handler records the key of the effect "charge", then answers with
 // fail(req) when it is not nil, else succeeds.
-func review2PayServer(t *testing.T, store *idempotency.Store, md protoreflect.MessageDescriptor, keys *keyLog, fail func(proto.Message) error) *grpc.ClientConn {
+func digestPayServer(t *testing.T, store *idempotency.Store, md protoreflect.MessageDescriptor, keys *keyLog, fail func(proto.Message) error) *grpc.ClientConn {
 	t.Helper()
 	return servePay(t, store, md, func(ctx context.Context, req proto.Message) (any, error) {
 		k, ok := idempotency.EffectKey(ctx, "charge")
@@ -162,9 +162,9 @@ func TestReorderedRepeatedFieldDerivesOtherKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	store := migratedStore(t, db)
-	md := review2Schema(t, "proto3", review2Field("recipients", 1, descriptorpb.FieldDescriptorProto_TYPE_STRING, true))
+	md := digestSchema(t, "proto3", digestField("recipients", 1, descriptorpb.FieldDescriptorProto_TYPE_STRING, true))
 	var keys keyLog
-	conn := review2PayServer(t, store, md, &keys, func(req proto.Message) error {
+	conn := digestPayServer(t, store, md, &keys, func(req proto.Message) error {
 		// The first recipient's request is the one that fails here.
 		if req.ProtoReflect().Get(md.Fields().ByName("recipients")).List().Get(0).String() == "alice" {
 			return crashes(req)
@@ -222,11 +222,11 @@ func TestStringsThatParseAsMessagesDeriveOtherKeys(t *testing.T) {
 // about 44,000 hashes.)
 func TestDigestOfAMessageFieldNeverCollidesWithARawField(t *testing.T) {
 	t.Parallel()
-	blob := review2Field("blob", 1, descriptorpb.FieldDescriptorProto_TYPE_BYTES, false)
-	sub := review2Field("sub", 14, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
+	blob := digestField("blob", 1, descriptorpb.FieldDescriptorProto_TYPE_BYTES, false)
+	sub := digestField("sub", 14, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
 	sub.TypeName = proto.String(".google.protobuf.Int64Value")
-	pad := review2Field("pad", 15, descriptorpb.FieldDescriptorProto_TYPE_BYTES, false)
-	md := review2SchemaWith(t, []string{"google/protobuf/wrappers.proto"}, blob, sub, pad)
+	pad := digestField("pad", 15, descriptorpb.FieldDescriptorProto_TYPE_BYTES, false)
+	md := digestSchemaWith(t, []string{"google/protobuf/wrappers.proto"}, blob, sub, pad)
 
 	// A sum that reads as the tag of field 1 (bytes) and a length of 107.
 	var n int64
@@ -260,14 +260,14 @@ func TestDigestOfAMessageFieldNeverCollidesWithARawField(t *testing.T) {
 	store := migratedStore(t, db)
 	// Under a stored result, the second request is another request.
 	var stored keyLog
-	ok := review2PayServer(t, store, md, &stored, nil)
+	ok := digestPayServer(t, store, md, &stored, nil)
 	require.NoError(t, sendRaw(ok, "order-kept", first).err)
 	requireKeyReused(t, sendRaw(ok, "order-kept", second), "the second request under the first's stored result")
 
 	// Under a released key, it runs as another operation: its downstream
 	// keys must be its own.
 	var keys keyLog
-	conn := review2PayServer(t, store, md, &keys, crashes)
+	conn := digestPayServer(t, store, md, &keys, crashes)
 	require.Equal(t, codes.Unavailable, status.Code(sendRaw(conn, "order-1", first).err))
 	require.Equal(t, codes.Unavailable, status.Code(sendRaw(conn, "order-1", second).err))
 	k := keys.all()
@@ -275,28 +275,28 @@ func TestDigestOfAMessageFieldNeverCollidesWithARawField(t *testing.T) {
 	require.NotEqual(t, k[0], k[1], "two requests the engine tells apart derive the same downstream key (sub=%d)", n)
 }
 
-// adv3AnyPair sends two requests {amount: 500, extra: Any packing typeURL
+// requireAnyPairDerivesOtherKeys sends two requests {amount: 500, extra: Any packing typeURL
 // with value a (then b)}: first under a stored result (the engine must
 // tell them apart: KEY_REUSED), then under a released key (the second runs
 // as another operation: its downstream key must be its own).
-func adv3AnyPair(t *testing.T, typeURL string, a, b []byte) {
+func requireAnyPairDerivesOtherKeys(t *testing.T, typeURL string, a, b []byte) {
 	t.Helper()
 	db := testdb.New(t, 8)
 	store := migratedStore(t, db)
-	amount := review2Field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false)
-	anyField := review2Field("extra", 4, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
+	amount := digestField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false)
+	anyField := digestField("extra", 4, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
 	anyField.TypeName = proto.String(".google.protobuf.Any")
-	md := review2SchemaWith(t, []string{"google/protobuf/any.proto"}, amount, anyField)
+	md := digestSchemaWith(t, []string{"google/protobuf/any.proto"}, amount, anyField)
 	encode := func(v []byte) []byte {
 		return bytesField(varintField(nil, 1, 500), 4, bytesField(bytesField(nil, 1, []byte(typeURL)), 2, v))
 	}
 	var stored keyLog
-	kept := review2PayServer(t, store, md, &stored, nil)
+	kept := digestPayServer(t, store, md, &stored, nil)
 	require.NoError(t, sendRaw(kept, "order-kept", encode(a)).err)
 	requireKeyReused(t, sendRaw(kept, "order-kept", encode(b)), "another packed message under the first's stored result")
 
 	var keys keyLog
-	conn := review2PayServer(t, store, md, &keys, crashes)
+	conn := digestPayServer(t, store, md, &keys, crashes)
 	require.Equal(t, codes.Unavailable, status.Code(sendRaw(conn, "order-1", encode(a)).err))
 	require.Equal(t, codes.Unavailable, status.Code(sendRaw(conn, "order-1", encode(b)).err))
 	k := keys.all()
@@ -319,7 +319,7 @@ func TestOneofOrderInsideAnAnyDerivesOtherKeys(t *testing.T) {
 	require.NoError(t, proto.Unmarshal(b, vb))
 	require.Equal(t, "x", va.GetStringValue())
 	require.Equal(t, 1.0, vb.GetNumberValue())
-	adv3AnyPair(t, "type.googleapis.com/google.protobuf.Value", a, b)
+	requireAnyPairDerivesOtherKeys(t, "type.googleapis.com/google.protobuf.Value", a, b)
 }
 
 // A Struct packed in an Any, sent as [k:1][k:2] (it holds k=2) and as
@@ -339,7 +339,7 @@ func TestDuplicateMapKeyInsideAnAnyDerivesOtherKeys(t *testing.T) {
 	require.NoError(t, proto.Unmarshal(b, sb))
 	require.Equal(t, 2.0, sa.GetFields()["k"].GetNumberValue())
 	require.Equal(t, 1.0, sb.GetFields()["k"].GetNumberValue())
-	adv3AnyPair(t, "type.googleapis.com/google.protobuf.Struct", a, b)
+	requireAnyPairDerivesOtherKeys(t, "type.googleapis.com/google.protobuf.Struct", a, b)
 }
 
 // The most common deploy: a newer client already sends a message field
@@ -353,15 +353,15 @@ func TestDeployDeclaringAMessageFieldKeepsTheKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 8)
 	store := migratedStore(t, db)
-	amount := review2Field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false)
-	tip := review2Field("tip", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
+	amount := digestField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false)
+	tip := digestField("tip", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
 	tip.TypeName = proto.String(".google.protobuf.Int64Value")
-	oldMd := review2Schema(t, "proto3", amount)
-	newMd := review2SchemaWith(t, []string{"google/protobuf/wrappers.proto"}, amount, tip)
+	oldMd := digestSchema(t, "proto3", amount)
+	newMd := digestSchemaWith(t, []string{"google/protobuf/wrappers.proto"}, amount, tip)
 
 	var oldKeys, newKeys keyLog
-	oldConn := review2PayServer(t, store, oldMd, &oldKeys, crashes)
-	newConn := review2PayServer(t, store, newMd, &newKeys, crashes)
+	oldConn := digestPayServer(t, store, oldMd, &oldKeys, crashes)
+	newConn := digestPayServer(t, store, newMd, &newKeys, crashes)
 	tipBytes, err := proto.Marshal(wrapperspb.Int64(100))
 	require.NoError(t, err)
 	body := bytesField(varintField(nil, 1, 500), 2, tipBytes)
@@ -431,14 +431,14 @@ func TestMapAndAnyOrderKeepTheKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 8)
 	store := migratedStore(t, db)
-	amount := review2Field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false)
-	anyField := review2Field("extra", 4, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
+	amount := digestField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false)
+	anyField := digestField("extra", 4, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false)
 	anyField.TypeName = proto.String(".google.protobuf.Any")
-	md := review2SchemaWith(t, []string{"google/protobuf/any.proto"}, amount, anyField)
-	oldMd := review2Schema(t, "proto3", amount)
+	md := digestSchemaWith(t, []string{"google/protobuf/any.proto"}, amount, anyField)
+	oldMd := digestSchema(t, "proto3", amount)
 	var keys, oldKeys keyLog
-	conn := review2PayServer(t, store, md, &keys, crashes)
-	oldConn := review2PayServer(t, store, oldMd, &oldKeys, crashes)
+	conn := digestPayServer(t, store, md, &keys, crashes)
+	oldConn := digestPayServer(t, store, oldMd, &oldKeys, crashes)
 
 	entries := make([][]byte, 64)
 	for i := range entries {
@@ -485,8 +485,8 @@ func TestMapAndAnyOrderKeepTheKeys(t *testing.T) {
 	require.Len(t, st.GetFields(), len(entries))
 }
 
-// review2SchemaWith is review2Schema in a file with dependencies.
-func review2SchemaWith(t *testing.T, deps []string, fields ...*descriptorpb.FieldDescriptorProto) protoreflect.MessageDescriptor {
+// digestSchemaWith is digestSchema in a file with dependencies.
+func digestSchemaWith(t *testing.T, deps []string, fields ...*descriptorpb.FieldDescriptorProto) protoreflect.MessageDescriptor {
 	t.Helper()
 	msg := &descriptorpb.DescriptorProto{Name: proto.String("PayRequest"), Field: fields}
 	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{

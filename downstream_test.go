@@ -446,10 +446,10 @@ func requireAllDiffer(t *testing.T, a, b []string, what string) {
 	}
 }
 
-// Issue case 2: two stores (two services) that receive the same client key
+// Two stores (two services) that receive the same client key
 // for the same method and request send a shared provider different keys;
-// so do two methods of one store, and a corrected request, after a release
-// (issue case 3), while a re-run of the same request sends the same keys.
+// so do two methods of one store, and a corrected request, after a release,
+// while a re-run of the same request sends the same keys.
 func TestTwoOperationsUnderOneClientKeyDeriveDifferentKeys(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)

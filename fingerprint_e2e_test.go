@@ -331,9 +331,9 @@ func TestFingerprintFieldMadeOptionalReplays(t *testing.T) {
 	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger`))
 }
 
-// advPaySchema builds "idempotency.test.PayRequest" from fields, in a file
+// e2ePaySchema builds "idempotency.test.PayRequest" from fields, in a file
 // of its own name.
-func advPaySchema(t *testing.T, file string, fields ...*descriptorpb.FieldDescriptorProto) protoreflect.MessageDescriptor {
+func e2ePaySchema(t *testing.T, file string, fields ...*descriptorpb.FieldDescriptorProto) protoreflect.MessageDescriptor {
 	t.Helper()
 	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
 		Name: proto.String("idempotency/test/" + file + ".proto"), Package: proto.String("idempotency.test"),
@@ -344,7 +344,7 @@ func advPaySchema(t *testing.T, file string, fields ...*descriptorpb.FieldDescri
 	return fd.Messages().Get(0)
 }
 
-func advField(name string, num int32, typ descriptorpb.FieldDescriptorProto_Type, repeated bool, typeName string) *descriptorpb.FieldDescriptorProto {
+func e2eField(name string, num int32, typ descriptorpb.FieldDescriptorProto_Type, repeated bool, typeName string) *descriptorpb.FieldDescriptorProto {
 	label := descriptorpb.FieldDescriptorProto_LABEL_OPTIONAL
 	if repeated {
 		label = descriptorpb.FieldDescriptorProto_LABEL_REPEATED
@@ -356,19 +356,19 @@ func advField(name string, num int32, typ descriptorpb.FieldDescriptorProto_Type
 	return f
 }
 
-// End to end, defect (b): `repeated google.protobuf.Any lines`. The first
+// End to end, the defect: `repeated google.protobuf.Any lines`. The first
 // call charges one line; the same key with two lines (a different request:
 // twice the charge) is answered with the first call's stored response,
 // and the second line is never charged.
 //
-// Correct behaviour: the second call is FailedPrecondition KEY_REUSED and
+// What holds now: the second call is FailedPrecondition KEY_REUSED and
 // the ledger keeps one row, the first call's.
-func TestAdvFPE2EListOfAnysOfAnotherLengthIsKeyReused(t *testing.T) {
+func TestFingerprintListOfAnysOfAnotherLengthIsKeyReused(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
-	md := advPaySchema(t, "adv_lines",
-		advField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, ""),
-		advField("lines", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, true, ".google.protobuf.Any"))
+	md := e2ePaySchema(t, "adv_lines",
+		e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, ""),
+		e2eField("lines", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, true, ".google.protobuf.Any"))
 	conn := payServer(t, db.Schema, md)
 	request := func(lines ...int64) []byte {
 		b := varintField(nil, 1, 100)
@@ -387,21 +387,21 @@ func TestAdvFPE2EListOfAnysOfAnotherLengthIsKeyReused(t *testing.T) {
 	requireKeyReused(t, sendRaw(conn, "k-lines", request(100, 100)), "two lines where the first call had one")
 }
 
-// End to end, defect (b): a request whose per-field fingerprint passes
+// End to end, the defect: a request whose per-field fingerprint passes
 // 16 KiB is stored as one whole-request leaf, which a small request of
 // the same method is never compared with. The first call (amount 100,
 // with many notes) is stored; the same key with amount 999 and no notes
 // replays "charged 100".
 //
-// Correct behaviour: the second call is FailedPrecondition KEY_REUSED.
-func TestAdvFPE2ELargeThenSmallRequestIsKeyReused(t *testing.T) {
+// What holds now: the second call is FailedPrecondition KEY_REUSED.
+func TestFingerprintLargeThenSmallRequestIsKeyReused(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
-	fields := []*descriptorpb.FieldDescriptorProto{advField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}
+	fields := []*descriptorpb.FieldDescriptorProto{e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}
 	for i := int32(2); i <= 1200; i++ {
-		fields = append(fields, advField(fmt.Sprintf("note%d", i), i, descriptorpb.FieldDescriptorProto_TYPE_STRING, false, ""))
+		fields = append(fields, e2eField(fmt.Sprintf("note%d", i), i, descriptorpb.FieldDescriptorProto_TYPE_STRING, false, ""))
 	}
-	conn := payServer(t, db.Schema, advPaySchema(t, "adv_wide", fields...))
+	conn := payServer(t, db.Schema, e2ePaySchema(t, "adv_wide", fields...))
 	request := func(amount uint64, notes int) []byte {
 		b := varintField(nil, 1, amount)
 		for i := 2; i < 2+notes; i++ {
@@ -415,7 +415,7 @@ func TestAdvFPE2ELargeThenSmallRequestIsKeyReused(t *testing.T) {
 	requireKeyReused(t, sendRaw(conn, "k-wide", request(999, 0)), "amount 999 where the first call charged 100")
 }
 
-// End to end, defect (a): `google.protobuf.Any opts` whose packed type
+// End to end, the defect: `google.protobuf.Any opts` whose packed type
 // (Opts {bool notify = 1}) is linked into the server. The first call packs
 // Opts{} as an empty value; the client, rebuilt with `optional bool
 // notify` and setting notify = false (the value it had), retries with the
@@ -423,21 +423,21 @@ func TestAdvFPE2ELargeThenSmallRequestIsKeyReused(t *testing.T) {
 // FailedPrecondition KEY_REUSED, which tells an obedient client to use a
 // new key: it charges twice.
 //
-// Correct behaviour: the retry replays the first call's response, byte for
+// What holds now: the retry replays the first call's response, byte for
 // byte, and the ledger keeps one row.
-func TestAdv2FPE2ELinkedAnyExplicitDefaultRetryReplays(t *testing.T) {
+func TestFingerprintLinkedAnyExplicitDefaultRetryReplays(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
 	ofd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
 		Name: proto.String("idempotency/test/adv2_opts.proto"), Package: proto.String("idempotency.test.adv2"), Syntax: proto.String("proto3"),
 		MessageType: []*descriptorpb.DescriptorProto{{Name: proto.String("Opts"), Field: []*descriptorpb.FieldDescriptorProto{
-			advField("notify", 1, descriptorpb.FieldDescriptorProto_TYPE_BOOL, false, "")}}},
+			e2eField("notify", 1, descriptorpb.FieldDescriptorProto_TYPE_BOOL, false, "")}}},
 	}, protoregistry.GlobalFiles)
 	require.NoError(t, err)
 	require.NoError(t, protoregistry.GlobalTypes.RegisterMessage(dynamicpb.NewMessageType(ofd.Messages().Get(0))))
-	md := advPaySchema(t, "adv2_anyopts",
-		advField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, ""),
-		advField("opts", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false, ".google.protobuf.Any"))
+	md := e2ePaySchema(t, "adv2_anyopts",
+		e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, ""),
+		e2eField("opts", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false, ".google.protobuf.Any"))
 	conn := payServer(t, db.Schema, md)
 	request := func(packed []byte) []byte {
 		a, err := proto.Marshal(&anypb.Any{TypeUrl: "type.googleapis.com/idempotency.test.adv2.Opts", Value: packed})
@@ -451,24 +451,24 @@ func TestAdv2FPE2ELinkedAnyExplicitDefaultRetryReplays(t *testing.T) {
 		"Opts{} packed with notify=false written: the same request")
 }
 
-// End to end, defect (b): a wide request type (220 fields, its row over
+// End to end, the defect: a wide request type (220 fields, its row over
 // 4 KiB, so left out of the fingerprint). The first call charges amount
 // 100; the same key with amount 100 and field 3 set (capture_only, say)
 // replays "charged 100" on the same server, no deploy.
 //
-// Correct behaviour: the second call is FailedPrecondition KEY_REUSED.
-func TestAdv2FPE2EWideRequestWithAnotherFieldIsKeyReused(t *testing.T) {
+// What holds now: the second call is FailedPrecondition KEY_REUSED.
+func TestFingerprintWideRequestWithAnotherFieldIsKeyReused(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
-	fields := []*descriptorpb.FieldDescriptorProto{advField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}
+	fields := []*descriptorpb.FieldDescriptorProto{e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}
 	for i := int32(2); i <= 220; i++ {
 		typ := descriptorpb.FieldDescriptorProto_TYPE_INT64
 		if i%2 == 0 {
 			typ = descriptorpb.FieldDescriptorProto_TYPE_STRING
 		}
-		fields = append(fields, advField(fmt.Sprintf("f%d", i), i, typ, false, ""))
+		fields = append(fields, e2eField(fmt.Sprintf("f%d", i), i, typ, false, ""))
 	}
-	conn := payServer(t, db.Schema, advPaySchema(t, "adv2_wide", fields...))
+	conn := payServer(t, db.Schema, e2ePaySchema(t, "adv2_wide", fields...))
 	first := sendRaw(conn, "k-adv2-wide", varintField(nil, 1, 100))
 	require.NoError(t, first.err)
 	requireReplayOf(t, first, sendRaw(conn, "k-adv2-wide", varintField(nil, 1, 100)), "sanity: the genuine retry")

@@ -419,9 +419,9 @@ func TestUnitFingerprintCutRequests(t *testing.T) {
 	require.True(t, sameRequest(fpOf(t, v2, req(100, "x")), first))
 }
 
-// advSchema builds message "adv.<file>.M" in a file of its own that may
+// fpSchema builds message "adv.<file>.M" in a file of its own that may
 // import the well-known types.
-func advSchema(t *testing.T, file, syntax string, msg *descriptorpb.DescriptorProto, deps ...string) protoreflect.MessageDescriptor {
+func fpSchema(t *testing.T, file, syntax string, msg *descriptorpb.DescriptorProto, deps ...string) protoreflect.MessageDescriptor {
 	t.Helper()
 	msg.Name = proto.String("M")
 	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
@@ -432,13 +432,13 @@ func advSchema(t *testing.T, file, syntax string, msg *descriptorpb.DescriptorPr
 	return fd.Messages().ByName("M")
 }
 
-func advMsgField(name string, num int32, typeName string, label descriptorpb.FieldDescriptorProto_Label) *descriptorpb.FieldDescriptorProto {
+func fpMsgField(name string, num int32, typeName string, label descriptorpb.FieldDescriptorProto_Label) *descriptorpb.FieldDescriptorProto {
 	f := field(name, num, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, label)
 	f.TypeName = proto.String(typeName)
 	return f
 }
 
-func advAny(t *testing.T, m proto.Message) []byte {
+func fpAny(t *testing.T, m proto.Message) []byte {
 	t.Helper()
 	a, err := anypb.New(m)
 	require.NoError(t, err)
@@ -447,26 +447,26 @@ func advAny(t *testing.T, m proto.Message) []byte {
 	return b
 }
 
-// Defect (b): a list (or map) of messages is one leaf whose schema digest
+// The defect: a list (or map) of messages is one leaf whose schema digest
 // is salted with what its *values* hold (walker.dyn: one entry per Any
 // and per extension present). Two different lists of Anys on one server,
 // one schema, no deploy, then have different digests, sameEntry calls them
 // "not comparable", and the second request replays the first's response.
 //
-// Correct behaviour: on one schema, [Any(100)] and [Any(100), Any(100)]
+// What holds now: on one schema, [Any(100)] and [Any(100), Any(100)]
 // (one charge line against two), or [Any(StringValue)] against
 // [Any(Int64Value)], are different requests: sameRequest is false, so the
 // key is KEY_REUSED.
-func TestAdvFPListOfAnysOfAnotherLengthIsAnotherRequest(t *testing.T) {
+func TestFingerprintListOfAnysOfAnotherLengthIsAnotherRequest(t *testing.T) {
 	t.Parallel()
-	md := advSchema(t, "anylist", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+	md := fpSchema(t, "anylist", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
-		advMsgField("lines", 2, ".google.protobuf.Any", repeated),
+		fpMsgField("lines", 2, ".google.protobuf.Any", repeated),
 	}}, "google/protobuf/any.proto")
 	req := func(lines ...proto.Message) []byte {
 		b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 100)
 		for _, l := range lines {
-			b = protowire.AppendBytes(protowire.AppendTag(b, 2, protowire.BytesType), advAny(t, l))
+			b = protowire.AppendBytes(protowire.AppendTag(b, 2, protowire.BytesType), fpAny(t, l))
 		}
 		return b
 	}
@@ -480,13 +480,13 @@ func TestAdvFPListOfAnysOfAnotherLengthIsAnotherRequest(t *testing.T) {
 		"a list holding an Int64Value and one holding a StringValue are different requests")
 }
 
-// Defect (b), same family: a list of proto2 messages with an extension
+// The defect, same family: a list of proto2 messages with an extension
 // range; an extension present in one request's element and not in the
 // other's salts the leaf digest, so the lists are never compared.
 //
-// Correct behaviour: [{sku: 1, gift: true}] and [{sku: 2}] on one build
+// What holds now: [{sku: 1, gift: true}] and [{sku: 2}] on one build
 // (the extension linked in) are different requests.
-func TestAdvFPListWithExtensionInOneRequestOnlyIsCompared(t *testing.T) {
+func TestFingerprintListWithExtensionInOneRequestOnlyIsCompared(t *testing.T) {
 	t.Parallel()
 	item := &descriptorpb.DescriptorProto{
 		Name:           proto.String("Item"),
@@ -498,7 +498,7 @@ func TestAdvFPListWithExtensionInOneRequestOnlyIsCompared(t *testing.T) {
 	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
 		Name: proto.String("adv/extlist.proto"), Package: proto.String("adv.extlist"), Syntax: proto.String("proto2"),
 		MessageType: []*descriptorpb.DescriptorProto{{Name: proto.String("M"), Field: []*descriptorpb.FieldDescriptorProto{
-			advMsgField("items", 1, ".adv.extlist.Item", repeated)}}, item},
+			fpMsgField("items", 1, ".adv.extlist.Item", repeated)}}, item},
 		Extension: []*descriptorpb.FieldDescriptorProto{gift},
 	}, nil)
 	require.NoError(t, err)
@@ -522,22 +522,22 @@ func TestAdvFPListWithExtensionInOneRequestOnlyIsCompared(t *testing.T) {
 		"another sku, and the extension set in one request only: a different request on one build")
 }
 
-// Defect (b): a request whose per-field fingerprint outgrows maxFieldsLen
+// The defect: a request whose per-field fingerprint outgrows maxFieldsLen
 // becomes one leaf under field number 0. Another request of the same
 // method that stays small has no field number in common with it, so
 // sameNode finds nothing to compare and calls them the same request.
 //
-// Correct behaviour: a request of amount 100 with a thousand notes and a
+// What holds now: a request of amount 100 with a thousand notes and a
 // request of amount 999 with none are different (sameRequest false), as
 // are the same two in the other order.
-func TestAdvFPLargeRequestIsComparedWithASmallOne(t *testing.T) {
+func TestFingerprintLargeRequestIsComparedWithASmallOne(t *testing.T) {
 	t.Parallel()
 	msg := &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)}}
 	for i := int32(2); i <= 1200; i++ {
 		msg.Field = append(msg.Field, field("note"+strings.Repeat("x", int(i)%7)+string(rune('a'+i%26))+itoa(i), i, descriptorpb.FieldDescriptorProto_TYPE_STRING, optional))
 	}
-	md := advSchema(t, "wide", "proto3", msg)
+	md := fpSchema(t, "wide", "proto3", msg)
 	req := func(amount uint64, notes int) []byte {
 		b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), amount)
 		for i := 2; i < 2+notes; i++ {
@@ -556,22 +556,22 @@ func itoa(i int32) string {
 	return strings.TrimLeft(string([]byte{byte('0' + i/1000%10), byte('0' + i/100%10), byte('0' + i/10%10), byte('0' + i%10)}), "0")
 }
 
-// Defect (b): "a singular scalar equal to its zero value counts as absent"
+// The defect: "a singular scalar equal to its zero value counts as absent"
 // is wrong for a proto2 (or editions) field with a declared default: an
 // unset field reads as its default, so unset and an explicit 0 / false
 // are different requests to the handler, yet both fingerprint as absent.
 //
-// Correct behaviour: with `optional bool capture = 2 [default = true]`,
+// What holds now: with `optional bool capture = 2 [default = true]`,
 // a request leaving capture unset (capture the payment) and one sending
 // capture = false (authorise only) are different requests; likewise
 // `optional int64 quantity = 3 [default = 1]` unset against quantity = 0.
-func TestAdvFPProto2DefaultUnsetVsExplicitZero(t *testing.T) {
+func TestFingerprintProto2DefaultUnsetVsExplicitZero(t *testing.T) {
 	t.Parallel()
 	capture := field("capture", 2, descriptorpb.FieldDescriptorProto_TYPE_BOOL, optional)
 	capture.DefaultValue = proto.String("true")
 	qty := field("quantity", 3, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)
 	qty.DefaultValue = proto.String("1")
-	md := advSchema(t, "defaults", "proto2", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+	md := fpSchema(t, "defaults", "proto2", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional), capture, qty}})
 	amount := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 100)
 	unset := fpOf(t, md, amount)
@@ -585,42 +585,42 @@ func TestAdvFPProto2DefaultUnsetVsExplicitZero(t *testing.T) {
 	require.False(t, sameRequest(unset, fpOf(t, md, explicitZero)), "quantity unset (1) against quantity=0: a different request")
 }
 
-// Defect (a), the mirror of the one above: a client rebuilt to set a
+// The defect, the mirror of the one above: a client rebuilt to set a
 // proto2 field explicitly to its declared default (the value it had
 // anyway) sends the same logical request, yet it is KEY_REUSED, whose
 // message tells the client to use a new key.
 //
-// Correct behaviour: unset and explicitly set to the default are the same
+// What holds now: unset and explicitly set to the default are the same
 // request (the rule the package applies to zero values).
-func TestAdvFPProto2ExplicitDefaultIsTheSameRequest(t *testing.T) {
+func TestFingerprintProto2ExplicitDefaultIsTheSameRequest(t *testing.T) {
 	t.Parallel()
 	qty := field("quantity", 2, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)
 	qty.DefaultValue = proto.String("1")
-	md := advSchema(t, "defaults2", "proto2", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+	md := fpSchema(t, "defaults2", "proto2", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional), qty}})
 	amount := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 100)
 	explicit := protowire.AppendVarint(protowire.AppendTag(slicesClone(amount), 2, protowire.VarintType), 1)
 	require.True(t, sameRequest(fpOf(t, md, amount), fpOf(t, md, explicit)), "quantity unset (reads 1) against quantity=1 sent: the same request")
 }
 
-// Defect (b) across a deploy: the schema digest of a map claims "field
+// The defect across a deploy: the schema digest of a map claims "field
 // names do not count", but a map's entry message is named after its field
 // (tags -> TagsEntry), and the digest hashes message names. Renaming a
 // map field (wire-compatible, a common clean-up) makes the map not
 // comparable between the releases, so a request with another map replays
 // the old response.
 //
-// Correct behaviour: with `map<string,int64> lines = 2` renamed to
+// What holds now: with `map<string,int64> lines = 2` renamed to
 // `map<string,int64> items = 2`, {a: 1} on v1 and {a: 999} on v2 are
 // different requests.
-func TestAdvFPRenamedMapFieldIsStillCompared(t *testing.T) {
+func TestFingerprintRenamedMapFieldIsStillCompared(t *testing.T) {
 	t.Parallel()
 	schema := func(file, name string) protoreflect.MessageDescriptor {
 		entry := strings.ToUpper(name[:1]) + name[1:] + "Entry"
-		return advSchema(t, file, "proto3", &descriptorpb.DescriptorProto{
+		return fpSchema(t, file, "proto3", &descriptorpb.DescriptorProto{
 			Field: []*descriptorpb.FieldDescriptorProto{
 				field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
-				advMsgField(name, 2, ".adv."+file+".M."+entry, repeated),
+				fpMsgField(name, 2, ".adv."+file+".M."+entry, repeated),
 			},
 			NestedType: []*descriptorpb.DescriptorProto{{
 				Name: proto.String(entry), Options: &descriptorpb.MessageOptions{MapEntry: proto.Bool(true)},
@@ -644,7 +644,7 @@ func TestAdvFPRenamedMapFieldIsStillCompared(t *testing.T) {
 	require.False(t, sameRequest(fpOf(t, v1, req(1)), fpOf(t, v2, req(999))), "another map value across the rename: a different request")
 }
 
-// schemaRenamed is release 2 of TestAdvFPRenamedMapFieldIsStillCompared's
+// schemaRenamed is release 2 of TestFingerprintRenamedMapFieldIsStillCompared's
 // schema: the same package and message, the map field renamed.
 func schemaRenamed(t *testing.T) protoreflect.MessageDescriptor {
 	t.Helper()
@@ -654,7 +654,7 @@ func schemaRenamed(t *testing.T) protoreflect.MessageDescriptor {
 			Name: proto.String("M"),
 			Field: []*descriptorpb.FieldDescriptorProto{
 				field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
-				advMsgField("items", 2, ".adv.ren.M.ItemsEntry", repeated),
+				fpMsgField("items", 2, ".adv.ren.M.ItemsEntry", repeated),
 			},
 			NestedType: []*descriptorpb.DescriptorProto{{
 				Name: proto.String("ItemsEntry"), Options: &descriptorpb.MessageOptions{MapEntry: proto.Bool(true)},
@@ -669,7 +669,7 @@ func schemaRenamed(t *testing.T) protoreflect.MessageDescriptor {
 	return fd.Messages().ByName("M")
 }
 
-// Defect (cost): the node of a request is built whole before its size is
+// The defect (cost): the node of a request is built whole before its size is
 // checked against maxFieldsLen, and every present message writes an entry
 // for every field its schema declares. A small request of many empty
 // singular sub-messages of a wide, recursive type therefore makes a
@@ -677,19 +677,19 @@ func schemaRenamed(t *testing.T) protoreflect.MessageDescriptor {
 // gRPC's default limit, allocates gigabytes) on every keyed call, before
 // the handler runs.
 //
-// Correct behaviour: the work and memory of a fingerprint are bounded by
+// What holds now: the work and memory of a fingerprint are bounded by
 // a small multiple of the request's size (here: under 2 MiB for a request
 // of about 7 KiB; one level more, 109 KiB, allocates 300 MiB and takes
 // seconds), e.g. by stopping the node walk once it outgrows maxFieldsLen.
-func TestAdvFPCostIsBoundedByTheRequestSize(t *testing.T) { // not parallel: it reads the process's allocation count
+func TestFingerprintCostIsBoundedByTheRequestSize(t *testing.T) { // not parallel: it reads the process's allocation count
 	msg := &descriptorpb.DescriptorProto{}
 	for i := int32(1); i <= 15; i++ {
-		msg.Field = append(msg.Field, advMsgField("c"+itoa(i), i, ".adv.wide2.M", optional))
+		msg.Field = append(msg.Field, fpMsgField("c"+itoa(i), i, ".adv.wide2.M", optional))
 	}
 	for i := int32(16); i <= 300; i++ {
 		msg.Field = append(msg.Field, field("s"+itoa(i), i, descriptorpb.FieldDescriptorProto_TYPE_STRING, optional))
 	}
-	md := advSchema(t, "wide2", "proto3", msg)
+	md := fpSchema(t, "wide2", "proto3", msg)
 	// A tree: every node has 15 children, three levels below the root:
 	// 1+15+225+3375 messages, each writing 300 entries.
 	var tree func(depth int) []byte
@@ -717,15 +717,15 @@ func TestAdvFPCostIsBoundedByTheRequestSize(t *testing.T) { // not parallel: it 
 	require.Less(t, allocated, uint64(2<<20), "a %d-byte request must not cost %d bytes to fingerprint", len(wire), allocated)
 }
 
-// Defect (crash): a run-time schema (a proxy, a reflection-driven server)
+// The defect (crash): a run-time schema (a proxy, a reflection-driven server)
 // may carry its own message named google.protobuf.Any; planOf treats any
 // message of that name with fields 1 and 2 as an Any and anyParts calls
 // Bytes() on field 2 whatever its kind, which panics and takes the server
 // down (grpc-go does not recover handler panics).
 //
-// Correct behaviour: Fingerprint never panics; a message that is not
+// What holds now: Fingerprint never panics; a message that is not
 // really an Any (field 2 not bytes) is fingerprinted as an ordinary one.
-func TestAdvFPLookalikeAnyDoesNotPanic(t *testing.T) {
+func TestFingerprintLookalikeAnyDoesNotPanic(t *testing.T) {
 	t.Parallel()
 	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
 		Name: proto.String("adv/fakeany.proto"), Package: proto.String("google.protobuf"), Syntax: proto.String("proto3"),
@@ -740,16 +740,16 @@ func TestAdvFPLookalikeAnyDoesNotPanic(t *testing.T) {
 	require.NotPanics(t, func() { _, _ = Fingerprint("/fp.Svc/Call", m) })
 }
 
-// Defect (b), minor: an Any of a linked type whose bytes do not decode
+// The defect, minor: an Any of a linked type whose bytes do not decode
 // (here a StringValue holding invalid UTF-8) is fingerprinted with its
 // field 2 as bytes, and a decodable one with field 2 as a message; the
 // tags differ, sameNode skips field 2, and only the type names are
 // compared. A handler that forwards the Any unopened (a gateway) thus
 // gets a different payload answered with the old response.
 //
-// Correct behaviour: Any{StringValue "charge"} and Any{StringValue, bytes
+// What holds now: Any{StringValue "charge"} and Any{StringValue, bytes
 // that do not decode} are different requests.
-func TestAdvFPLinkedAnyWithUndecodableBytesIsCompared(t *testing.T) {
+func TestFingerprintLinkedAnyWithUndecodableBytesIsCompared(t *testing.T) {
 	t.Parallel()
 	good, err := proto.Marshal(wrapperspb.String("charge"))
 	require.NoError(t, err)
@@ -759,19 +759,19 @@ func TestAdvFPLinkedAnyWithUndecodableBytesIsCompared(t *testing.T) {
 		"another payload of the same Any type: a different request")
 }
 
-// Defect (b) across a rebuild: an Any's packed type linked in by a
+// The defect across a rebuild: an Any's packed type linked in by a
 // rebuild (its generated code now imported) turns field 2 of the Any's
 // node from bytes into a message; the tags differ, so the payload is not
 // compared at all between the releases, and a changed amount inside the
 // Any replays the old response. Both sides could compare it: the bytes
 // are there on both.
 //
-// Correct behaviour: Any{adv.linkin.Charge{amount: 100}} fingerprinted
+// What holds now: Any{adv.linkin.Charge{amount: 100}} fingerprinted
 // before the type is linked in and Any{adv.linkin.Charge{amount: 999}}
 // after are different requests.
-func TestAdvFPAnyTypeLinkedInByARebuildIsStillCompared(t *testing.T) {
+func TestFingerprintAnyTypeLinkedInByARebuildIsStillCompared(t *testing.T) {
 	t.Parallel()
-	md := advSchema(t, "linkin", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+	md := fpSchema(t, "linkin", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)}})
 	charge := func(n uint64) *anypb.Any {
 		b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), n)
@@ -785,16 +785,16 @@ func TestAdvFPAnyTypeLinkedInByARebuildIsStillCompared(t *testing.T) {
 	require.False(t, sameRequest(before, mustFP(t, charge(999))), "another amount in the Any across the rebuild: a different request")
 }
 
-// Defect (cost, minor): scalars of a list are appended to the walker's
+// The defect (cost, minor): scalars of a list are appended to the walker's
 // buffer without spill(), so a repeated int64 of N elements is copied
 // whole into a buffer grown by doubling before it is hashed (a 3 MB list
 // allocates about 17 MB per call); strings and bytes are hashed in
 // 512-byte chunks.
 //
-// Correct behaviour: fingerprinting a 600 KB packed list allocates no
+// What holds now: fingerprinting a 600 KB packed list allocates no
 // more than the walker's fixed buffers and the fingerprint (under 64 KiB).
-func TestAdvFPLongScalarListIsHashedInChunks(t *testing.T) { // not parallel: it reads the process's allocation count
-	md := advSchema(t, "longlist", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+func TestFingerprintLongScalarListIsHashedInChunks(t *testing.T) { // not parallel: it reads the process's allocation count
+	md := fpSchema(t, "longlist", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("xs", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, repeated)}})
 	var p []byte
 	for i := range 100000 {
@@ -811,7 +811,7 @@ func TestAdvFPLongScalarListIsHashedInChunks(t *testing.T) { // not parallel: it
 	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(64<<10), "a %d-byte list must be hashed as it is walked", len(p))
 }
 
-// Defect (a), across a client rebuild (and on one server): an Any whose
+// The defect, across a client rebuild (and on one server): an Any whose
 // type is linked in "counts as the message it packs", and a scalar equal
 // to its default "counts as absent, so adding or removing presence changes
 // nothing". But an Any with an empty value has no value entry at all,
@@ -823,18 +823,18 @@ func TestAdvFPLongScalarListIsHashedInChunks(t *testing.T) { // not parallel: it
 // the genuine retry is KEY_REUSED and the client is told to use a new key.
 // The same change on a field of the request itself replays.
 //
-// Correct behaviour: Any{Opts, ""} and Any{Opts, "08 00"} with Opts
+// What holds now: Any{Opts, ""} and Any{Opts, "08 00"} with Opts
 // linked in both unpack to Opts{}: the same request (sameRequest true),
 // as {notify: false} and {} are at the top level.
-func TestAdv2FPLinkedAnyEmptyValueAndExplicitDefaultAreOneRequest(t *testing.T) {
+func TestFingerprintLinkedAnyEmptyValueAndExplicitDefaultAreOneRequest(t *testing.T) {
 	t.Parallel()
-	opts := advSchema(t, "adv2anyopt", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+	opts := fpSchema(t, "adv2anyopt", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("notify", 1, descriptorpb.FieldDescriptorProto_TYPE_BOOL, optional)}})
 	require.NoError(t, protoregistry.GlobalTypes.RegisterMessage(dynamicpb.NewMessageType(opts)))
-	md := advSchema(t, "adv2anyreq", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+	md := fpSchema(t, "adv2anyreq", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
 		field("notify", 2, descriptorpb.FieldDescriptorProto_TYPE_BOOL, optional),
-		advMsgField("opts", 3, ".google.protobuf.Any", optional)}}, "google/protobuf/any.proto")
+		fpMsgField("opts", 3, ".google.protobuf.Any", optional)}}, "google/protobuf/any.proto")
 	req := func(notify []byte, packed []byte) []byte {
 		b := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 100)
 		b = append(b, notify...)
@@ -855,7 +855,7 @@ func TestAdv2FPLinkedAnyEmptyValueAndExplicitDefaultAreOneRequest(t *testing.T) 
 	require.True(t, sameRequest(fpOf(t, md, req(nil, explicitFalse)), fpOf(t, md, req(nil, []byte{}))))
 }
 
-// Defect (b), one schema, no deploy: a request whose fingerprint is cut
+// The defect, one schema, no deploy: a request whose fingerprint is cut
 // and another of the same schema that is not are compared only before the
 // cut; the fields after it are "not compared" (absentAlike: past the cut),
 // and whole is compared only when both are cut. A request holding exactly
@@ -867,9 +867,9 @@ func TestAdv2FPLinkedAnyEmptyValueAndExplicitDefaultAreOneRequest(t *testing.T) 
 // alone, it could be kept in every version 3 fingerprint and compared
 // whenever the digests agree, cut or not.
 //
-// Correct behaviour: on one schema, a cut request and an uncut one that
+// What holds now: on one schema, a cut request and an uncut one that
 // differ after the cut are different requests (sameRequest false).
-func TestAdv2FPCutAgainstUncutOfTheSameSchemaIsAnotherRequest(t *testing.T) {
+func TestFingerprintCutAgainstUncutOfTheSameSchemaIsAnotherRequest(t *testing.T) {
 	t.Parallel()
 	msg := &descriptorpb.DescriptorProto{Name: proto.String("M")}
 	for i := int32(1); i <= 1200; i++ {
@@ -909,19 +909,19 @@ func TestAdv2FPCutAgainstUncutOfTheSameSchemaIsAnotherRequest(t *testing.T) {
 	require.False(t, sameRequest(small, big))
 }
 
-// Defect (b), one build, minor: a message nested deeper than maxNodeDepth
+// The defect, one build, minor: a message nested deeper than maxNodeDepth
 // is one leaf whose hash leaves extensions out (walker.message), so two
 // requests that differ only in an extension set nine levels down replay
 // one another on one build. The README says such messages "are compared
 // whole".
 //
-// Correct behaviour: on one build with the extension linked in, {...9
+// What holds now: on one build with the extension linked in, {...9
 // levels... {surcharge: 500}} and the same without it are different
 // requests; the same bytes decoded by a build that does not link the
 // extension in (it stays an unknown field) are the same request. A leaf
 // now carries a hash of the extensions set below it, compared unless one
 // side held one undecoded.
-func TestAdv2FPDeepLeafComparesExtensions(t *testing.T) {
+func TestFingerprintDeepLeafComparesExtensions(t *testing.T) {
 	t.Parallel()
 	ext := field("surcharge", 100, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)
 	ext.Extendee, ext.JsonName = proto.String(".adv.adv2deepext.M"), nil
@@ -929,7 +929,7 @@ func TestAdv2FPDeepLeafComparesExtensions(t *testing.T) {
 		Name: proto.String("adv/adv2deepext.proto"), Package: proto.String("adv.adv2deepext"), Syntax: proto.String("proto2"),
 		MessageType: []*descriptorpb.DescriptorProto{{Name: proto.String("M"),
 			Field: []*descriptorpb.FieldDescriptorProto{field("sku", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
-				advMsgField("next", 2, ".adv.adv2deepext.M", optional)},
+				fpMsgField("next", 2, ".adv.adv2deepext.M", optional)},
 			ExtensionRange: []*descriptorpb.DescriptorProto_ExtensionRange{{Start: proto.Int32(100), End: proto.Int32(200)}}}},
 		Extension: []*descriptorpb.FieldDescriptorProto{ext},
 	}, nil)
@@ -959,9 +959,9 @@ func TestAdv2FPDeepLeafComparesExtensions(t *testing.T) {
 	require.False(t, sameRequest(fp(nest(10, 500)), fp(nest(9, 500))), "sanity: another depth")
 }
 
-// adv2Wide returns fields 1..n alternating int64 and string, so that no
+// wideFields returns fields 1..n alternating int64 and string, so that no
 // two neighbours share a run of the type's row.
-func adv2Wide(n int32) []*descriptorpb.FieldDescriptorProto {
+func wideFields(n int32) []*descriptorpb.FieldDescriptorProto {
 	var fs []*descriptorpb.FieldDescriptorProto
 	for i := int32(1); i <= n; i++ {
 		typ := descriptorpb.FieldDescriptorProto_TYPE_INT64
@@ -973,7 +973,7 @@ func adv2Wide(n int32) []*descriptorpb.FieldDescriptorProto {
 	return fs
 }
 
-// Defect (b), one schema, no deploy: a message type whose row is longer
+// The defect, one schema, no deploy: a message type whose row is longer
 // than maxRowLen (4 KiB: about 200 fields that do not merge into runs, a
 // realistic size for a wide "create" request) is written with row 0,
 // "fields unknown". absentAlike then treats every field present on one
@@ -982,13 +982,13 @@ func adv2Wide(n int32) []*descriptorpb.FieldDescriptorProto {
 // {amount: 100} and {refund: 100} -- are "the same request" and the
 // second replays the first's response.
 //
-// Correct behaviour: on one schema, a field set on one side only (to a
+// What holds now: on one schema, a field set on one side only (to a
 // value other than its default) makes another request: sameRequest is
 // false. (A row too long to keep could be replaced by the schema digest
 // and compared as known when the digests agree.)
-func TestAdv2FPWideTypeComparesAFieldSetOnOneSideOnly(t *testing.T) {
+func TestFingerprintWideTypeComparesAFieldSetOnOneSideOnly(t *testing.T) {
 	t.Parallel()
-	md := advSchema(t, "adv2wide", "proto3", &descriptorpb.DescriptorProto{Field: adv2Wide(220)})
+	md := fpSchema(t, "adv2wide", "proto3", &descriptorpb.DescriptorProto{Field: wideFields(220)})
 	p := planOf(md)
 	require.Equal(t, rowDigest, p.row[0], "sanity: the row, longer than maxRowLen, is written as its digest")
 
@@ -1008,13 +1008,13 @@ func TestAdv2FPWideTypeComparesAFieldSetOnOneSideOnly(t *testing.T) {
 
 	// A deploy that adds a field: the digests differ, and a field set on
 	// one side only is skipped, as for a type whose row is listed.
-	v2 := advSchema(t, "adv2widev2", "proto3", &descriptorpb.DescriptorProto{Field: adv2Wide(221)})
+	v2 := fpSchema(t, "adv2widev2", "proto3", &descriptorpb.DescriptorProto{Field: wideFields(221)})
 	require.True(t, sameRequest(fpOf(t, md, amount), fpOf(t, v2, amount)), "across the deploy: the genuine retry")
 	require.False(t, sameRequest(fpOf(t, md, amount), fpOf(t, v2, protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), 999))),
 		"across the deploy: a field both know, another value")
 }
 
-// Defect (b), one schema, at the budget's edge: a type met when the
+// The defect, one schema, at the budget's edge: a type met when the
 // fingerprint is within a row's length of maxFieldsLen-fieldsReserve has
 // its row left out (walker.row), yet its node and entries are still
 // written (room() only checks the entries), and the fingerprint is not
@@ -1022,20 +1022,20 @@ func TestAdv2FPWideTypeComparesAFieldSetOnOneSideOnly(t *testing.T) {
 // holds {amount: 100} in one and nothing (or {refund: 100}) in the other
 // -- then compare nothing in that message: the second replays the first.
 //
-// Correct behaviour: a message whose row was left out is either compared
+// What holds now: a message whose row was left out is either compared
 // as known when both sides are of one schema, or counts as cut (so that
 // the whole-request hash decides); either way the two are different
 // requests. The walk is now cut where a row does not fit, so the test
 // looks for the filler at which Sub's node is the cut one.
-func TestAdv2FPRowThatDoesNotFitCutsTheWalk(t *testing.T) {
+func TestFingerprintRowThatDoesNotFitCutsTheWalk(t *testing.T) {
 	t.Parallel()
-	sub := &descriptorpb.DescriptorProto{Name: proto.String("Sub"), Field: adv2Wide(40)}
+	sub := &descriptorpb.DescriptorProto{Name: proto.String("Sub"), Field: wideFields(40)}
 	msg := &descriptorpb.DescriptorProto{Name: proto.String("M"), NestedType: []*descriptorpb.DescriptorProto{sub}}
 	for i := int32(1); i <= 1000; i++ {
 		msg.Field = append(msg.Field, field(fmt.Sprintf("n%d", i), i, descriptorpb.FieldDescriptorProto_TYPE_STRING, optional))
 	}
-	msg.Field = append(msg.Field, advMsgField("sub", 2000, ".adv.adv2edge.M.Sub", optional))
-	md := advSchema(t, "adv2edge", "proto3", msg)
+	msg.Field = append(msg.Field, fpMsgField("sub", 2000, ".adv.adv2edge.M.Sub", optional))
+	md := fpSchema(t, "adv2edge", "proto3", msg)
 
 	req := func(filler int, subWire []byte) []byte {
 		var b []byte
@@ -1072,15 +1072,15 @@ func TestAdv2FPRowThatDoesNotFitCutsTheWalk(t *testing.T) {
 		"one schema: sub {f1 100} against sub {f3 100} is a different request")
 }
 
-// Defect (b), one build: an extension is in no row, so one set in one
+// The defect, one build: an extension is in no row, so one set in one
 // request only is "a field the other schema does not know" and skipped --
 // even when both requests were fingerprinted by the same binary with the
 // extension linked in. {sku: 1, surcharge: 500} and {sku: 1} then replay one another.
 //
-// Correct behaviour: on one build, an extension set to a non-default
+// What holds now: on one build, an extension set to a non-default
 // value on one side only makes another request (the rows could list the
 // extensions linked in for the type, or a digest of them).
-func TestAdv2FPExtensionSetOnOneSideOnlyOnOneBuildIsAnotherRequest(t *testing.T) {
+func TestFingerprintExtensionSetOnOneSideOnlyOnOneBuildIsAnotherRequest(t *testing.T) {
 	t.Parallel()
 	gift := field("surcharge", 100, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)
 	gift.Extendee, gift.JsonName = proto.String(".adv.adv2ext.M"), nil
@@ -1123,23 +1123,23 @@ func extensionFingerprinter(t *testing.T, fd protoreflect.FileDescriptor) (proto
 	}
 }
 
-// Defect (c), minor: walker.value hashes a map's entries (in a leaf below
+// The defect, minor: walker.value hashes a map's entries (in a leaf below
 // maxNodeDepth, and in the whole-request hash of every cut request) with
 // single() but never spill(), so the scalars of a map<int64, int64> are
 // all copied into the walker's buffer, grown by doubling, before they are
-// hashed: the list case fixed after the first review, for maps. A 4.8 MB
+// hashed: the list case fixed before, for maps. A 4.8 MB
 // request of 300k entries allocates about 38 MB per call (this test uses
 // 100k); its keys are also sorted twice, once for the node walk though
 // only a few hundred entries fit before the cut.
 //
-// Correct behaviour: hashing a map's entries keeps the buffer within its
+// What holds now: hashing a map's entries keeps the buffer within its
 // first array plus one entry (cap(buf) of at most 2 * len(small)).
-func TestAdv2FPMapInALeafIsHashedInChunks(t *testing.T) { // not parallel: it reads the process's allocation count
+func TestFingerprintMapInALeafIsHashedInChunks(t *testing.T) { // not parallel: it reads the process's allocation count
 	entry := &descriptorpb.DescriptorProto{Name: proto.String("QEntry"), Options: &descriptorpb.MessageOptions{MapEntry: proto.Bool(true)},
 		Field: []*descriptorpb.FieldDescriptorProto{field("key", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
 			field("value", 2, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional)}}
-	md := advSchema(t, "adv2costmap", "proto3", &descriptorpb.DescriptorProto{NestedType: []*descriptorpb.DescriptorProto{entry},
-		Field: []*descriptorpb.FieldDescriptorProto{advMsgField("q", 1, ".adv.adv2costmap.M.QEntry", repeated)}})
+	md := fpSchema(t, "adv2costmap", "proto3", &descriptorpb.DescriptorProto{NestedType: []*descriptorpb.DescriptorProto{entry},
+		Field: []*descriptorpb.FieldDescriptorProto{fpMsgField("q", 1, ".adv.adv2costmap.M.QEntry", repeated)}})
 	var wire []byte
 	for i := range 100000 {
 		e := protowire.AppendVarint(protowire.AppendTag(nil, 1, protowire.VarintType), uint64(1<<40+i))
@@ -1197,13 +1197,13 @@ type panicReq struct{ m protoreflect.Message }
 
 func (p panicReq) ProtoReflect() protoreflect.Message { return panicRefl{p.m, 2} }
 
-// Check (held): a panic mid-walk leaves no dirty walker behind, and 16
+// A panic mid-walk leaves no dirty walker behind, and 16
 // goroutines fingerprinting a mix of requests (maps, Anys, large and
 // small) through the pool get the same fingerprints as one does.
-func TestAdv2FPHeldPoolAfterPanicAndConcurrency(t *testing.T) {
-	md := advSchema(t, "adv2pool", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
+func TestFingerprintWalkerPoolIsCleanAfterAPanicAndUnderConcurrency(t *testing.T) {
+	md := fpSchema(t, "adv2pool", "proto3", &descriptorpb.DescriptorProto{Field: []*descriptorpb.FieldDescriptorProto{
 		field("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, optional),
-		advMsgField("next", 2, ".adv.adv2pool.M", optional),
+		fpMsgField("next", 2, ".adv.adv2pool.M", optional),
 		field("note", 3, descriptorpb.FieldDescriptorProto_TYPE_STRING, repeated),
 	}})
 	var nest func(levels int, amount uint64, notes int) []byte

@@ -23,10 +23,10 @@ func TestConfigHandsOutNoConnection(t *testing.T) {
 	pid := func(key string, read bool) (p int) {
 		_, err := store.Execute(context.Background(), idempotency.Call{Key: key, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 			if read {
-				require.NotNil(t, tx.(review2Configured).Config())
+				require.NotNil(t, tx.(configuredTx).Config())
 				sp, err := tx.Begin(ctx)
 				require.NoError(t, err)
-				require.NotNil(t, sp.(review2Configured).Config())
+				require.NotNil(t, sp.(configuredTx).Config())
 				require.NoError(t, sp.Commit(ctx))
 			}
 			return nil, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&p)
@@ -38,7 +38,7 @@ func TestConfigHandsOutNoConnection(t *testing.T) {
 	require.Equal(t, first, pid("b", false), "the connection went back to the pool")
 }
 
-type review2Configured interface{ Config() *pgxpool.Config }
+type configuredTx interface{ Config() *pgxpool.Config }
 
 // The call's transaction has Config() for River's driver, which reads
 // ConnConfig.DefaultQueryExecMode from it on every statement. Each call
@@ -55,7 +55,7 @@ func TestTxConfigOfOneCallCannotChangeAnothers(t *testing.T) {
 		var got *pgxpool.Config
 		calls++
 		_, err := store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("call-%d", calls), Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-			c, ok := tx.(review2Configured)
+			c, ok := tx.(configuredTx)
 			require.True(t, ok)
 			got = c.Config()
 			require.NotNil(t, got)

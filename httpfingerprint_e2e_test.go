@@ -122,21 +122,6 @@ func TestHTTPRetryAcrossTheContentTypeUpgradeIsComparedAsBefore(t *testing.T) {
 	}
 }
 
-// It failed because the multipart boundary was taken out of the
-// Content-Type's parameters before the middleware parsed the body with
-// it: every multipart body the middleware read had the form of one that
-// does not parse, so a multipart form parsed in front on one attempt (a
-// CSRF middleware) and not on its retry got 422.
-func TestHTTPMultipartFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
-	t.Parallel()
-	body := strings.Join([]string{
-		"--b0undary", `Content-Disposition: form-data; name="csrf"`, "", "ok",
-		"--b0undary", `Content-Disposition: form-data; name="amount"`, "", "100",
-		"--b0undary--", "",
-	}, "\r\n")
-	requireOneChargeWhetherParsedInFront(t, "multipart/form-data; boundary=b0undary", body)
-}
-
 // queryParsedInFront calls r.FormValue (which parses the form, setting
 // r.PostForm even when the body is not a form) only when X-Skip is absent:
 // one attempt of a request is parsed in front, its retry is not.
@@ -360,22 +345,6 @@ func TestHTTPJSONSentWithTheFormTypeIsNotAnotherRequestsReplay(t *testing.T) {
 	require.EqualValues(t, 1, runs.Load())
 }
 
-// It failed when a form url.ParseQuery refuses ("50%off") was identified
-// by its bytes unread and by the pairs net/http kept when parsed in front:
-// the retry of the same body, parsed in front once, got 422.
-func TestHTTPUnparsableFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
-	t.Parallel()
-	requireOneChargeWhetherParsedInFront(t, "application/x-www-form-urlencoded", "csrf=ok&amount=100&memo=50%off")
-}
-
-// It failed when a Content-Type with a malformed parameter ("; charset")
-// was not a form's to the middleware while net/http parses it as one:
-// parsed in front once and not on the retry, the same request got 422.
-func TestHTTPFormWithAMalformedTypeParameterIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
-	t.Parallel()
-	requireOneChargeWhetherParsedInFront(t, "application/x-www-form-urlencoded; charset", "csrf=ok&amount=100")
-}
-
 // It failed when WithHTTPMaxRequestBytes held only the bytes left to
 // read: a form over the limit parsed in front ran and was stored, and its
 // retry, not parsed in front, got 413. One key, two answers.
@@ -428,6 +397,45 @@ func TestHTTPEmptyFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.
 	require.Equal(t, http.StatusOK, r.status, "the same body under the same key: %s", r.body)
 	require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader))
 	require.EqualValues(t, 1, runs.Load())
+}
+
+// A form sent twice under one key, parsed in front by a CSRF middleware
+// (csrfInFront) on the first attempt and not on its retry, is one
+// request: it runs once and the retry gets its answer replayed. Each case
+// failed once:
+//   - a form was fingerprinted from its fields when a middleware in front
+//     parsed it and from its bytes when none did: a CSRF check that reads
+//     a header and falls back to the form (gorilla/csrf's order) parsed
+//     one attempt and not its retry, which got 422 for the very same body.
+//     A form is identified by its fields either way;
+//   - a form url.ParseQuery refuses ("50%off") was identified by its bytes
+//     unread and by the pairs net/http kept when parsed in front: the
+//     retry of the same body, parsed in front once, got 422;
+//   - a Content-Type with a malformed parameter ("; charset") was not a
+//     form's to the middleware while net/http parses it as one: parsed in
+//     front once and not on the retry, the same request got 422;
+//   - the multipart boundary was taken out of the Content-Type's
+//     parameters before the middleware parsed the body with it: every
+//     multipart body the middleware read had the form of one that does
+//     not parse, so a multipart form parsed in front on one attempt and
+//     not on its retry got 422.
+func TestHTTPFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ name, contentType, body string }{
+		{"url-encoded form", "application/x-www-form-urlencoded", "csrf=ok&amount=100"},
+		{"form url.ParseQuery refuses", "application/x-www-form-urlencoded", "csrf=ok&amount=100&memo=50%off"},
+		{"form type with a malformed parameter", "application/x-www-form-urlencoded; charset", "csrf=ok&amount=100"},
+		{"multipart form", "multipart/form-data; boundary=b0undary", strings.Join([]string{
+			"--b0undary", `Content-Disposition: form-data; name="csrf"`, "", "ok",
+			"--b0undary", `Content-Disposition: form-data; name="amount"`, "", "100",
+			"--b0undary--", "",
+		}, "\r\n")},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			requireOneChargeWhetherParsedInFront(t, c.contentType, c.body)
+		})
+	}
 }
 
 // requireOneChargeWhetherParsedInFront sends a charge of the form body
@@ -767,14 +775,4 @@ func TestHTTPRetryAcrossTheFingerprintUpgradeReplays(t *testing.T) {
 	require.Equal(t, "true", retry.header.Get(idempotency.ReplayedHeader))
 	require.EqualValues(t, 1, e.runs.Load())
 	require.Equal(t, 1, e.ledgerRows())
-}
-
-// It failed when a form was fingerprinted from its fields when a
-// middleware in front parsed it and from its bytes when none did: a CSRF
-// check that reads a header and falls back to the form (gorilla/csrf's
-// order) parsed one attempt and not its retry, which got 422 for the very
-// same body. A form is identified by its fields either way.
-func TestHTTPFormRetryIsTheSameRequestWhetherOrNotParsedInFront(t *testing.T) {
-	t.Parallel()
-	requireOneChargeWhetherParsedInFront(t, "application/x-www-form-urlencoded", "csrf=ok&amount=100")
 }

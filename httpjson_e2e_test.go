@@ -228,8 +228,8 @@ const version4Row = "ff49444604ed4c5e8ba19b543c833ba1cc0dfcb55eeaa1f65202eaa7849
 // replayed, and another body, or the same JSON written another way, is
 // another request (422), as it was before the upgrade. (It failed with 422
 // for the same bytes when the new digest was written under the old
-// version; an outside review found another value replayed when the two
-// versions were not compared.) A stored row that does not parse as
+// version, and with another value replayed when the two versions were not
+// compared.) A stored row that does not parse as
 // version 4 is the same request as nothing.
 func TestHTTPJSONRetryAcrossTheFingerprintUpgradeIsComparedAsBefore(t *testing.T) {
 	t.Parallel()
@@ -280,28 +280,28 @@ func TestHTTPJSONRetryAcrossTheFingerprintUpgradeIsComparedAsBefore(t *testing.T
 	}
 }
 
-// Review 31: the canonical JSON fingerprint (httpjson.go). The rule: two
+// The canonical JSON fingerprint (httpjson.go). The rule: two
 // requests a handler could tell apart are never one request (a replay of
 // another request's response); two that differ only in whitespace, member
 // order and string escapes are.
 
-// review31Charge is what a typical Go handler decodes: encoding/json
+// jsonCharge is what a typical Go handler decodes: encoding/json
 // matches the key "amount" to the field whatever its case ("Amount",
 // "AMOUNT"), and the last member it meets wins.
-type review31Charge struct {
+type jsonCharge struct {
 	Amount int64 `json:"amount"`
 }
 
-// review31Server serves a handler that decodes the body into review31Charge
+// chargeJSONServer serves a handler that decodes the body into jsonCharge
 // with encoding/json and answers with the amount it charged.
-func review31Server(t *testing.T) (*httptest.Server, *atomic.Int64) {
+func chargeJSONServer(t *testing.T) (*httptest.Server, *atomic.Int64) {
 	t.Helper()
 	db := suiteDB(t)
 	store := migratedStore(t, db)
 	var runs atomic.Int64
 	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		n := runs.Add(1)
-		var c review31Charge
+		var c jsonCharge
 		if err := json.NewDecoder(r.Body).Decode(&c); err != nil {
 			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
@@ -320,16 +320,16 @@ func review31Server(t *testing.T) (*httptest.Server, *atomic.Int64) {
 // charges 500, {"Amount":500,"amount":1} charges 1. Both canonicalise to
 // {"Amount":500,"amount":1}: the second request is answered with the
 // first's "charged 500" and its handler never runs.
-func TestReview31JSONCaseFoldedDuplicateKeysInAnotherOrderAreDifferentRequests(t *testing.T) {
+func TestHTTPJSONCaseFoldedDuplicateKeysInAnotherOrderAreDifferentRequests(t *testing.T) {
 	t.Parallel()
 	first, second := `{"amount":1,"Amount":500}`, `{"Amount":500,"amount":1}`
 	// What the handler reads from each, decoded here to show they differ.
-	var a, b review31Charge
+	var a, b jsonCharge
 	require.NoError(t, json.Unmarshal([]byte(first), &a))
 	require.NoError(t, json.Unmarshal([]byte(second), &b))
 	require.NotEqual(t, a.Amount, b.Amount, "the handler reads the two bodies differently")
 
-	srv, runs := review31Server(t)
+	srv, runs := chargeJSONServer(t)
 	r1 := sendJSON(t, srv, "k-fold", "application/json", first)
 	require.Equal(t, http.StatusCreated, r1.status, r1.body)
 	require.Equal(t, "run 1 charged 500", r1.body)
@@ -342,7 +342,7 @@ func TestReview31JSONCaseFoldedDuplicateKeysInAnotherOrderAreDifferentRequests(t
 
 // The same with a folding beyond ASCII: encoding/json matches "ſ" (U+017F,
 // long s) to a field named "s", as it matches "S".
-func TestReview31JSONUnicodeFoldedDuplicateKeysInAnotherOrderAreDifferentRequests(t *testing.T) {
+func TestHTTPJSONUnicodeFoldedDuplicateKeysInAnotherOrderAreDifferentRequests(t *testing.T) {
 	t.Parallel()
 	type s struct {
 		S int64 `json:"s"`
@@ -369,7 +369,7 @@ func TestReview31JSONUnicodeFoldedDuplicateKeysInAnotherOrderAreDifferentRequest
 // bytes as "Ã©" and the escape as "é": two requests it tells apart were
 // one, and the second got the first's response. A JSON body in another
 // charset than UTF-8 is compared by its bytes: the second is 422.
-func TestReview31JSONWithLatin1CharsetEscapesAreNotRawBytes(t *testing.T) {
+func TestHTTPJSONWithLatin1CharsetEscapesAreNotRawBytes(t *testing.T) {
 	t.Parallel()
 	const ct = "application/json; charset=iso-8859-1"
 	first := `{"name":"caf` + "\xc3\xa9" + `"}` // raw bytes: in ISO-8859-1, "cafÃ©"
@@ -409,7 +409,7 @@ func TestReview31JSONWithLatin1CharsetEscapesAreNotRawBytes(t *testing.T) {
 // Unicode normalisation forms, numbers written otherwise, a lone
 // surrogate against U+FFFD, invalid UTF-8 against U+FFFD, a BOM, trailing
 // garbage, a key of the object structure spelled as a string.
-func TestReview31JSONValuesAHandlerTellsApartAre422(t *testing.T) {
+func TestHTTPJSONValuesAHandlerTellsApartAre422(t *testing.T) {
 	t.Parallel()
 	srv, runs := jsonServer(t)
 	cases := []struct{ first, other string }{
@@ -444,7 +444,7 @@ func TestReview31JSONValuesAHandlerTellsApartAre422(t *testing.T) {
 
 // Bodies that differ only as the rule allows replay, deep nesting and
 // structured-suffix types with parameters included.
-func TestReview31JSONWrittenAnotherWayReplays(t *testing.T) {
+func TestHTTPJSONDeepEscapedOrSuffixTypedRetryIsReplayed(t *testing.T) {
 	t.Parallel()
 	srv, runs := jsonServer(t)
 	deep := func(n int, sep string) string {

@@ -159,17 +159,17 @@ func TestHTTPUnroutedRequestsClaimNoKey(t *testing.T) {
 	require.Equal(t, 2, keyRows())
 }
 
-// review31Router is a router of the kind services write to give a
+// embeddedMuxRouter is a router of the kind services write to give a
 // ServeMux a fallback of their own: it embeds *http.ServeMux and serves
 // what the mux has no pattern for with a catch-all (a legacy API, a
 // reverse proxy to the old service). The embedded Handler method makes it
 // look like a ServeMux to the middleware.
-type review31Router struct {
+type embeddedMuxRouter struct {
 	*http.ServeMux
 	fallback http.Handler
 }
 
-func (rt review31Router) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+func (rt embeddedMuxRouter) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if _, pattern := rt.Handler(r); pattern == "" {
 		rt.fallback.ServeHTTP(w, r)
 		return
@@ -182,13 +182,13 @@ func (rt review31Router) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // a request with none pass through unprotected, taking it for the mux's
 // 404. A router that embeds a ServeMux has that method and serves such
 // requests: a POST to the fallback, sent twice with one key, runs twice.
-func TestReview31RouterEmbeddingAServeMuxIsNotAServeMux(t *testing.T) {
+func TestHTTPRouterEmbeddingAServeMuxIsNotAServeMux(t *testing.T) {
 	t.Parallel()
 	store := migratedStore(t, suiteDB(t))
 	var ran int
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v2/charges", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) })
-	h := idempotency.HTTPMiddleware(store)(review31Router{ServeMux: mux, fallback: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	h := idempotency.HTTPMiddleware(store)(embeddedMuxRouter{ServeMux: mux, fallback: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		ran++
 		w.WriteHeader(http.StatusCreated)
 		_, _ = io.WriteString(w, "legacy charge")
