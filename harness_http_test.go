@@ -11,10 +11,9 @@ import (
 	"github.com/exactlyonce/idempotency"
 )
 
-// The HTTP middleware mounted as services mount it: behind routers that
-// rewrite the path, behind middleware that parses forms, with handlers
-// that send trailers, informational responses and headers of their own
-// spelling, on HTTP/1.1 and HTTP/2.
+// What the HTTP tests share: a client that sends a request under a key
+// and reads the whole response, trailers included, and a POST of a body
+// under a Content-Type.
 
 // mountedReply is what a client received, trailers included.
 type mountedReply struct {

@@ -599,6 +599,10 @@ func TestHTTPMiddlewareComposes(t *testing.T) {
 	}, routes)
 }
 
+// The HTTP middleware mounted as services mount it: with handlers that
+// send trailers, informational responses and headers of their own
+// spelling, on HTTP/1.1 and HTTP/2.
+
 // It failed when trailers were kept with the headers: on HTTP/1.1 a
 // trailer's value went out early as a header and no trailer arrived; on
 // HTTP/2 the first response had it and the replay did not; trailers set
