@@ -1,13 +1,16 @@
 package idempotency_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,6 +29,241 @@ import (
 	"github.com/exactlyonce/idempotency/internal/faultproxy"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
+
+// HTTPClient, 16 logical POSTs at a time inside one call each, against a
+// provider whose front end fails at random: resets before the provider
+// sees the request, resets after it committed, 500 before, 409 and 429
+// with Retry-After garbage, negative or huge-but-past-the-deadline. Every
+// request executes once, every attempt of one request carries its key.
+func TestHTTPClientThroughAFlakyFrontEnd(t *testing.T) {
+	t.Parallel()
+	p := startProvider(t) // HTTPMiddleware on a ledger
+	target, err := url.Parse(p.url)
+	require.NoError(t, err)
+	var faults sync.Map
+	var mu sync.Mutex
+	rng := rand.New(rand.NewPCG(1, 2))
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		f := rng.IntN(8)
+		mu.Unlock()
+		faults.Store(f, true)
+		forward := func() (*http.Response, error) {
+			req, _ := http.NewRequestWithContext(r.Context(), r.Method, target.String()+r.URL.Path, bytes.NewReader(body))
+			req.Header = r.Header.Clone()
+			return http.DefaultTransport.RoundTrip(req)
+		}
+		hijack := func() {
+			if c, _, err := w.(http.Hijacker).Hijack(); err == nil {
+				_ = c.Close()
+			}
+		}
+		switch f {
+		case 0:
+			hijack()
+		case 1:
+			if resp, err := forward(); err == nil {
+				_ = resp.Body.Close()
+			}
+			hijack() // committed, answer lost
+		case 2:
+			http.Error(w, "upstream down", http.StatusInternalServerError)
+		case 3:
+			w.Header().Set("Retry-After", "soon")
+			w.WriteHeader(http.StatusConflict)
+		case 4:
+			w.Header().Set("Retry-After", "-3")
+			w.WriteHeader(http.StatusTooManyRequests)
+		default:
+			resp, err := forward()
+			if err != nil {
+				http.Error(w, err.Error(), http.StatusBadGateway)
+				return
+			}
+			defer resp.Body.Close()
+			for k, v := range resp.Header {
+				w.Header()[k] = v
+			}
+			w.WriteHeader(resp.StatusCode)
+			_, _ = io.Copy(w, resp.Body)
+		}
+	}))
+	t.Cleanup(front.Close)
+	tr := http.DefaultTransport.(*http.Transport).Clone()
+	t.Cleanup(tr.CloseIdleConnections)
+	log := &attempts{base: tr}
+	hc := &idempotency.HTTPClient{Client: &http.Client{Transport: log, Timeout: 10 * time.Second}, MaxAttempts: 40, Budget: liveness, BackoffBase: time.Millisecond, BackoffMax: 5 * time.Millisecond}
+	store := migratedStore(t, testdb.New(t, 20))
+
+	const n = 64
+	var wg sync.WaitGroup
+	keys := make([]string, n)
+	errs := make([]error, n)
+	sem := make(chan struct{}, 16)
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			_, errs[i] = store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("order-%d", i), Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+				resp, err := hc.Do(newPost(t, idempotency.WithEffect(ctx, "charge"), front.URL+"/v1/charges", fmt.Sprintf("charge %d", i)))
+				if err != nil {
+					return nil, err
+				}
+				keys[i] = sentKey(resp)
+				if got := readAll(resp); resp.StatusCode != http.StatusOK || got != fmt.Sprintf("charge %d", i) {
+					return nil, fmt.Errorf("%d: %s %q", i, resp.Status, got)
+				}
+				return nil, nil
+			})
+		})
+	}
+	wg.Wait()
+	require.NoError(t, errors.Join(errs...))
+	require.EqualValues(t, n, p.execs.Load(), "each logical request executed once")
+	byKey := map[string]int{}
+	for _, k := range keys {
+		byKey[k]++
+	}
+	require.Len(t, byKey, n)
+	log.mu.Lock()
+	defer log.mu.Unlock()
+	for _, k := range log.keys {
+		require.Contains(t, byKey, k, "every attempt carried its request's key")
+	}
+	require.Greater(t, len(log.keys), n, "faults were injected")
+}
+
+// Do's edges: a 409 forever ends within MaxAttempts; a Retry-After far
+// past the budget returns the response at once; GetBody failing stops
+// with the key; NoBody and a nil Header are retried; a Client.Timeout
+// cuts and retries an attempt under the key; a refused redirect is not
+// retried; a 303 turns the POST into a GET carrying the key; a context
+// cancelled mid-wait returns at once with the key; the caller's request
+// is never modified.
+func TestHTTPClientEdges(t *testing.T) {
+	t.Parallel()
+	var hits atomic.Int64
+	var arrivals keyLog
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		arrivals.add(r.URL.Path + " " + r.Method + " " + r.Header.Get(idempotency.HeaderKey))
+		switch r.URL.Path {
+		case "/conflict":
+			w.WriteHeader(http.StatusConflict)
+		case "/huge":
+			w.Header().Set("Retry-After", "99999999999999999999")
+			w.WriteHeader(http.StatusServiceUnavailable)
+		case "/flaky":
+			if hits.Add(1)%2 == 1 {
+				w.WriteHeader(http.StatusBadGateway)
+				return
+			}
+			_, _ = io.WriteString(w, "ok")
+		case "/slow":
+			if hits.Add(1)%2 == 1 {
+				select {
+				case <-time.After(2 * time.Second):
+				case <-r.Context().Done():
+				}
+				return
+			}
+			_, _ = io.WriteString(w, "ok")
+		case "/see-other":
+			http.Redirect(w, r, "/landing", http.StatusSeeOther)
+		case "/landing":
+			_, _ = io.WriteString(w, "landed")
+		case "/wait":
+			w.Header().Set("Retry-After", "30")
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+	}))
+	t.Cleanup(srv.Close)
+	hc := &idempotency.HTTPClient{MaxAttempts: 4, Budget: 5 * time.Second, BackoffBase: time.Millisecond, BackoffMax: 2 * time.Millisecond}
+	post := func(ctx context.Context, path string, body io.Reader) *http.Request {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+path, body)
+		require.NoError(t, err)
+		return req
+	}
+
+	t.Run("409 forever", func(t *testing.T) {
+		start := time.Now()
+		resp, err := hc.Do(post(context.Background(), "/conflict", strings.NewReader("x")))
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		require.Equal(t, http.StatusConflict, resp.StatusCode)
+		require.Less(t, time.Since(start), 2*time.Second)
+	})
+	t.Run("huge Retry-After", func(t *testing.T) {
+		start := time.Now()
+		resp, err := hc.Do(post(context.Background(), "/huge", strings.NewReader("x")))
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+		require.Less(t, time.Since(start), time.Second)
+	})
+	t.Run("GetBody fails", func(t *testing.T) {
+		req := post(context.Background(), "/flaky", strings.NewReader("x"))
+		req.GetBody = func() (io.ReadCloser, error) { return nil, errors.New("gone") }
+		hits.Store(0)
+		_, err := hc.Do(req)
+		re := requireRetryError(t, err, 1)
+		require.NotEmpty(t, re.Key)
+	})
+	t.Run("NoBody and a nil Header", func(t *testing.T) {
+		req := post(context.Background(), "/flaky", http.NoBody)
+		req.Header = nil
+		hits.Store(0)
+		resp, err := hc.Do(req)
+		require.NoError(t, err)
+		require.Equal(t, "ok", readAll(resp))
+		require.Nil(t, req.Header, "the caller's request is not modified")
+		h := arrivals.all()
+		require.Equal(t, h[len(h)-2], h[len(h)-1], "one key for both attempts")
+	})
+	t.Run("Client.Timeout", func(t *testing.T) {
+		hc := *hc
+		hc.Client = &http.Client{Timeout: 200 * time.Millisecond}
+		hits.Store(0)
+		req := post(context.Background(), "/slow", strings.NewReader("x"))
+		resp, err := hc.Do(req)
+		require.NoError(t, err)
+		require.Equal(t, "ok", readAll(resp))
+		require.Empty(t, req.Header.Get(idempotency.HeaderKey), "the caller's request is not modified")
+		h := arrivals.all()
+		require.Equal(t, h[len(h)-2], h[len(h)-1])
+	})
+	t.Run("CheckRedirect refuses", func(t *testing.T) {
+		hc := *hc
+		hc.Client = &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return errors.New("no redirects") }}
+		before := len(arrivals.all())
+		_, err := hc.Do(post(context.Background(), "/see-other", strings.NewReader("x")))
+		re := requireRetryError(t, err, 1)
+		require.NotEmpty(t, re.Key)
+		require.Len(t, arrivals.all(), before+1)
+	})
+	t.Run("303", func(t *testing.T) {
+		resp, err := hc.Do(post(context.Background(), "/see-other", strings.NewReader("x")))
+		require.NoError(t, err)
+		require.Equal(t, "landed", readAll(resp))
+		require.Equal(t, http.MethodGet, resp.Request.Method)
+		require.NotEmpty(t, sentKey(resp), "the key is readable on the last hop")
+		h := arrivals.all()
+		require.Equal(t, "/landing GET "+sentKey(resp), h[len(h)-1])
+	})
+	t.Run("cancelled mid-wait", func(t *testing.T) {
+		hc := *hc
+		hc.Budget = time.Minute
+		ctx, cancel := context.WithCancel(context.Background())
+		time.AfterFunc(100*time.Millisecond, cancel)
+		start := time.Now()
+		_, err := hc.Do(post(ctx, "/wait", strings.NewReader("x")))
+		re := requireRetryError(t, err, 1)
+		require.NotEmpty(t, re.Key)
+		require.ErrorIs(t, err, context.Canceled)
+		require.Less(t, time.Since(start), 2*time.Second)
+	})
+}
 
 // What the HTTPClient tests share: a provider that honours Idempotency-Key
 // with HTTPMiddleware over HTTP/2 without TLS (so that the fault proxy sees
@@ -984,4 +1222,150 @@ func TestRedirectThroughATransportWithoutResponseRequestKeepsTheKey(t *testing.T
 			require.EqualValues(t, 2, p.execs.Load())
 		})
 	}
+}
+
+// HTTPClient's Budget bounds the whole Do: a server that answers 503 (or
+// 409, 429) and then never finishes the response's body cannot hold Do in
+// the drain of that body before the retry. (It failed when nothing bounded
+// the drain.)
+func TestHTTPClientBudgetBoundsTheDrainOfARetriedResponse(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	var requests atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if requests.Add(1) == 1 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = w.Write([]byte("overloaded, details follow"))
+			w.(http.Flusher).Flush()
+			select { // the rest of the body never comes while the test waits
+			case <-release:
+			case <-r.Context().Done():
+			}
+			return
+		}
+		_, _ = w.Write([]byte("ok"))
+	}))
+	t.Cleanup(srv.Close)
+
+	hc := &idempotency.HTTPClient{Budget: 300 * time.Millisecond, BackoffBase: 10 * time.Millisecond}
+	type outcome struct {
+		resp *http.Response
+		err  error
+	}
+	done := make(chan outcome, 1)
+	start := time.Now()
+	go func() {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/charges", strings.NewReader("charge"))
+		if err != nil {
+			done <- outcome{err: err}
+			return
+		}
+		resp, err := hc.Do(req)
+		done <- outcome{resp, err}
+	}()
+	t.Cleanup(func() { // let Do finish, so that the test leaks nothing
+		close(release)
+		o := <-done
+		if o.resp != nil {
+			_ = o.resp.Body.Close()
+		}
+	})
+	select {
+	case o := <-done:
+		done <- o
+		require.Less(t, time.Since(start), 3*time.Second)
+	case <-time.After(3 * time.Second):
+		t.Fatalf("Do with a budget of %v still running after %v: held by the drain of a retried response's body", hc.Budget, time.Since(start).Round(time.Millisecond))
+	}
+}
+
+// A 503 with Retry-After 2 whose body trickles, under a 3 s budget: the
+// body is drained during the wait and cut when it ends, so Do is not held
+// past its budget. (It failed when the drain came before the whole wait,
+// and Do returned after 4 s.)
+func TestHTTPClientSlowDrainStaysWithinTheBudget(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	var requests atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if requests.Add(1) == 1 {
+			w.Header().Set("Retry-After", "2")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = w.Write([]byte("overloaded, details follow"))
+			w.(http.Flusher).Flush()
+			select {
+			case <-release:
+			case <-r.Context().Done():
+			}
+			return
+		}
+		_, _ = w.Write([]byte("ok"))
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(func() { close(release) })
+
+	budget := 3 * time.Second
+	hc := &idempotency.HTTPClient{Budget: budget, BackoffBase: 10 * time.Millisecond}
+	req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/charges", strings.NewReader("charge"))
+	require.NoError(t, err)
+	start := time.Now()
+	resp, err := hc.Do(req)
+	took := time.Since(start)
+	if resp != nil {
+		_ = resp.Body.Close()
+	}
+	t.Logf("Do returned after %v (budget %v): %v", took.Round(time.Millisecond), budget, err)
+	require.Less(t, took, budget+500*time.Millisecond, "Do overran its budget")
+}
+
+// A goroutine the handler left running calls Do; its first attempt gets a
+// 503 after the handler returned. Do sends no retry under the key it
+// derived for the ended call: ErrCallEnded, as HTTPTransport refuses a
+// redirect hop then. (It failed when the retry was sent.)
+func TestHTTPClientSendsNoRetryAfterTheCallEnded(t *testing.T) {
+	t.Parallel()
+	arrived, release := make(chan struct{}), newGate()
+	var mu sync.Mutex
+	var keys []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		keys = append(keys, r.Header.Get(idempotency.HeaderKey))
+		n := len(keys)
+		mu.Unlock()
+		if n == 1 {
+			close(arrived)
+			_ = release.wait(r.Context())
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	t.Cleanup(srv.Close)
+	t.Cleanup(release.open)
+	store := migratedStore(t, testdb.New(t, 2))
+	hc := &idempotency.HTTPClient{BackoffBase: time.Millisecond, BackoffMax: time.Millisecond}
+	done := make(chan error, 1)
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "order-5", Method: "m"}, func(ctx context.Context, _ pgx.Tx) (proto.Message, error) {
+		go func() {
+			req, err := http.NewRequestWithContext(idempotency.WithEffect(ctx, "charge"), http.MethodPost, srv.URL+"/v1/charges", strings.NewReader("charge"))
+			if err != nil {
+				done <- err
+				return
+			}
+			resp, err := hc.Do(req)
+			if resp != nil {
+				_ = resp.Body.Close()
+			}
+			done <- err
+		}()
+		<-arrived // the first attempt went out while the call ran
+		return nil, nil
+	})
+	require.NoError(t, err)
+	release.open() // the call has ended: now the first attempt fails
+	err = await(t, done, "the goroutine's Do")
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, keys, 1, "an attempt made after the call ended was sent with the derived key %q", keys[0])
+	require.ErrorIs(t, err, idempotency.ErrCallEnded)
 }

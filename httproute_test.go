@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -156,4 +157,151 @@ func TestHTTPUnroutedRequestsClaimNoKey(t *testing.T) {
 		require.Equal(t, http.StatusNotFound, postWithKey(h, fmt.Sprintf("/wp-login/%d", i), fmt.Sprintf("k-%d", i)).Code)
 	}
 	require.Equal(t, 2, keyRows())
+}
+
+// embeddedMuxRouter is a router of the kind services write to give a
+// ServeMux a fallback of their own: it embeds *http.ServeMux and serves
+// what the mux has no pattern for with a catch-all (a legacy API, a
+// reverse proxy to the old service). The embedded Handler method makes it
+// look like a ServeMux to the middleware.
+type embeddedMuxRouter struct {
+	*http.ServeMux
+	fallback http.Handler
+}
+
+func (rt embeddedMuxRouter) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if _, pattern := rt.Handler(r); pattern == "" {
+		rt.fallback.ServeHTTP(w, r)
+		return
+	}
+	rt.ServeMux.ServeHTTP(w, r)
+}
+
+// The middleware asks any handler with a Handler(*http.Request)
+// (http.Handler, string) method which pattern a request matches, and lets
+// a request with none pass through unprotected, taking it for the mux's
+// 404. A router that embeds a ServeMux has that method and serves such
+// requests: a POST to the fallback, sent twice with one key, runs twice.
+func TestHTTPRouterEmbeddingAServeMuxIsNotAServeMux(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, suiteDB(t))
+	var ran int
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v2/charges", func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) })
+	h := idempotency.HTTPMiddleware(store)(embeddedMuxRouter{ServeMux: mux, fallback: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ran++
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "legacy charge")
+	})})
+	for range 2 {
+		w := postWithKey(h, "/v1/charges", "k-legacy")
+		require.Equal(t, http.StatusCreated, w.Code, w.Body.String())
+	}
+	require.Equal(t, 1, ran, "the fallback's POST ran once per send: it was never protected")
+}
+
+// It failed when the method and fingerprint came from r.URL, which
+// http.StripPrefix rewrites: tenant B's request got tenant A's stored
+// response, and B's handler never ran. The same holds for routes that
+// differ only in the host their mux pattern names.
+func TestHTTPRoutesBehindStripPrefixAreDifferentCalls(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, suiteDB(t))
+	idem := idempotency.HTTPMiddleware(store)
+	var runs atomic.Int64
+	tenant := func(name string) http.Handler {
+		return idem(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			_, _ = io.WriteString(w, "charged tenant "+name)
+		}))
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/tenant-a/", http.StripPrefix("/tenant-a", tenant("A")))
+	mux.Handle("/tenant-b/", http.StripPrefix("/tenant-b", tenant("B")))
+	mux.Handle("POST a.example/charges", tenant("A"))
+	mux.Handle("POST b.example/charges", tenant("B"))
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+
+	a := do(t, srv.Client(), mountedPost(t, srv.URL+"/tenant-a/charges", "", "100"), "k-1")
+	require.Equal(t, http.StatusOK, a.status)
+	require.Equal(t, "charged tenant A", a.body)
+	b := do(t, srv.Client(), mountedPost(t, srv.URL+"/tenant-b/charges", "", "100"), "k-1")
+	require.Equal(t, http.StatusUnprocessableEntity, b.status, "tenant B's route is another request: %s", b.body)
+	require.Empty(t, b.header.Get(idempotency.ReplayedHeader))
+	again := do(t, srv.Client(), mountedPost(t, srv.URL+"/tenant-a/charges", "", "100"), "k-1")
+	require.Equal(t, "charged tenant A", again.body)
+	require.Equal(t, "true", again.header.Get(idempotency.ReplayedHeader))
+	require.EqualValues(t, 1, runs.Load())
+
+	hostA := mountedPost(t, srv.URL+"/charges", "", "100")
+	hostA.Host = "a.example"
+	require.Equal(t, "charged tenant A", do(t, srv.Client(), hostA, "k-2").body)
+	hostB := mountedPost(t, srv.URL+"/charges", "", "100")
+	hostB.Host = "b.example"
+	require.Equal(t, http.StatusUnprocessableEntity, do(t, srv.Client(), hostB, "k-2").status, "the route of another host is another request")
+	require.EqualValues(t, 2, runs.Load())
+}
+
+// It failed when the host was part of a request only through r.Pattern:
+// with the middleware wrapping the whole mux, the pattern is empty when the
+// request is named, and b.example's request under a.example's key and body
+// was answered with a.example's stored response. The host the client sent
+// is part of the fingerprint wherever the middleware is mounted.
+func TestHTTPOutsideTheMuxHostRoutesAreDifferentCalls(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, suiteDB(t))
+	var runs atomic.Int64
+	mux := http.NewServeMux()
+	for _, host := range []string{"a.example", "b.example"} {
+		mux.HandleFunc("POST "+host+"/charges", func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			_, _ = io.WriteString(w, "charged at "+host)
+		})
+	}
+	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(mux))
+	t.Cleanup(srv.Close)
+
+	a := mountedPost(t, srv.URL+"/charges", "", "100")
+	a.Host = "a.example"
+	require.Equal(t, "charged at a.example", do(t, srv.Client(), a, "k-host-outside").body)
+	b := mountedPost(t, srv.URL+"/charges", "", "100")
+	b.Host = "b.example"
+	rb := do(t, srv.Client(), b, "k-host-outside")
+	require.Empty(t, rb.header.Get(idempotency.ReplayedHeader), "b.example got a.example's stored response: %q", rb.body)
+	require.NotEqual(t, "charged at a.example", rb.body)
+	require.Equal(t, http.StatusUnprocessableEntity, rb.status, "the route of another host is another request")
+	require.EqualValues(t, 1, runs.Load())
+}
+
+// It failed the same way with one mux per virtual host: the inner mux's
+// host-less pattern ("POST /charges") replaced the outer one's, and
+// b.example got a.example's stored response.
+func TestHTTPNestedMuxHostRoutesAreDifferentCalls(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, suiteDB(t))
+	idem := idempotency.HTTPMiddleware(store)
+	var runs atomic.Int64
+	outer := http.NewServeMux()
+	for _, host := range []string{"a.example", "b.example"} {
+		inner := http.NewServeMux()
+		inner.Handle("POST /charges", idem(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1)
+			_, _ = io.WriteString(w, "charged at "+host)
+		})))
+		outer.Handle(host+"/", inner)
+	}
+	srv := httptest.NewServer(outer)
+	t.Cleanup(srv.Close)
+
+	a := mountedPost(t, srv.URL+"/charges", "", "100")
+	a.Host = "a.example"
+	require.Equal(t, "charged at a.example", do(t, srv.Client(), a, "k-host-nested").body)
+	b := mountedPost(t, srv.URL+"/charges", "", "100")
+	b.Host = "b.example"
+	rb := do(t, srv.Client(), b, "k-host-nested")
+	require.Empty(t, rb.header.Get(idempotency.ReplayedHeader), "b.example got a.example's stored response: %q", rb.body)
+	require.NotEqual(t, "charged at a.example", rb.body)
+	require.Equal(t, http.StatusUnprocessableEntity, rb.status, "the route of another host is another request")
+	require.EqualValues(t, 1, runs.Load())
 }

@@ -330,3 +330,148 @@ func TestFingerprintFieldMadeOptionalReplays(t *testing.T) {
 	requireReplayOf(t, second, sendRaw(v1, "k2", withTip(100, 0)), "back to the release without presence")
 	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger`))
 }
+
+// e2ePaySchema builds "idempotency.test.PayRequest" from fields, in a file
+// of its own name.
+func e2ePaySchema(t *testing.T, file string, fields ...*descriptorpb.FieldDescriptorProto) protoreflect.MessageDescriptor {
+	t.Helper()
+	fd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
+		Name: proto.String("idempotency/test/" + file + ".proto"), Package: proto.String("idempotency.test"),
+		Syntax: proto.String("proto3"), Dependency: []string{"google/protobuf/any.proto"},
+		MessageType: []*descriptorpb.DescriptorProto{{Name: proto.String("PayRequest"), Field: fields}},
+	}, protoregistry.GlobalFiles)
+	require.NoError(t, err)
+	return fd.Messages().Get(0)
+}
+
+func e2eField(name string, num int32, typ descriptorpb.FieldDescriptorProto_Type, repeated bool, typeName string) *descriptorpb.FieldDescriptorProto {
+	label := descriptorpb.FieldDescriptorProto_LABEL_OPTIONAL
+	if repeated {
+		label = descriptorpb.FieldDescriptorProto_LABEL_REPEATED
+	}
+	f := &descriptorpb.FieldDescriptorProto{Name: proto.String(name), Number: proto.Int32(num), Type: typ.Enum(), Label: label.Enum(), JsonName: proto.String(name)}
+	if typeName != "" {
+		f.TypeName = proto.String(typeName)
+	}
+	return f
+}
+
+// End to end, the defect: `repeated google.protobuf.Any lines`. The first
+// call charges one line; the same key with two lines (a different request:
+// twice the charge) is answered with the first call's stored response,
+// and the second line is never charged.
+//
+// What holds now: the second call is FailedPrecondition KEY_REUSED and
+// the ledger keeps one row, the first call's.
+func TestFingerprintListOfAnysOfAnotherLengthIsKeyReused(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	md := e2ePaySchema(t, "adv_lines",
+		e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, ""),
+		e2eField("lines", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, true, ".google.protobuf.Any"))
+	conn := payServer(t, db.Schema, md)
+	request := func(lines ...int64) []byte {
+		b := varintField(nil, 1, 100)
+		for _, l := range lines {
+			a, err := anypb.New(wrapperspb.Int64(l))
+			require.NoError(t, err)
+			ab, err := proto.Marshal(a)
+			require.NoError(t, err)
+			b = bytesField(b, 2, ab)
+		}
+		return b
+	}
+	first := sendRaw(conn, "k-lines", request(100))
+	require.NoError(t, first.err)
+	requireReplayOf(t, first, sendRaw(conn, "k-lines", request(100)), "sanity: the genuine retry")
+	requireKeyReused(t, sendRaw(conn, "k-lines", request(100, 100)), "two lines where the first call had one")
+}
+
+// End to end, the defect: a request whose per-field fingerprint passes
+// 16 KiB is stored as one whole-request leaf, which a small request of
+// the same method is never compared with. The first call (amount 100,
+// with many notes) is stored; the same key with amount 999 and no notes
+// replays "charged 100".
+//
+// What holds now: the second call is FailedPrecondition KEY_REUSED.
+func TestFingerprintLargeThenSmallRequestIsKeyReused(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	fields := []*descriptorpb.FieldDescriptorProto{e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}
+	for i := int32(2); i <= 1200; i++ {
+		fields = append(fields, e2eField(fmt.Sprintf("note%d", i), i, descriptorpb.FieldDescriptorProto_TYPE_STRING, false, ""))
+	}
+	conn := payServer(t, db.Schema, e2ePaySchema(t, "adv_wide", fields...))
+	request := func(amount uint64, notes int) []byte {
+		b := varintField(nil, 1, amount)
+		for i := 2; i < 2+notes; i++ {
+			b = bytesField(b, protowire.Number(i), []byte("n"))
+		}
+		return b
+	}
+	first := sendRaw(conn, "k-wide", request(100, 1000))
+	require.NoError(t, first.err)
+	require.Contains(t, first.resp.GetValue(), "charged 100#")
+	requireKeyReused(t, sendRaw(conn, "k-wide", request(999, 0)), "amount 999 where the first call charged 100")
+}
+
+// End to end, the defect: `google.protobuf.Any opts` whose packed type
+// (Opts {bool notify = 1}) is linked into the server. The first call packs
+// Opts{} as an empty value; the client, rebuilt with `optional bool
+// notify` and setting notify = false (the value it had), retries with the
+// value "08 00". The server decodes both to Opts{}, yet the retry is
+// FailedPrecondition KEY_REUSED, which tells an obedient client to use a
+// new key: it charges twice.
+//
+// What holds now: the retry replays the first call's response, byte for
+// byte, and the ledger keeps one row.
+func TestFingerprintLinkedAnyExplicitDefaultRetryReplays(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	ofd, err := protodesc.NewFile(&descriptorpb.FileDescriptorProto{
+		Name: proto.String("idempotency/test/adv2_opts.proto"), Package: proto.String("idempotency.test.adv2"), Syntax: proto.String("proto3"),
+		MessageType: []*descriptorpb.DescriptorProto{{Name: proto.String("Opts"), Field: []*descriptorpb.FieldDescriptorProto{
+			e2eField("notify", 1, descriptorpb.FieldDescriptorProto_TYPE_BOOL, false, "")}}},
+	}, protoregistry.GlobalFiles)
+	require.NoError(t, err)
+	require.NoError(t, protoregistry.GlobalTypes.RegisterMessage(dynamicpb.NewMessageType(ofd.Messages().Get(0))))
+	md := e2ePaySchema(t, "adv2_anyopts",
+		e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, ""),
+		e2eField("opts", 2, descriptorpb.FieldDescriptorProto_TYPE_MESSAGE, false, ".google.protobuf.Any"))
+	conn := payServer(t, db.Schema, md)
+	request := func(packed []byte) []byte {
+		a, err := proto.Marshal(&anypb.Any{TypeUrl: "type.googleapis.com/idempotency.test.adv2.Opts", Value: packed})
+		require.NoError(t, err)
+		return bytesField(varintField(nil, 1, 100), 2, a)
+	}
+	first := sendRaw(conn, "k-adv2-anyopts", request(nil))
+	require.NoError(t, first.err)
+	requireReplayOf(t, first, sendRaw(conn, "k-adv2-anyopts", request(nil)), "sanity: the same bytes")
+	requireReplayOf(t, first, sendRaw(conn, "k-adv2-anyopts", request([]byte{0x08, 0x00})),
+		"Opts{} packed with notify=false written: the same request")
+}
+
+// End to end, the defect: a wide request type (220 fields, its row over
+// 4 KiB, so left out of the fingerprint). The first call charges amount
+// 100; the same key with amount 100 and field 3 set (capture_only, say)
+// replays "charged 100" on the same server, no deploy.
+//
+// What holds now: the second call is FailedPrecondition KEY_REUSED.
+func TestFingerprintWideRequestWithAnotherFieldIsKeyReused(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	fields := []*descriptorpb.FieldDescriptorProto{e2eField("amount", 1, descriptorpb.FieldDescriptorProto_TYPE_INT64, false, "")}
+	for i := int32(2); i <= 220; i++ {
+		typ := descriptorpb.FieldDescriptorProto_TYPE_INT64
+		if i%2 == 0 {
+			typ = descriptorpb.FieldDescriptorProto_TYPE_STRING
+		}
+		fields = append(fields, e2eField(fmt.Sprintf("f%d", i), i, typ, false, ""))
+	}
+	conn := payServer(t, db.Schema, e2ePaySchema(t, "adv2_wide", fields...))
+	first := sendRaw(conn, "k-adv2-wide", varintField(nil, 1, 100))
+	require.NoError(t, first.err)
+	requireReplayOf(t, first, sendRaw(conn, "k-adv2-wide", varintField(nil, 1, 100)), "sanity: the genuine retry")
+	requireKeyReused(t, sendRaw(conn, "k-adv2-wide", varintField(varintField(nil, 1, 100), 3, 1)),
+		"amount 100 with field 3 set where the first call had it unset")
+}

@@ -14,7 +14,31 @@ import (
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
-type review2Configured interface{ Config() *pgxpool.Config }
+// Reading Config hands out no connection (the next call gets the same
+// backend), and works on a savepoint.
+func TestConfigHandsOutNoConnection(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 1)
+	store := migratedStore(t, db)
+	pid := func(key string, read bool) (p int) {
+		_, err := store.Execute(context.Background(), idempotency.Call{Key: key, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			if read {
+				require.NotNil(t, tx.(configuredTx).Config())
+				sp, err := tx.Begin(ctx)
+				require.NoError(t, err)
+				require.NotNil(t, sp.(configuredTx).Config())
+				require.NoError(t, sp.Commit(ctx))
+			}
+			return nil, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&p)
+		})
+		require.NoError(t, err)
+		return p
+	}
+	first := pid("a", true)
+	require.Equal(t, first, pid("b", false), "the connection went back to the pool")
+}
+
+type configuredTx interface{ Config() *pgxpool.Config }
 
 // The call's transaction has Config() for River's driver, which reads
 // ConnConfig.DefaultQueryExecMode from it on every statement. Each call
@@ -31,7 +55,7 @@ func TestTxConfigOfOneCallCannotChangeAnothers(t *testing.T) {
 		var got *pgxpool.Config
 		calls++
 		_, err := store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("call-%d", calls), Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
-			c, ok := tx.(review2Configured)
+			c, ok := tx.(configuredTx)
 			require.True(t, ok)
 			got = c.Config()
 			require.NotNil(t, got)
