@@ -3,9 +3,13 @@ package idempotency_test
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/testdb"
@@ -97,4 +101,111 @@ func (c cancelAfterFirstBatch) TraceCallStart(ctx context.Context, _ idempotency
 func (c cancelAfterFirstBatch) TraceCallEnd(context.Context, idempotency.TraceCallEndData) {}
 func (c cancelAfterFirstBatch) TraceCleanerBatch(context.Context, idempotency.TraceCleanerBatchData) {
 	c()
+}
+
+func TestDeleteExpiredAndCleaner(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store := migratedStore(t, db)
+	run := func(key string, ttl time.Duration) {
+		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: ttl},
+			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+		require.NoError(t, err)
+	}
+	for i := 0; i < 5; i++ {
+		run("short-"+string(rune('a'+i)), time.Millisecond)
+	}
+	run("long", time.Hour)
+	time.Sleep(20 * time.Millisecond)
+
+	n, err := store.DeleteExpired(ctx, 2)
+	require.NoError(t, err)
+	require.EqualValues(t, 5, n, "every expired key, in batches of 2")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`), "the live key is kept")
+	_, err = store.DeleteExpired(ctx, 0)
+	require.Error(t, err)
+	for i := 0; i < 3; i++ {
+		run("again-"+string(rune('a'+i)), time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond)
+
+	cctx, cancel := context.WithCancel(ctx)
+	stopped := make(chan error, 1)
+	go func() { stopped <- store.RunCleaner(cctx, 10*time.Millisecond, 1, nil) }()
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 1 }, 30*time.Second, 10*time.Millisecond)
+	cancel()
+	select {
+	case err := <-stopped:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(30 * time.Second):
+		t.Fatal("cleaner did not stop with its context")
+	}
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'long'`), "live keys are kept")
+}
+
+// RunCleaner returns with its context both while it sleeps between rounds
+// and in the middle of a DELETE blocked by a lock, without reporting the
+// cancellation as an error and without leaving its statement running.
+func TestCleanerStopsWithItsContext(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store := migratedStore(t, db)
+	expire := func(key string) {
+		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: time.Millisecond},
+			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+		require.NoError(t, err)
+	}
+	var reported atomic.Int64
+	run := func(cctx context.Context) <-chan error {
+		stopped := make(chan error, 1)
+		go func() {
+			stopped <- store.RunCleaner(cctx, time.Hour, 100, func(error) { reported.Add(1) })
+		}()
+		return stopped
+	}
+	requireStops := func(stopped <-chan error, cancel context.CancelFunc, when string) time.Duration {
+		start := time.Now()
+		cancel()
+		select {
+		case err := <-stopped:
+			require.ErrorIs(t, err, context.Canceled, when)
+		case <-time.After(30 * time.Second):
+			t.Fatalf("cleaner did not stop with its context %s", when)
+		}
+		return time.Since(start)
+	}
+
+	// Between rounds: the first round ran, the next is an hour away.
+	expire("a")
+	time.Sleep(5 * time.Millisecond)
+	cctx, cancel := context.WithCancel(ctx)
+	stopped := run(cctx)
+	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 0 }, 30*time.Second, 5*time.Millisecond)
+	idle := requireStops(stopped, cancel, "between rounds")
+
+	// Mid-statement: another transaction locks the table, so the cleaner's
+	// DELETE waits on the lock until the context is cancelled.
+	expire("b")
+	time.Sleep(5 * time.Millisecond)
+	locker, err := db.Pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = locker.Rollback(ctx) })
+	_, err = locker.Exec(ctx, `LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	lockerPID := locker.Conn().PgConn().PID()
+	blocked := func() int {
+		return db.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, lockerPID)
+	}
+	cctx, cancel = context.WithCancel(ctx)
+	stopped = run(cctx)
+	require.Eventually(t, func() bool { return blocked() == 1 }, 30*time.Second, 5*time.Millisecond, "the cleaner's DELETE waits on the lock")
+	busy := requireStops(stopped, cancel, "mid-statement")
+	require.Eventually(t, func() bool { return blocked() == 0 }, 30*time.Second, 5*time.Millisecond, "the cancelled DELETE no longer runs")
+	require.NoError(t, locker.Rollback(ctx))
+
+	require.Zero(t, reported.Load(), "stopping is not an error round")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`), "the cancelled round deleted nothing")
+	t.Logf("cleaner stopped %v after cancel between rounds, %v after cancel mid-statement; 0 errors reported", idle.Round(time.Microsecond), busy.Round(time.Microsecond))
 }
