@@ -2,14 +2,18 @@ package idempotency_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/testdb"
@@ -208,4 +212,98 @@ func TestCleanerStopsWithItsContext(t *testing.T) {
 	require.Zero(t, reported.Load(), "stopping is not an error round")
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`), "the cancelled round deleted nothing")
 	t.Logf("cleaner stopped %v after cancel between rounds, %v after cancel mid-statement; 0 errors reported", idle.Round(time.Microsecond), busy.Round(time.Microsecond))
+}
+
+// The engine's own reads and writes of the key table outside calls (the
+// cleaner, Inspect, Forget) never fail a SERIALIZABLE call.
+func TestCleanerNeverFailsSerializableCalls(t *testing.T) {
+	t.Parallel()
+	db := testdb.NewConfigured(t, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["default_transaction_isolation"] = "serializable"
+	})
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE acct (id int PRIMARY KEY, bal int); INSERT INTO acct VALUES (1, 0)`)
+	require.NoError(t, err)
+	_, err = store.Execute(ctx, idempotency.Call{Key: "warm", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err)
+	_, err = store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		var b int
+		if err := tx.QueryRow(ctx, `SELECT bal FROM acct WHERE id = 1`).Scan(&b); err != nil {
+			return nil, err
+		}
+		if _, err := db.Pool.Exec(ctx, `UPDATE acct SET bal = bal + 1 WHERE id = 1`); err != nil {
+			return nil, err
+		}
+		if _, err := store.DeleteExpired(ctx, 100); err != nil {
+			return nil, err
+		}
+		if _, err := store.Inspect(ctx, "", "warm"); err != nil {
+			return nil, err
+		}
+		return wrapperspb.String("ok"), nil
+	})
+	require.NoError(t, err)
+}
+
+// Tiny TTLs reused concurrently, with the cleaner and Forget racing the
+// calls: the handler of a key never runs twice at once, nobody gets an
+// error other than "in progress", and no lock is left.
+func TestTinyTTLsWithCleanerAndForget(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 10)
+	store := migratedStore(t, db, idempotency.WithInProgressWait(5*time.Second))
+	createLedger(t, db)
+	ctx, cancel := context.WithCancel(context.Background())
+	var running sync.Map
+	var overlaps, runs atomic.Int64
+	fn := func(key string) idempotency.Func {
+		return func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			v, _ := running.LoadOrStore(key, new(atomic.Int64))
+			if v.(*atomic.Int64).Add(1) > 1 {
+				overlaps.Add(1)
+			}
+			defer v.(*atomic.Int64).Add(-1)
+			runs.Add(1)
+			if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) SELECT $1::text FROM pg_sleep(0.002)`, key); err != nil {
+				return nil, err
+			}
+			return wrapperspb.String(key), nil
+		}
+	}
+	var bg sync.WaitGroup
+	bg.Go(func() { _ = store.RunCleaner(ctx, time.Millisecond, 100, nil) })
+	bg.Go(func() {
+		for ctx.Err() == nil {
+			for k := range 3 {
+				_ = store.Forget(ctx, "", fmt.Sprintf("k%d", k), "")
+			}
+		}
+	})
+	var mu sync.Mutex
+	bad := map[string]int{}
+	var wg sync.WaitGroup
+	for g := range 16 {
+		wg.Go(func() {
+			for i := range 30 {
+				key := fmt.Sprintf("k%d", (g+i)%3)
+				ttl := time.Duration(1+(i%3)*5) * time.Millisecond
+				_, err := store.Execute(context.Background(), idempotency.Call{Key: key, Method: "m", TTL: ttl, Retry: i%2 == 0}, fn(key))
+				if err != nil && !idempotency.IsInProgress(err) {
+					mu.Lock()
+					bad[status.Code(err).String()+": "+err.Error()]++
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	wg.Wait()
+	cancel()
+	bg.Wait()
+	t.Logf("%d runs", runs.Load())
+	require.Empty(t, bad)
+	require.Zero(t, overlaps.Load(), "a key's handler ran twice at once")
+	// A Forget cut short by the cancellation may hold its locks until its
+	// backend notices the closed connection.
+	require.Eventually(t, func() bool { return heldKeyLocks(t, db, "", []string{"k0", "k1", "k2"}) == 0 }, 10*time.Second, 10*time.Millisecond)
 }

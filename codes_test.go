@@ -271,3 +271,42 @@ func TestPolicyUnimplementedDuringRollingDeployIsRetried(t *testing.T) {
 	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger WHERE note = 'rolling'`))
 	require.NotContains(t, idempotency.DefaultFinalCodes(), codes.Unimplemented)
 }
+
+// A validation failure does not use up the key: the corrected request can
+// be sent with it (InvalidArgument is not final by default).
+func TestValidationFailureReleasesTheKey(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if req.GetValue() == "" {
+			return nil, status.Error(codes.InvalidArgument, "note is required")
+		}
+		return e.insertLedger(ctx, req)
+	}})
+	ctx := context.Background()
+	r := e.call(ctx, methodCharge, "k", "")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Equal(t, 0, e.keyRows())
+	r = e.call(ctx, methodCharge, "k", "fixed")
+	require.NoError(t, r.err, "the corrected request, same key")
+	require.False(t, r.replayed)
+	require.True(t, e.call(ctx, methodCharge, "k", "fixed").replayed)
+}
+
+// A final error whose message is not valid UTF-8 is stored (repaired) and
+// replayed, instead of failing to store and running again on every retry.
+func TestFinalErrorWithInvalidUTF8IsStored(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		return nil, status.Error(codes.FailedPrecondition, "account \xff\xfe frozen")
+	}})
+	ctx := context.Background()
+	first := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.FailedPrecondition, status.Code(first.err), "%v", first.err)
+	again := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.FailedPrecondition, status.Code(again.err))
+	require.True(t, again.replayed)
+	require.Equal(t, "account \uFFFD frozen", status.Convert(again.err).Message())
+	require.Equal(t, status.Convert(first.err).Message(), status.Convert(again.err).Message(), "the first call and its replay agree")
+	require.EqualValues(t, 1, e.runs.Load())
+}

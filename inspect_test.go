@@ -19,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/testdb"
@@ -348,4 +349,51 @@ func TestForgetFailedNeverForgetsAnAppliedEffect(t *testing.T) {
 	}
 	require.NoError(t, store.Forget(ctx, "redrive", "k", "failed"))
 	require.ErrorIs(t, store.Forget(ctx, "redrive", "k", "failed"), idempotency.ErrKeyNotFound)
+}
+
+// Inspect and Forget reach each transport's key when named with its
+// namespace, and tell a key whose call is running from a key never used.
+func TestInspectAndForgetNameEachTransportsKey(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, nil)
+	ctx := context.Background()
+	require.Equal(t, http.StatusCreated, e.post("x", "charge 1").status)
+	runs := 0
+	fn := func(context.Context, pgx.Tx) (proto.Message, error) { runs++; return wrapperspb.String("ok"), nil }
+	_, err := e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
+	require.NoError(t, err)
+
+	rec, err := e.store.Inspect(ctx, "", "x")
+	require.NoError(t, err)
+	require.Equal(t, idempotency.TransportGRPC, rec.Transport)
+	rec, err = e.store.Inspect(ctx, "", "http x")
+	require.NoError(t, err)
+	require.Equal(t, idempotency.TransportHTTP, rec.Transport)
+	require.Equal(t, "x", rec.Key)
+	require.Equal(t, "POST /v1/charges", rec.Method)
+
+	require.NoError(t, e.store.Forget(ctx, "", "http x", ""), "the HTTP charge")
+	_, err = e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
+	require.NoError(t, err)
+	require.Equal(t, 1, runs, "the gRPC key was left alone")
+	require.Equal(t, http.StatusCreated, e.post("x", "charge 1").status)
+	require.Equal(t, 2, e.ledgerRows(), "the forgotten HTTP key ran again")
+
+	holding, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.store.Execute(ctx, idempotency.Call{Key: "running", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			close(holding)
+			<-release
+			return nil, nil
+		})
+		done <- err
+	}()
+	await(t, holding, "the call to hold its key")
+	_, err = e.store.Inspect(ctx, "", "running")
+	require.ErrorIs(t, err, idempotency.ErrInProgress, "running, not never used")
+	close(release)
+	require.NoError(t, await(t, done, "the call"))
+	_, err = e.store.Inspect(ctx, "", "never")
+	require.ErrorIs(t, err, idempotency.ErrKeyNotFound)
 }

@@ -157,3 +157,24 @@ func TestGRPCBinaryKeyIsRefused(t *testing.T) {
 	require.Zero(t, e.ledgerRows())
 	require.Zero(t, e.keyRows())
 }
+
+// A key sent as binary metadata is not silently ignored.
+func TestBinaryKeyIsRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired()}})
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey+"-bin", "k")
+	r := invoke(ctx, e.conn, methodCharge, "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Contains(t, status.Convert(r.err).Message(), "send it as the text metadata idempotency-key")
+	require.Equal(t, idempotency.MetadataKey+"-bin", badRequestField(t, r.err))
+	require.EqualValues(t, 0, e.runs.Load())
+
+	r = e.call(context.Background(), methodCharge, "", "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Contains(t, status.Convert(r.err).Message(), "send it in the idempotency-key metadata", "the missing-key error names the header")
+
+	optional := newEnv(t, envConfig{})
+	r = invoke(ctx, optional.conn, methodCharge, "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err), "refused even where a key is optional: the caller meant to send one")
+	require.EqualValues(t, 0, optional.runs.Load())
+}

@@ -255,3 +255,50 @@ func newEnvR31(t *testing.T, cfg envConfig, twice bool) *env {
 	e = newEnv(t, cfg)
 	return e
 }
+
+// An answer that is not this run's (here the engine's error for a handler
+// that ended the call's transaction) carries none of the headers and
+// trailers the run set.
+func TestEngineErrorCarriesNothingOfTheRun(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if err := grpc.SetHeader(ctx, metadata.Pairs("x-charge-id", "ch_never_happened")); err != nil {
+			return nil, err
+		}
+		if err := grpc.SetTrailer(ctx, metadata.Pairs("x-charge-trailer", "ch_never_happened")); err != nil {
+			return nil, err
+		}
+		_, err := idempotency.MustTxFromContext(ctx).Conn().Exec(ctx, `COMMIT`)
+		return wrapperspb.String("mine"), err
+	}})
+	var header, trailer metadata.MD
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	err := e.conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, grpc.Header(&header), grpc.Trailer(&trailer))
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Contains(t, status.Convert(err).Message(), "ended the call's transaction")
+	require.Empty(t, header.Get("x-charge-id"), "the run's header")
+	require.Empty(t, trailer.Get("x-charge-trailer"))
+}
+
+// An error the engine stores for a call (its handler ended the transaction
+// on tx.Conn()) is one answer: the first caller gets none of the headers
+// its handler set, as no replay does.
+func TestStoredEngineErrorIsOneAnswer(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		_ = grpc.SetHeader(ctx, metadata.Pairs("x-charge-id", "ch_123"))
+		_ = grpc.SetTrailer(ctx, metadata.Pairs("x-receipt", "r_1"))
+		_, err := idempotency.MustTxFromContext(ctx).Conn().Exec(ctx, `COMMIT`)
+		return wrapperspb.String("ok"), err
+	}})
+	var answers [2][2]metadata.MD
+	for i := range answers {
+		ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+		err := e.conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, grpc.Header(&answers[i][0]), grpc.Trailer(&answers[i][1]))
+		require.Equal(t, codes.Internal, status.Code(err))
+	}
+	for i := range answers {
+		require.Empty(t, answers[i][0].Get("x-charge-id"), "call %d", i)
+		require.Empty(t, answers[i][1].Get("x-receipt"), "call %d", i)
+	}
+}

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"io"
+	"net/http"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -15,6 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -522,4 +526,80 @@ func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEmpty(t, ms)
 	require.Contains(t, ms[0].SQL, pgx.Identifier{schema, table}.Sanitize(), "exported SQL names the configured table")
+}
+
+// Migration 003 moves the HTTP and message rows of older versions into
+// their namespaces, the errors the engine stored for HTTP requests too,
+// and leaves Store.Execute's alone; a downgrade and an upgrade again never
+// make it fail.
+func TestMigrationMovesOlderRowsIntoTheirNamespaces(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+		switch body, _ := io.ReadAll(r.Body); string(body) {
+		case "end":
+			_, _ = idempotency.MustTxFromContext(r.Context()).Conn().Exec(r.Context(), `COMMIT`)
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	ctx := context.Background()
+	store := e.store
+	var runs atomic.Int64
+	direct := idempotency.Call{Key: "d", Method: "POST /v1/orders"}
+	fn := func(context.Context, pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		return wrapperspb.Bytes([]byte("{}")), nil
+	}
+	_, err := store.Execute(ctx, direct, fn)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, e.post("ok", "fine").status)
+	require.Equal(t, http.StatusInternalServerError, e.post("ended", "end").status, "an error the engine stored")
+	_, err = store.ProcessMessage(ctx, idempotency.Message{ID: "m"}, func(context.Context, pgx.Tx) error { return nil })
+	require.NoError(t, err)
+
+	ms, err := idempotency.Migrations("", idempotency.DefaultTable)
+	require.NoError(t, err)
+	downgrade := func() { // as the older version's table looks
+		_, err := e.db.Pool.Exec(ctx, ms[2].Down)
+		require.NoError(t, err)
+		_, err = e.db.Pool.Exec(ctx, `DELETE FROM idempotency_keys_migrations WHERE version = 3`)
+		require.NoError(t, err)
+	}
+	for round := 0; round < 2; round++ {
+		downgrade()
+		require.NoError(t, store.Migrate(ctx), "round %d", round)
+		require.Equal(t, http.StatusCreated, e.post("ok", "fine").status)
+		require.Equal(t, http.StatusInternalServerError, e.post("ended", "end").status)
+		o, err := store.ProcessMessage(ctx, idempotency.Message{ID: "m", Redelivered: true}, func(context.Context, pgx.Tx) error { return errors.New("ran") })
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, o)
+		res, err := store.Execute(ctx, direct, fn)
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "Execute's row stays in its namespace")
+	}
+	require.EqualValues(t, 2, e.runs.Load(), "each HTTP request ran once")
+	require.EqualValues(t, 1, runs.Load())
+
+	// A downgrade, then the older version writes the bare key again: the
+	// upgrade leaves the row it cannot move, instead of failing.
+	downgrade()
+	_, err = e.db.Pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, response_type, response, metadata, expires_at)
+VALUES ('', 'taken', 'POST /v1/charges', '\x00', 'succeeded', 'google.protobuf.BytesValue', '', '\x08c901', now() + interval '1 hour'),
+       ('', 'http taken', 'POST /v1/charges', '\x00', 'succeeded', 'google.protobuf.BytesValue', '', '\x08c901', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+}
+
+func TestNeverMigratedIsAConfigurationError(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store, err := idempotency.NewStore(db.Pool) // no Migrate
+	require.NoError(t, err)
+	ran := false
+	res, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"},
+		func(context.Context, pgx.Tx) (proto.Message, error) { ran = true; return nil, nil })
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Contains(t, status.Convert(err).Message(), `key table "idempotency_keys" does not exist: run Store.Migrate`)
+	require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome, "an operator must act; not an outage")
+	require.False(t, ran, "nothing runs without a key table")
+	require.False(t, errors.Is(err, idempotency.ErrStoreUnavailable))
 }

@@ -2,14 +2,17 @@ package idempotency_test
 
 import (
 	"context"
+	"net/http"
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
@@ -123,4 +126,34 @@ func TestDefaultScopeIsSharedByEveryCaller(t *testing.T) {
 	require.True(t, mallory.replayed)
 	require.Equal(t, alice.raw, mallory.raw, "without WithScope, a key is shared by every caller")
 	require.EqualValues(t, 1, e.runs.Load())
+}
+
+// An HTTP client that sends a predictable message ID as its key takes
+// nothing from the message: keys of different transports never meet.
+func TestHTTPKeyCannotSquatAMessageID(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, nil)
+	ctx := context.Background()
+	require.Equal(t, http.StatusCreated, e.post("order-7", "http charge").status)
+	applied := 0
+	for i := 0; i < 2; i++ {
+		o, err := e.store.ProcessMessage(ctx, idempotency.Message{ID: "order-7", Body: []byte("message"), Redelivered: i > 0}, func(ctx context.Context, tx pgx.Tx) error {
+			applied++
+			_, err := tx.Exec(ctx, `INSERT INTO ledger (note, key) VALUES ('message effect', 'order-7')`)
+			return err
+		})
+		require.NoError(t, err)
+		require.Equal(t, []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeReplayed}[i], o)
+		require.Equal(t, idempotency.Ack, idempotency.DispositionOf(o, err))
+	}
+	require.Equal(t, 1, applied, "the message's effect happened, once")
+	// And the other way round: a gRPC-style direct call with the same key.
+	res, err := e.store.Execute(ctx, idempotency.Call{Key: "order-7", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+	require.Equal(t, http.StatusCreated, e.post("order-7", "http charge").status)
+	rec, err := e.store.Inspect(ctx, "", "order-7")
+	require.NoError(t, err)
+	require.Equal(t, idempotency.TransportGRPC, rec.Transport, "Inspect looks among gRPC and direct calls first")
+	require.Equal(t, 3, e.db.Count(t, `SELECT count(*) FROM idempotency_keys`))
 }

@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -81,4 +82,25 @@ func TestUnstorableScopeIsRejected(t *testing.T) {
 		require.Equal(t, idempotency.OutcomeRejected, res.Outcome)
 	}
 	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+func TestUnstorableCallsAreRejectedUpFront(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	run := func(context.Context, pgx.Tx) (proto.Message, error) { t.Error("ran"); return nil, nil }
+	for name, call := range map[string]idempotency.Call{
+		"scope over the limit":      {Scope: strings.Repeat("s", idempotency.MaxScopeLen+1), Key: "k", Method: "m"},
+		"scope at PostgreSQL limit": {Scope: strings.Repeat("s", 3000), Key: "k", Method: "m"},
+		"non-UTF-8 method":          {Key: "k", Method: "/svc/\xffM"},
+		"NUL in method":             {Key: "k", Method: "/svc/\x00M"},
+	} {
+		res, err := store.Execute(context.Background(), call, run)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%s: %v", name, err)
+		require.Equal(t, idempotency.OutcomeRejected, res.Outcome, name)
+	}
+	res, err := store.Execute(context.Background(), idempotency.Call{Scope: strings.Repeat("s", idempotency.MaxScopeLen), Key: strings.Repeat("k", idempotency.MaxKeyLen), Method: "m"},
+		func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err, "the longest scope with the longest key fits")
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
 }

@@ -424,3 +424,48 @@ func TestReview31PanickingTracerChangesNoOutcome(t *testing.T) {
 		}
 	}
 }
+
+// A tracer tells a caller that gave up, and a store that cannot work as
+// configured, from an outage.
+func TestOutcomesOfCancellationAndMisconfiguration(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	var outcomes []idempotency.Outcome
+	tracer := endTracer(func(_ context.Context, d idempotency.TraceCallEndData) {
+		mu.Lock()
+		defer mu.Unlock()
+		outcomes = append(outcomes, d.Outcome)
+	})
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store := migratedStore(t, db, idempotency.WithTracer(tracer), idempotency.WithInProgressWait(10*time.Second))
+	holding, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			close(holding)
+			<-release
+			return nil, nil
+		})
+		done <- err
+	}()
+	await(t, holding, "the first call to hold the key")
+	cctx, cancel := context.WithCancel(ctx)
+	waiting := make(chan error, 1)
+	go func() {
+		_, err := store.Execute(cctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+		waiting <- err
+	}()
+	cancel() // the duplicate's caller gives up, before or while it waits
+	require.ErrorIs(t, await(t, waiting, "the cancelled duplicate"), context.Canceled)
+	close(release)
+	require.NoError(t, await(t, done, "the first call"))
+
+	unmigrated, err := idempotency.NewStore(db.Pool, idempotency.WithTable("", "never_migrated"), idempotency.WithTracer(tracer))
+	require.NoError(t, err)
+	_, err = unmigrated.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.Equal(t, codes.Internal, status.Code(err))
+	mu.Lock()
+	defer mu.Unlock()
+	require.ElementsMatch(t, []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeCanceled, idempotency.OutcomeMisconfigured}, outcomes)
+}

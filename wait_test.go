@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -164,4 +165,33 @@ func TestWaitingDuplicatesHoldNoConnection(t *testing.T) {
 	// slow call's response instead.
 	t.Logf("pool of 2, %d duplicates waiting: %d calls with new keys took %v; the slow handler's pool read took %v",
 		duplicates, fresh, took, read.Round(time.Microsecond))
+}
+
+// With statement_timeout shorter than the in-progress wait, a duplicate
+// still gets the first call's result: no statement waits for a lock.
+func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["statement_timeout"] = "300ms" })
+	holding := make(chan struct{})
+	srv := startReplica(t, pool, replicaConfig{
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(liveness)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			resp, err := keyedLedger(ctx, req)
+			if req.GetValue() == "slow" {
+				close(holding)
+				time.Sleep(time.Second) // past statement_timeout, within the wait
+			}
+			return resp, err
+		},
+	})
+	conn := dial(t, srv.addr)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	first := make(chan reply, 1)
+	go func() { first <- invoke(ctx, conn, methodCharge, "slow") }()
+	await(t, holding, "the first call's handler to run")
+	dup := invoke(ctx, conn, methodCharge, "slow")
+	require.NoError(t, dup.err, "a duplicate outwaits statement_timeout")
+	require.True(t, dup.replayed)
+	require.NoError(t, await(t, first, "the first call").err)
 }
