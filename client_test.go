@@ -841,7 +841,7 @@ func TestOutgoingKeyConflictSaysWhatToDo(t *testing.T) {
 //
 // Correct: calls the server passes through whatever their keys are pass
 // the client interceptor too (their keys ignored or stripped).
-func TestAdvClientPassesInfrastructureCallsWhateverTheKey(t *testing.T) {
+func TestClientPassesInfrastructureCallsWhateverTheKey(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 4)
 	store := migratedStore(t, db)
@@ -989,9 +989,9 @@ func TestGRPCNaturalKeyDuplicateIsRetriedByTheChain(t *testing.T) {
 	log.requireOnlyFailures(t, codes.Aborted)
 }
 
-// review31Failing serves the ledger's Charge with fail(n), n the attempt
+// failingServerConn serves the ledger's Charge with fail(n), n the attempt
 // (from 1), and counts the attempts.
-func review31Failing(t *testing.T, fail func(n int64) error, opts ...idempotency.ClientOption) (*grpc.ClientConn, *atomic.Int64) {
+func failingServerConn(t *testing.T, fail func(n int64) error, opts ...idempotency.ClientOption) (*grpc.ClientConn, *atomic.Int64) {
 	t.Helper()
 	var n atomic.Int64
 	srv := grpc.NewServer()
@@ -1009,7 +1009,7 @@ func review31Failing(t *testing.T, fail func(n int64) error, opts ...idempotency
 	return conn, &n
 }
 
-func review31WithRetryInfo(c codes.Code, reason string, d time.Duration) error {
+func withRetryInfo(c codes.Code, reason string, d time.Duration) error {
 	st, err := status.New(c, "try later").WithDetails(
 		&errdetails.ErrorInfo{Reason: reason, Domain: "idempotency"},
 		&errdetails.RetryInfo{RetryDelay: durationpb.New(d)})
@@ -1023,13 +1023,13 @@ func review31WithRetryInfo(c codes.Code, reason string, d time.Duration) error {
 // deadline, ends the retries at once: one attempt, the server's code and
 // details kept, the message naming the limit. KEY_IN_PROGRESS with a short
 // RetryInfo is retried until the key is free.
-func TestReview31RetryInfoAgainstBudgetAndDeadline(t *testing.T) {
+func TestRetryInfoAgainstBudgetAndDeadline(t *testing.T) {
 	t.Parallel()
 	unavailable := func(int64) error {
-		return review31WithRetryInfo(codes.Unavailable, "STORE_UNAVAILABLE", 10*time.Second)
+		return withRetryInfo(codes.Unavailable, "STORE_UNAVAILABLE", 10*time.Second)
 	}
 
-	conn, n := review31Failing(t, unavailable, idempotency.WithRetryBudget(time.Second))
+	conn, n := failingServerConn(t, unavailable, idempotency.WithRetryBudget(time.Second))
 	err := conn.Invoke(context.Background(), methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{})
 	require.Equal(t, codes.Unavailable, status.Code(err))
 	require.EqualValues(t, 1, n.Load())
@@ -1038,7 +1038,7 @@ func TestReview31RetryInfoAgainstBudgetAndDeadline(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, 10*time.Second, d, "the server's RetryInfo is kept")
 
-	conn, n = review31Failing(t, unavailable)
+	conn, n = failingServerConn(t, unavailable)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	err = conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{})
@@ -1046,9 +1046,9 @@ func TestReview31RetryInfoAgainstBudgetAndDeadline(t *testing.T) {
 	require.EqualValues(t, 1, n.Load())
 	require.Contains(t, err.Error(), "deadline")
 
-	conn, n = review31Failing(t, func(n int64) error {
+	conn, n = failingServerConn(t, func(n int64) error {
 		if n < 4 {
-			return review31WithRetryInfo(codes.Aborted, "KEY_IN_PROGRESS", 20*time.Millisecond)
+			return withRetryInfo(codes.Aborted, "KEY_IN_PROGRESS", 20*time.Millisecond)
 		}
 		return nil
 	}, idempotency.WithRetryBackoff(time.Millisecond, 2*time.Millisecond))
@@ -1056,8 +1056,8 @@ func TestReview31RetryInfoAgainstBudgetAndDeadline(t *testing.T) {
 	require.EqualValues(t, 4, n.Load())
 
 	// WithMaxAttempts(2) against a budget that would allow more.
-	conn, n = review31Failing(t, func(int64) error {
-		return review31WithRetryInfo(codes.Unavailable, "STORE_UNAVAILABLE", time.Millisecond)
+	conn, n = failingServerConn(t, func(int64) error {
+		return withRetryInfo(codes.Unavailable, "STORE_UNAVAILABLE", time.Millisecond)
 	},
 		idempotency.WithMaxAttempts(2), idempotency.WithRetryBackoff(time.Millisecond, time.Millisecond))
 	err = conn.Invoke(context.Background(), methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{})

@@ -128,7 +128,7 @@ func rawAnswers(t *testing.T, e *env, conn *grpc.ClientConn, ctx context.Context
 //
 // Correct: what the client receives is the message the outer interceptor
 // returned (its edit visible), or the edit is refused loudly.
-func TestAdvOuterEditOfMapResponseReachesTheClient(t *testing.T) {
+func TestOuterEditOfMapResponseReachesTheClient(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	var edited proto.Message

@@ -24,7 +24,7 @@ import (
 // TestKeyReusedWithDifferentRequest. This test adds sizes and reuse
 // combinations: each hostile call gets exactly the specified code and
 // writes no row and runs no handler.
-func TestHostileCallsGetSpecifiedCodesAndWriteNothing(t *testing.T) {
+func TestOversizedCallsAndReusedKeysGetTheirCodeAndWriteNothing(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		if _, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `INSERT INTO ledger (note) VALUES ($1)`, fmt.Sprint(len(req.GetValue()))); err != nil {

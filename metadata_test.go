@@ -80,7 +80,7 @@ type wrappedStream struct{ grpc.ServerTransportStream }
 // gone. This test holds the limitation to what the README says: without
 // the key the late SetHeader fails, with it SetHeader returns nil and the
 // first answer has no x-charge-id; a replay carries it.
-func TestAdvSetHeaderBehindAWrappedStreamIsTheDocumentedLimit(t *testing.T) {
+func TestSetHeaderBehindAWrappedStreamIsTheDocumentedLimit(t *testing.T) {
 	t.Parallel()
 	outer := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 		ctx = grpc.NewContextWithServerTransportStream(ctx, wrappedStream{grpc.ServerTransportStreamFromContext(ctx)})
@@ -185,7 +185,7 @@ func TestGRPCHandlerChoosesItsCompressor(t *testing.T) {
 // both again, marked replayed; with a transient error it gets the headers
 // and the error, and the retry runs again and gets its own headers. The
 // same with the interceptor chained twice.
-func TestReview31HandlerSendsHeadersThenFails(t *testing.T) {
+func TestHandlerSendsHeadersThenFails(t *testing.T) {
 	t.Parallel()
 	for _, twice := range []bool{false, true} {
 		var e *env
@@ -206,7 +206,7 @@ func TestReview31HandlerSendsHeadersThenFails(t *testing.T) {
 		if twice {
 			cfg.interceptors = []grpc.UnaryServerInterceptor{nil}
 		}
-		e = newEnvR31(t, cfg, twice)
+		e = newEnvNested(t, cfg, twice)
 		call := func(key, body string) (metadata.MD, metadata.MD, error) {
 			var h, tr metadata.MD
 			ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, key)
@@ -236,8 +236,8 @@ func TestReview31HandlerSendsHeadersThenFails(t *testing.T) {
 	}
 }
 
-// newEnvR31 is newEnv, with the key interceptor chained twice when twice.
-func newEnvR31(t *testing.T, cfg envConfig, twice bool) *env {
+// newEnvNested is newEnv, with the key interceptor chained twice when twice.
+func newEnvNested(t *testing.T, cfg envConfig, twice bool) *env {
 	t.Helper()
 	cfg.interceptors = nil
 	if !twice {

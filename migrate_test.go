@@ -388,7 +388,7 @@ func TestMigrateWithoutASchemaToCreateIn(t *testing.T) {
 // through one whose first schema does not exist, and with the schema
 // quoted in the search_path. Every Migrate succeeds, one table is made,
 // each version is recorded once, and every store then serves calls.
-func TestReview31SixteenReplicasMigrateOneTableSpelledFourWays(t *testing.T) {
+func TestSixteenReplicasMigrateOneTableSpelledFourWays(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	ctx := context.Background()
@@ -443,7 +443,7 @@ func TestReview31SixteenReplicasMigrateOneTableSpelledFourWays(t *testing.T) {
 // same table: no call fails, none runs twice (each key's handler writes one
 // ledger row in the call's transaction; each key is sent twice), and
 // Migrate succeeds.
-func TestReview31MigrateWhileSixteenWorkersCall(t *testing.T) {
+func TestMigrateWhileSixteenWorkersCall(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 20)
 	ctx := context.Background()

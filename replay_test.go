@@ -209,10 +209,10 @@ func TestRolledBackRunSendsNoHeaders(t *testing.T) {
 	require.Equal(t, []string{"true"}, a.trailer.Get(idempotency.ReplayedTrailer))
 }
 
-// advFlatService serves /advflat.v1.Orders/Place, a service built at run
+// flatService serves /advflat.v1.Orders/Place, a service built at run
 // time (dynamicpb) whose response has no map, only fields string f1..f<n>,
 // all set. The key interceptor is installed on the server as usual.
-func advFlatService(t *testing.T, e *env, fields int) string {
+func flatService(t *testing.T, e *env, fields int) string {
 	t.Helper()
 	str := func(name string, n int32) *descriptorpb.FieldDescriptorProto {
 		return &descriptorpb.FieldDescriptorProto{Name: proto.String(name), Number: proto.Int32(n),
@@ -262,10 +262,10 @@ func advFlatService(t *testing.T, e *env, fields int) string {
 // handed to gRPC to marshal deterministically: every response of the key,
 // the first and each replay, is byte-identical to the stored row. (They
 // went out in 8 encodings when only types with a map were.)
-func TestAdvDynamicResponseIsTheStoredBytes(t *testing.T) {
+func TestDynamicResponseIsTheStoredBytes(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
-	conn := dial(t, advFlatService(t, e, 12))
+	conn := dial(t, flatService(t, e, 12))
 	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "flat-1")
 	req := rawMessage(nil)
 	raws, stored := rawAnswers(t, e, conn, ctx, "/advflat.v1.Orders/Place", &req, "flat-1", 8)
@@ -289,7 +289,7 @@ func TestAdvDynamicResponseIsTheStoredBytes(t *testing.T) {
 //
 // Correct: the first call and its replays carry the same headers (either
 // both with the echoed header, or the handler's SetHeader refuses it).
-func TestAdvEchoedKeyHeaderIsReplayed(t *testing.T) {
+func TestEchoedKeyHeaderIsReplayed(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
 		key := metadata.ValueFromIncomingContext(ctx, idempotency.MetadataKey)[0]

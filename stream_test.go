@@ -197,7 +197,7 @@ func TestGRPCStreamingMethodsAskingForKeysAreRefused(t *testing.T) {
 // Correct: a streaming call whose context names a key is refused (on the
 // client, or by sending the key so the server refuses it with
 // STREAMING_UNSUPPORTED); it never runs twice unnoticed.
-func TestAdvStreamWithOutgoingKeyIsRefused(t *testing.T) {
+func TestStreamWithOutgoingKeyIsRefused(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	var runs atomic.Int64
@@ -236,7 +236,7 @@ func TestAdvStreamWithOutgoingKeyIsRefused(t *testing.T) {
 // interceptor refuses it there: that RecvMsg fails with
 // STREAMING_UNSUPPORTED (CheckStreamingMethods, which sees only what the
 // global registry holds, cannot name such a method at startup).
-func TestAdvRuntimeAnnotatedStreamIsRefusedAtItsFirstMessage(t *testing.T) {
+func TestRuntimeAnnotatedStreamIsRefusedAtItsFirstMessage(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{})
 	fd := buildFile(&descriptorpb.FileDescriptorProto{

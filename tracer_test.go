@@ -331,45 +331,45 @@ func TestLogTracerLogsEveryCallsEndWithoutItsKey(t *testing.T) {
 	require.NotContains(t, logs.String(), "secret-k", "keys are never logged")
 }
 
-// review31PanickyTracer panics in the methods it is told to, with values
+// panickyTracer panics in the methods it is told to, with values
 // of several kinds (an error, nil, a value whose String panics).
-type review31PanickyTracer struct {
+type panickyTracer struct {
 	start, end bool
 	value      func() any
 }
 
-func (p review31PanickyTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+func (p panickyTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
 	if p.start {
 		panic(p.value())
 	}
-	return context.WithValue(ctx, review31Key{}, "traced")
+	return context.WithValue(ctx, tracedKey{}, "traced")
 }
 
-func (p review31PanickyTracer) TraceCallEnd(context.Context, idempotency.TraceCallEndData) {
+func (p panickyTracer) TraceCallEnd(context.Context, idempotency.TraceCallEndData) {
 	if p.end {
 		panic(p.value())
 	}
 }
 
-type review31Key struct{}
+type tracedKey struct{}
 
-type review31BadStringer struct{}
+type badStringer struct{}
 
-func (review31BadStringer) String() string { panic("String panicked too") }
+func (badStringer) String() string { panic("String panicked too") }
 
 // A tracer that panics (at the start, at the end, or both; with an error,
 // nil, or a value whose String panics) changes nothing a caller sees:
 // Execute's outcomes and errors, the HTTP status and body, and the rows.
-func TestReview31PanickingTracerChangesNoOutcome(t *testing.T) {
+func TestPanickingTracerChangesNoOutcome(t *testing.T) {
 	t.Parallel()
 	values := map[string]func() any{
 		"error":         func() any { return errors.New("tracer bug") },
 		"nil":           func() any { return nil },
-		"string panics": func() any { return review31BadStringer{} },
+		"string panics": func() any { return badStringer{} },
 		"abort handler": func() any { return http.ErrAbortHandler },
 	}
 	for name, value := range values {
-		for _, where := range []review31PanickyTracer{{start: true}, {end: true}, {start: true, end: true}} {
+		for _, where := range []panickyTracer{{start: true}, {end: true}, {start: true, end: true}} {
 			where.value = value
 			label := fmt.Sprintf("%s start=%v end=%v", name, where.start, where.end)
 			db := suiteDB(t)

@@ -31,7 +31,7 @@ import (
 // same final answer, as does every later one.
 func TestWaysPastTheSQLCheckNeverRunTwice(t *testing.T) {
 	t.Parallel()
-	for name, tc := range gapCases() {
+	for name, tc := range bypassCases() {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			var tries atomic.Int64 // claims and probes of the key, once the handler has ended the transaction
@@ -101,8 +101,8 @@ func TestWaysPastTheSQLCheckNeverRunTwice(t *testing.T) {
 	}
 }
 
-// gapCase is one way a handler ends the call's transaction.
-type gapCase struct {
+// bypassCase is one way a handler ends the call's transaction.
+type bypassCase struct {
 	end  func(ctx context.Context, tx pgx.Tx) error
 	pool func(*pgxpool.Config)
 	// settledAtOnce: the claim committed with the handler's COMMIT, so a
@@ -115,14 +115,14 @@ type gapCase struct {
 	refused bool
 }
 
-func gapCases() map[string]gapCase {
+func bypassCases() map[string]bypassCase {
 	commitPrepared := func(cfg *pgxpool.Config) {
 		cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
 			_, err := c.Prepare(ctx, "finish-batch", "COMMIT")
 			return err
 		}
 	}
-	return map[string]gapCase{
+	return map[string]bypassCase{
 		"COMMIT through tx": {end: func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, `COMMIT`)
 			return err
@@ -204,7 +204,7 @@ func gapCases() map[string]gapCase {
 // PostgreSQL, with the clearer error, and the call fails once, stored.
 func TestSQLCheckRefusesEachWayToEndTheTransaction(t *testing.T) {
 	t.Parallel()
-	for name, tc := range gapCases() {
+	for name, tc := range bypassCases() {
 		if strings.Contains(name, "tx.Conn()") {
 			continue // Conn is not checked
 		}
