@@ -485,9 +485,6 @@ func TestLargeObjectsAndSavepointsDieWithTheCall(t *testing.T) {
 	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM ledger`))
 }
 
-// What a review of the engine found, each kept as a test: ways around the
-// checks of the call's transaction, and answers that were not one.
-
 // SQL-standard function bodies (BEGIN ATOMIC ... END) hold semicolons and
 // an END that end no transaction: allowed.
 func TestBeginAtomicBodyIsAllowed(t *testing.T) {
