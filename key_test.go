@@ -130,7 +130,7 @@ func errorReason(err error) string {
 // A key sent as binary metadata (idempotency-key-bin) is a different
 // header to gRPC; neither the client interceptor nor the server may run the
 // call as if it had no key, or mint one beside it. Both refuse it.
-func TestGRPCBinaryKeyIsRefused(t *testing.T) {
+func TestBinaryKeyIsRefusedByClientAndServer(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired()}})
 	conn, _ := retryingClient(t, "passthrough:///"+e.addr, 2)
@@ -159,7 +159,7 @@ func TestGRPCBinaryKeyIsRefused(t *testing.T) {
 }
 
 // A key sent as binary metadata is not silently ignored.
-func TestBinaryKeyIsRefused(t *testing.T) {
+func TestServerRefusesBinaryKeyNamingTheTextHeader(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired()}})
 	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey+"-bin", "k")

@@ -539,49 +539,51 @@ func TestTenantSearchPathCannotMoveTheKey(t *testing.T) {
 	}
 }
 
-// set_config named by a Unicode-escaped identifier costs the connection,
-// like set_config: the next call on a pool of one starts from a session as
-// the pool made it.
-func TestUnicodeEscapedSetConfigCostsAReset(t *testing.T) {
+// A session setting of the handler's own (a tenant, as row-level-security
+// set-ups keep one) set by SQL the engine cannot read as set_config costs
+// the connection, like set_config: the next calls on a pool of one start
+// from a session as the pool made it.
+func TestHiddenSetConfigCostsAReset(t *testing.T) {
 	t.Parallel()
-	_, store := onePool(t)
-	_, err := execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
-		_, err := tx.Exec(ctx, `SELECT U&"\0073et_config"('app.tenant', 'acme', false)`)
-		return "a", err
-	})
-	require.NoError(t, err)
-	var seen string
-	_, err = execString(store, "b", func(ctx context.Context, tx pgx.Tx) (string, error) {
-		return "b", tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&seen)
-	})
-	require.NoError(t, err)
-	require.Empty(t, seen, "the next call sees the tenant that call a's handler set for its session")
-}
-
-// So does set_config in SQL text that a built-in function runs
-// (query_to_xml): a session setting of the handler's own (a tenant, as
-// row-level-security set-ups keep one) never reaches the next call.
-func TestSQLRunFromTextCostsAReset(t *testing.T) {
-	t.Parallel()
-	_, store := onePool(t)
-	_, err := execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
-		_, err := tx.Exec(ctx, `SELECT query_to_xml('SELECT set_config(''app.tenant'', ''tenant-a'', false)', false, false, '')`)
-		return "a", err
-	})
-	require.NoError(t, err)
-	// Innocent calls on the pool of one: had the connection gone back to
-	// the pool as the handler left it, each would see tenant-a.
-	var seen []string
-	for i := range 3 {
-		res, err := execString(store, fmt.Sprintf("b%d", i), func(ctx context.Context, tx pgx.Tx) (string, error) {
-			var tenant string
-			err := tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&tenant)
-			return tenant, err
+	for _, tc := range []struct {
+		name string
+		sql  string
+		next int // innocent calls after it; each must see no tenant
+	}{
+		{
+			name: "set_config named by a Unicode-escaped identifier",
+			sql:  `SELECT U&"\0073et_config"('app.tenant', 'acme', false)`,
+			next: 1,
+		},
+		{
+			// Had the connection gone back to the pool as the handler left
+			// it, each would see tenant-a.
+			name: "set_config in SQL text that a built-in function runs (query_to_xml)",
+			sql:  `SELECT query_to_xml('SELECT set_config(''app.tenant'', ''tenant-a'', false)', false, false, '')`,
+			next: 3,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, store := onePool(t)
+			_, err := execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
+				_, err := tx.Exec(ctx, tc.sql)
+				return "a", err
+			})
+			require.NoError(t, err)
+			var seen []string
+			for i := range tc.next {
+				res, err := execString(store, fmt.Sprintf("b%d", i), func(ctx context.Context, tx pgx.Tx) (string, error) {
+					var tenant string
+					err := tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&tenant)
+					return tenant, err
+				})
+				require.NoError(t, err)
+				seen = append(seen, res.Response.(*wrapperspb.StringValue).GetValue())
+			}
+			require.Equal(t, make([]string, tc.next), seen, "innocent calls see the session setting another call's handler made")
 		})
-		require.NoError(t, err)
-		seen = append(seen, res.Response.(*wrapperspb.StringValue).GetValue())
 	}
-	require.Equal(t, []string{"", "", ""}, seen, "innocent calls see the session setting another call's handler made")
 }
 
 // A statement a handler prepares by name with tx.Prepare would stay
@@ -644,7 +646,7 @@ func TestTemporaryObjectFromAFunctionCostsAReset(t *testing.T) {
 // A session-level advisory lock taken through query_to_xml does not
 // outlive the call: the round trip that commits it releases the session's
 // advisory locks.
-func TestSessionAdvisoryLockCostsAReset(t *testing.T) {
+func TestSessionAdvisoryLockDoesNotOutliveTheCall(t *testing.T) {
 	t.Parallel()
 	db := testdb.New(t, 2)
 	store := migratedStore(t, db)
