@@ -25,6 +25,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -825,4 +827,241 @@ func TestOutgoingKeyConflictSaysWhatToDo(t *testing.T) {
 	// The same key both ways is one key.
 	_, err = charge(idempotency.WithOutgoingKey(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "edge-a"), "edge-a"), conn, 0)
 	require.NoError(t, err)
+}
+
+// README, Server: gRPC's infrastructure services "always pass through,
+// keyed or not, and the client interceptor sends them no key"; the binary
+// key is refused "on protected methods". The client interceptor refuses a
+// binary key, or a text key it finds invalid, in the outgoing metadata of
+// every method, health checks included, before looking at the method's
+// policy: a health probe or a NO_SIDE_EFFECTS read made from a context
+// that carries forwarded metadata (a proxy, a handler passing its incoming
+// metadata on) fails on the client with InvalidArgument, where the server
+// would answer it, keys ignored.
+//
+// Correct: calls the server passes through whatever their keys are pass
+// the client interceptor too (their keys ignored or stripped).
+func TestClientPassesInfrastructureCallsWhateverTheKey(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	store := migratedStore(t, db)
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store, idempotency.WithKeyRequired())))
+	healthpb.RegisterHealthServer(srv, health.NewServer())
+	addr := serve(t, srv)
+	plain := dial(t, addr)
+	keyed := dialWith(t, addr, grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))))
+
+	for _, pairs := range [][]string{
+		{idempotency.MetadataKey + "-bin", "forwarded"},
+		{idempotency.MetadataKey, "not a valid key"},
+	} {
+		ctx := metadata.AppendToOutgoingContext(context.Background(), pairs...)
+		_, err := healthpb.NewHealthClient(plain).Check(ctx, &healthpb.HealthCheckRequest{})
+		require.NoError(t, err, "the server passes the health check with %v", pairs)
+		_, err = healthpb.NewHealthClient(keyed).Check(ctx, &healthpb.HealthCheckRequest{})
+		require.NotEqual(t, codes.InvalidArgument, status.Code(err), "the client interceptor refuses a health check carrying %v: %v", pairs, err)
+	}
+}
+
+// handRolledRetry is a retry interceptor of an application's own: it
+// retries Unavailable once. marker, when set, is the metadata it adds to
+// the retry (as go-grpc-middleware v1 and its many copies add
+// x-retry-attempty); carryKey makes it capture the key of the first attempt
+// and send the retry with it.
+func handRolledRetry(marker string, carryKey bool) grpc.UnaryClientInterceptor {
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		var key string
+		first := opts
+		if carryKey {
+			first = append(first, idempotency.CaptureKey(&key))
+		}
+		err := invoker(ctx, method, req, reply, cc, first...)
+		if status.Code(err) != codes.Unavailable {
+			return err
+		}
+		if marker != "" {
+			ctx = metadata.AppendToOutgoingContext(ctx, marker, strconv.Itoa(1))
+		}
+		if carryKey {
+			ctx = idempotency.WithOutgoingKey(ctx, key)
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+}
+
+// A retry interceptor chained outside the key interceptor is caught when
+// its retries say they are retries: go-grpc-middleware v2's marker and
+// v1's (x-retry-attempty). A retry loop that says nothing cannot be told
+// from a new call, and gets a new key per attempt (the second charge below);
+// such a loop must carry the key itself, with CaptureKey and
+// WithOutgoingKey, or run below the key interceptor.
+func TestGRPCRetryOutsideTheKeyInterceptor(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name     string
+		marker   string
+		carryKey bool
+		code     codes.Code
+		charges  int
+	}{
+		{"go-grpc-middleware v1 marker", "x-retry-attempty", false, codes.Internal, 1},
+		{"no marker", "", false, codes.OK, 2},
+		{"no marker, the loop carries the key", "", true, codes.OK, 1},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			f := newFaultyEnv(t, 0, 7)
+			conn := f.dial(t, grpc.WithChainUnaryInterceptor(handRolledRetry(c.marker, c.carryKey), idempotency.UnaryClientInterceptor(idempotency.WithMaxAttempts(1))))
+			f.proxy.DropNextResponse()
+			_, err := charge(context.Background(), conn, 0)
+			require.Equal(t, c.code, status.Code(err), "%v", err)
+			if c.code == codes.Internal {
+				require.ErrorIs(t, err, idempotency.ErrChainOrder)
+			}
+			require.Equal(t, c.charges, f.ledgerRows(), "charges of the one logical call")
+		})
+	}
+}
+
+// heldNaturalKey serves the annotated test service; its NaturalKey handler
+// (key_field meta.request_id) signals entered and waits for release.
+type heldNaturalKey struct {
+	policyServer
+	entered chan struct{}
+	release *gate
+}
+
+func (s *heldNaturalKey) NaturalKey(ctx context.Context, r *testingv1.Request) (*testingv1.Response, error) {
+	s.entered <- struct{}{}
+	if err := s.release.wait(ctx); err != nil {
+		return nil, err
+	}
+	return s.write(ctx, r)
+}
+
+// The ready chain retries a call whose key is in its request (key_field)
+// like one whose key is in the metadata: a duplicate that meets the first
+// call still running gets KEY_IN_PROGRESS, waits the chain's backoff and
+// the server's RetryInfo, and is answered with the first call's result.
+func TestGRPCNaturalKeyDuplicateIsRetriedByTheChain(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 8)
+	store := migratedStore(t, db, idempotency.WithInProgressWait(10*time.Millisecond), idempotency.WithSuggestedRetryDelay(20*time.Millisecond))
+	createLedger(t, db)
+	h := &heldNaturalKey{policyServer: policyServer{db: db}, entered: make(chan struct{}, 8), release: newGate()}
+	srv := grpc.NewServer(grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
+	testingv1.RegisterPolicyServiceServer(srv, h)
+	conn, log := retryingClient(t, "passthrough:///"+serve(t, srv), 50)
+	client := testingv1.NewPolicyServiceClient(conn)
+
+	req := &testingv1.Request{Body: "natural", Meta: &testingv1.Meta{RequestId: "nk-1"}}
+	type answer struct {
+		resp     *testingv1.Response
+		err      error
+		replayed bool
+	}
+	answers := make([]answer, 2)
+	var wg sync.WaitGroup
+	call := func(i int) {
+		var tr metadata.MD
+		resp, err := client.NaturalKey(context.Background(), req, grpc.Trailer(&tr))
+		answers[i] = answer{resp, err, len(tr.Get(idempotency.ReplayedTrailer)) > 0}
+	}
+	wg.Go(func() { call(0) })
+	await(t, h.entered, "the first call's handler")
+	wg.Go(func() { call(1) })
+	require.Eventually(t, func() bool {
+		log.mu.Lock()
+		defer log.mu.Unlock()
+		return log.codes[codes.Aborted] > 0
+	}, liveness, time.Millisecond, "the duplicate meets the running call")
+	time.Sleep(100 * time.Millisecond) // a few retries of the duplicate while the first runs
+	h.release.open()
+	wg.Wait()
+
+	for i, a := range answers {
+		require.NoError(t, a.err, "call %d", i)
+	}
+	require.Equal(t, answers[0].resp.GetLedgerId(), answers[1].resp.GetLedgerId())
+	require.False(t, answers[0].replayed)
+	require.True(t, answers[1].replayed, "the duplicate is answered from the store")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+	log.requireOnlyFailures(t, codes.Aborted)
+}
+
+// failingServerConn serves the ledger's Charge with fail(n), n the attempt
+// (from 1), and counts the attempts.
+func failingServerConn(t *testing.T, fail func(n int64) error, opts ...idempotency.ClientOption) (*grpc.ClientConn, *atomic.Int64) {
+	t.Helper()
+	var n atomic.Int64
+	srv := grpc.NewServer()
+	srv.RegisterService(ledgerDesc(), &ledger{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if err := fail(n.Add(1)); err != nil {
+			return nil, err
+		}
+		return wrapperspb.String("ok"), nil
+	}})
+	addr := serve(t, srv)
+	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(idempotency.UnaryClientInterceptor(opts...)))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn, &n
+}
+
+func withRetryInfo(c codes.Code, reason string, d time.Duration) error {
+	st, err := status.New(c, "try later").WithDetails(
+		&errdetails.ErrorInfo{Reason: reason, Domain: "idempotency"},
+		&errdetails.RetryInfo{RetryDelay: durationpb.New(d)})
+	if err != nil {
+		panic(err)
+	}
+	return st.Err()
+}
+
+// A RetryInfo longer than what is left of the budget, or of the call's
+// deadline, ends the retries at once: one attempt, the server's code and
+// details kept, the message naming the limit. KEY_IN_PROGRESS with a short
+// RetryInfo is retried until the key is free.
+func TestRetryInfoAgainstBudgetAndDeadline(t *testing.T) {
+	t.Parallel()
+	unavailable := func(int64) error {
+		return withRetryInfo(codes.Unavailable, "STORE_UNAVAILABLE", 10*time.Second)
+	}
+
+	conn, n := failingServerConn(t, unavailable, idempotency.WithRetryBudget(time.Second))
+	err := conn.Invoke(context.Background(), methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{})
+	require.Equal(t, codes.Unavailable, status.Code(err))
+	require.EqualValues(t, 1, n.Load())
+	require.Contains(t, err.Error(), "WithRetryBudget")
+	d, ok := idempotency.RetryDelay(err)
+	require.True(t, ok)
+	require.Equal(t, 10*time.Second, d, "the server's RetryInfo is kept")
+
+	conn, n = failingServerConn(t, unavailable)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	err = conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{})
+	require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+	require.EqualValues(t, 1, n.Load())
+	require.Contains(t, err.Error(), "deadline")
+
+	conn, n = failingServerConn(t, func(n int64) error {
+		if n < 4 {
+			return withRetryInfo(codes.Aborted, "KEY_IN_PROGRESS", 20*time.Millisecond)
+		}
+		return nil
+	}, idempotency.WithRetryBackoff(time.Millisecond, 2*time.Millisecond))
+	require.NoError(t, conn.Invoke(context.Background(), methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}))
+	require.EqualValues(t, 4, n.Load())
+
+	// WithMaxAttempts(2) against a budget that would allow more.
+	conn, n = failingServerConn(t, func(int64) error {
+		return withRetryInfo(codes.Unavailable, "STORE_UNAVAILABLE", time.Millisecond)
+	},
+		idempotency.WithMaxAttempts(2), idempotency.WithRetryBackoff(time.Millisecond, time.Millisecond))
+	err = conn.Invoke(context.Background(), methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{})
+	require.Equal(t, codes.Unavailable, status.Code(err))
+	require.EqualValues(t, 2, n.Load())
+	require.Contains(t, err.Error(), "WithMaxAttempts(2)")
 }

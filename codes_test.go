@@ -1,158 +1,239 @@
-package idempotency
+package idempotency_test
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"sync/atomic"
 	"testing"
-	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+	testingv1 "github.com/exactlyonce/idempotency/internal/testpb/idempotency/testing/v1"
 )
 
-// Each outcome of the layer maps to its documented code and details, and
-// survives the trip to a client as a status. Every retryable one carries a
-// RetryInfo once the gRPC server stamped it with the store's delay;
-// KEY_IN_PROGRESS always does.
-func TestUnitErrorStatus(t *testing.T) {
+// Every caller of a key gets the same answer: a handler's final error,
+// whatever its shape, reaches the first caller exactly as it reaches every
+// replay (code, message and details, byte for byte, and the error's text),
+// through each transport that takes a handler's error.
+func TestFinalErrorAnswersEveryCallerAlike(t *testing.T) {
 	t.Parallel()
-	serialization := handlerError(&pgconn.PgError{Code: sqlSerializationFailure})
-	for _, tc := range []struct {
-		err     error
-		code    codes.Code
-		reason  string        // ErrorInfo's; "" for none
-		delay   time.Duration // RetryInfo's
-		details []string      // detail types besides ErrorInfo
-	}{
-		{inProgress("", 123*time.Millisecond), codes.Aborted, "KEY_IN_PROGRESS", 123 * time.Millisecond, []string{"RetryInfo"}},
-		{ErrKeyReused.with("", nil).about("k"), codes.FailedPrecondition, "KEY_REUSED", 0, []string{"PreconditionFailure"}},
-		{invalidKey(MetadataKey, "bad"), codes.InvalidArgument, "INVALID_KEY", 0, []string{"BadRequest"}},
-		{ErrMissingKey.with("", nil).about(MetadataKey), codes.InvalidArgument, "MISSING_KEY", 0, []string{"BadRequest"}},
-		{ErrStoreUnavailable.with("claim", errors.New("secret host db-7")), codes.Unavailable, "STORE_UNAVAILABLE", 0, nil},
-		{withSuggestedDelay(ErrStoreUnavailable.with("claim", nil), 3*time.Second), codes.Unavailable, "STORE_UNAVAILABLE", 3 * time.Second, []string{"RetryInfo"}},
-		{serialization, codes.Aborted, "", 0, nil},
-		{withSuggestedDelay(serialization, 0), codes.Aborted, "", 0, []string{"RetryInfo"}},
-		{withSuggestedDelay(inProgress("", 123*time.Millisecond), time.Hour), codes.Aborted, "KEY_IN_PROGRESS", 123 * time.Millisecond, []string{"RetryInfo"}},
-		{ErrChainOrder.with("/m", nil), codes.Internal, "CHAIN_ORDER", 0, nil},
-		{ErrAttemptTimeout.with("/m", nil), codes.DeadlineExceeded, "ATTEMPT_TIMEOUT", 0, nil},
-		{ErrStreamingUnsupported.with("/m", nil), codes.Unimplemented, "STREAMING_UNSUPPORTED", 0, nil},
-	} {
-		st := status.Convert(tc.err)
-		name := tc.reason + " " + st.Message()
-		require.Equal(t, tc.code, st.Code(), name)
-		var got []string
-		reason := ""
-		for _, d := range st.Details() {
-			switch d := d.(type) {
-			case *errdetails.ErrorInfo:
-				require.Equal(t, ErrorDomain, d.GetDomain())
-				reason = d.GetReason()
-			case *errdetails.RetryInfo:
-				require.Equal(t, tc.delay, d.GetRetryDelay().AsDuration(), name)
-				got = append(got, "RetryInfo")
-			case *errdetails.PreconditionFailure:
-				require.Equal(t, "k", d.GetViolations()[0].GetSubject())
-				got = append(got, "PreconditionFailure")
-			case *errdetails.BadRequest:
-				require.Equal(t, MetadataKey, d.GetFieldViolations()[0].GetField())
-				got = append(got, "BadRequest")
-			default:
-				t.Fatalf("%s: unexpected detail %T", name, d)
+	for _, tr := range finalTransports() {
+		t.Run(tr.name, func(t *testing.T) {
+			t.Parallel()
+			var runs atomic.Int64
+			call := tr.start(t, &runs)
+			for i, shape := range finalShapes() {
+				t.Run(shape.name, func(t *testing.T) {
+					key := fmt.Sprintf("final-%d", i)
+					before := runs.Load()
+					first, replayed := call(t, key, shape.err)
+					require.False(t, replayed, "the first call ran")
+					replay, replayed := call(t, key, errors.New("the handler ran again"))
+					require.True(t, replayed, "the second call replayed")
+					require.Equal(t, before+1, runs.Load(), "the handler ran once")
+					require.Equal(t, shape.code, first.code, "the first answer: %s", first.text)
+					require.Equal(t, first, replay, "the replay is the first answer")
+				})
 			}
+		})
+	}
+}
+
+// finalAnswer is what a caller got: the status as its client reads it,
+// encoded, and the error's text.
+type finalAnswer struct {
+	code   codes.Code
+	status []byte
+	text   string
+	final  bool // IsFinal, on the server's side
+}
+
+// finalCall calls a handler that returns err under key, and reports what
+// the caller got, and whether the transport said it was replayed.
+type finalCall func(t *testing.T, key string, err error) (a finalAnswer, replayed bool)
+
+// finalTransport starts a server of its transport, and returns its
+// finalCall.
+type finalTransport struct {
+	name  string
+	start func(t *testing.T, runs *atomic.Int64) finalCall
+}
+
+func finalTransports() []finalTransport {
+	serverSide := func(t *testing.T, outcome idempotency.Outcome, err error) (finalAnswer, bool) {
+		t.Helper()
+		require.Error(t, err)
+		replayed := outcome == idempotency.OutcomeReplayed
+		require.True(t, replayed || outcome == idempotency.OutcomeExecuted, "outcome %v: %v", outcome, err)
+		return finalAnswer{code: status.Code(err), status: statusBytes(t, err), text: err.Error(), final: idempotency.IsFinal(err)}, replayed
+	}
+	return []finalTransport{
+		{name: "Store.Execute", start: func(t *testing.T, runs *atomic.Int64) finalCall {
+			store := migratedStore(t, testdb.New(t, 4))
+			return func(t *testing.T, key string, fnErr error) (finalAnswer, bool) {
+				res, err := store.Execute(context.Background(), idempotency.Call{Key: key, Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+					runs.Add(1)
+					return nil, idempotency.Final(fnErr)
+				})
+				return serverSide(t, res.Outcome, err)
+			}
+		}},
+		{name: "Store.ProcessMessage", start: func(t *testing.T, runs *atomic.Int64) finalCall {
+			store := migratedStore(t, testdb.New(t, 4))
+			return func(t *testing.T, key string, fnErr error) (finalAnswer, bool) {
+				outcome, err := store.ProcessMessage(context.Background(), idempotency.Message{Scope: "s", ID: key}, func(context.Context, pgx.Tx) error {
+					runs.Add(1)
+					return idempotency.Final(fnErr)
+				})
+				require.Equal(t, idempotency.DeadLetter, idempotency.DispositionOf(outcome, err))
+				return serverSide(t, outcome, err)
+			}
+		}},
+		{name: "gRPC", start: func(t *testing.T, runs *atomic.Int64) finalCall {
+			store := migratedStore(t, testdb.New(t, 4))
+			var fnErr atomic.Pointer[error]
+			srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(store)))
+			srv.RegisterService(ledgerDesc(), &ledger{handler: func(context.Context, *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+				runs.Add(1)
+				return nil, idempotency.Final(*fnErr.Load())
+			}})
+			conn := dial(t, serve(t, srv))
+			return func(t *testing.T, key string, err error) (finalAnswer, bool) {
+				fnErr.Store(&err)
+				var trailer metadata.MD
+				ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, key)
+				err = conn.Invoke(ctx, methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{}, grpc.Trailer(&trailer))
+				require.Error(t, err)
+				// What the client reads: the status, and its text.
+				return finalAnswer{code: status.Code(err), status: statusBytes(t, err), text: err.Error()}, slices.Equal(trailer.Get(idempotency.ReplayedTrailer), []string{"true"})
+			}
+		}},
+	}
+}
+
+// finalShape is an error a handler returns marked Final.
+type finalShape struct {
+	name string
+	err  error
+	code codes.Code // the answer's
+}
+
+func finalShapes() []finalShape {
+	withDetails := func() *status.Status {
+		st, err := status.New(codes.FailedPrecondition, "card expired").WithDetails(
+			&errdetails.ErrorInfo{Reason: "CARD_EXPIRED", Domain: "payments.example.com", Metadata: map[string]string{"card": "4242"}},
+			&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{Field: "card.expiry", Description: "in the past"}}})
+		if err != nil {
+			panic(err)
 		}
-		require.Equal(t, tc.reason, reason, name)
-		require.Equal(t, tc.details, got, name)
-		require.NotContains(t, st.Message(), "secret", "causes stay on the server")
+		return st
 	}
-
-	// A stamp never touches what is not a retryable outcome of the layer:
-	// a handler's own status, a sentinel itself.
-	own := status.Error(codes.Unavailable, "provider down")
-	require.Same(t, own, withSuggestedDelay(own, time.Second))
-	_, ok := RetryDelay(withSuggestedDelay(own, time.Second))
-	require.False(t, ok, "a handler's own Unavailable gets no RetryInfo of the layer")
-	key := invalidKey(MetadataKey, "bad")
-	require.Same(t, key, withSuggestedDelay(key, time.Second))
-	_ = withSuggestedDelay(ErrStoreUnavailable, time.Hour)
-	_, ok = RetryDelay(ErrStoreUnavailable)
-	require.False(t, ok, "the sentinel is copied, not changed")
-	// Not stamped (Store.Execute, a consumer): no RetryInfo, so that a
-	// consumer's own backoff decides; KEY_IN_PROGRESS has its own.
-	_, ok = RetryDelay(ErrStoreUnavailable.with("claim", nil))
-	require.False(t, ok)
-
-	// On the client, errors arrive as statuses.
-	wire := status.ErrorProto(status.Convert(inProgress("", time.Second)).Proto())
-	require.True(t, IsInProgress(wire))
-	require.False(t, IsKeyReused(wire))
-	d, ok := RetryDelay(wire)
-	require.True(t, ok)
-	require.Equal(t, time.Second, d)
-	require.True(t, IsKeyReused(status.ErrorProto(status.Convert(ErrKeyReused).Proto())))
-	require.False(t, IsInProgress(status.Error(codes.Aborted, "someone else's Aborted")))
-	_, ok = RetryDelay(errors.New("plain"))
-	require.False(t, ok)
-
-	// errors.Is matches the sentinel, whatever the detail.
-	require.ErrorIs(t, fmt.Errorf("wrapped: %w", invalidKey("f", "x")), ErrInvalidKey)
-	require.False(t, errors.Is(invalidKey("f", "x"), ErrKeyReused))
-}
-
-func TestUnitFinal(t *testing.T) {
-	t.Parallel()
-	require.NoError(t, Final(nil))
-	base := status.Error(codes.NotFound, "no such account")
-	f := Final(base)
-	require.True(t, IsFinal(f))
-	require.True(t, IsFinal(fmt.Errorf("context: %w", f)))
-	require.False(t, IsFinal(base))
-	require.Equal(t, codes.NotFound, status.Code(f), "the mark keeps the status")
-	require.Same(t, base, unwrapFinal(f))
-	require.Same(t, base, unwrapFinal(base))
-
-	ctxErr := contextError{context.DeadlineExceeded}
-	require.ErrorIs(t, ctxErr, context.DeadlineExceeded)
-	require.Equal(t, codes.DeadlineExceeded, status.Code(ctxErr))
-}
-
-func TestUnitOutcomeNames(t *testing.T) {
-	t.Parallel()
-	want := map[Outcome]string{
-		OutcomeExecuted: "executed", OutcomeReplayed: "replayed", OutcomeReleased: "released",
-		OutcomeInProgress: "in_progress", OutcomeKeyReused: "key_reused", OutcomeRejected: "rejected",
-		OutcomeUnavailable: "unavailable", OutcomeCanceled: "canceled", OutcomeMisconfigured: "misconfigured",
-		0: "unknown", 99: "unknown",
-	}
-	for o, name := range want {
-		require.Equal(t, name, o.String())
+	return []finalShape{
+		{name: "a plain error", err: errors.New("card declined"), code: codes.Unknown},
+		{name: "a plain error wrapped with %w", err: fmt.Errorf("charge 42: %w", errors.New("card declined")), code: codes.Unknown},
+		{name: "a status error", err: status.Error(codes.NotFound, "no such card"), code: codes.NotFound},
+		{name: "a status error wrapped with %w", err: fmt.Errorf("charge 42: %w", status.Error(codes.NotFound, "no such card")), code: codes.NotFound},
+		{name: "a status with details", err: withDetails().Err(), code: codes.FailedPrecondition},
+		{name: "a status with details wrapped with %w", err: fmt.Errorf("charge 42: %w", withDetails().Err()), code: codes.FailedPrecondition},
+		{name: "a status error whose message is not UTF-8", err: status.Error(codes.NotFound, "caf\xe9 card"), code: codes.NotFound},
+		{name: "a context's error", err: context.DeadlineExceeded, code: codes.DeadlineExceeded},
+		{name: "a context's error wrapped with %w", err: fmt.Errorf("the bank timed out: %w", context.Canceled), code: codes.Canceled},
+		{name: "an error whose status is nil", err: statusError{text: "no status"}, code: codes.Unknown},
+		{name: "an error whose status says OK", err: statusError{st: status.New(codes.OK, "all good"), text: "all good"}, code: codes.Unknown},
 	}
 }
 
-// What a consumer does with a message: a permanent failure is never
-// redelivered, a database problem always is.
-func TestUnitDisposition(t *testing.T) {
+// statusError is an error with a status of its own, which may be nil.
+type statusError struct {
+	st   *status.Status
+	text string
+}
+
+func (e statusError) Error() string              { return e.text }
+func (e statusError) GRPCStatus() *status.Status { return e.st }
+
+// Unimplemented is not final: during a rolling deploy a replica that has the
+// new method's stub but not its implementation answers Unimplemented; the
+// retry, reaching a replica that implements it, must run the handler rather
+// than replay the stub's answer for the key's TTL.
+func TestPolicyUnimplementedDuringRollingDeployIsRetried(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		outcome Outcome
-		err     error
-		want    Disposition
-	}{
-		{OutcomeExecuted, nil, Ack},
-		{OutcomeReplayed, nil, Ack},
-		{OutcomeExecuted, Final(status.Error(codes.InvalidArgument, "poison")), DeadLetter},
-		{OutcomeReplayed, Final(status.Error(codes.InvalidArgument, "poison")), DeadLetter},
-		{OutcomeKeyReused, ErrKeyReused.with("", nil), DeadLetter},
-		{OutcomeRejected, invalidKey("ID", "key is empty"), DeadLetter},
-		{OutcomeReleased, errors.New("downstream down"), Redeliver},
-		{OutcomeInProgress, inProgress("", time.Second), Redeliver},
-		{OutcomeUnavailable, ErrStoreUnavailable.with("claim", nil), Redeliver},
-		{OutcomeUnavailable, contextError{context.Canceled}, Redeliver},
-	} {
-		require.Equal(t, tc.want, DispositionOf(tc.outcome, tc.err), "%v %v", tc.outcome, tc.err)
-	}
-	require.Equal(t, "dead_letter", DeadLetter.String())
+	db := testdb.New(t, 8)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	icpt := grpc.UnaryInterceptor(idempotency.UnaryServerInterceptor(store))
+
+	old := grpc.NewServer(icpt)
+	testingv1.RegisterPolicyServiceServer(old, testingv1.UnimplementedPolicyServiceServer{})
+	updated := grpc.NewServer(icpt)
+	testingv1.RegisterPolicyServiceServer(updated, &policyServer{db: db})
+	oldClient := testingv1.NewPolicyServiceClient(dial(t, serve(t, old)))
+	newClient := testingv1.NewPolicyServiceClient(dial(t, serve(t, updated)))
+
+	req := &testingv1.Request{Body: "rolling"}
+	_, _, err := send(oldClient.Required, "rolling-key", req)
+	require.Equal(t, codes.Unimplemented, status.Code(err), "%v", err)
+	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'rolling-key'`), "the key is released")
+
+	resp, replayed, err := send(newClient.Required, "rolling-key", req)
+	require.NoError(t, err)
+	require.False(t, replayed)
+	require.NotZero(t, resp.GetLedgerId())
+	again, replayed, err := send(newClient.Required, "rolling-key", req)
+	require.NoError(t, err)
+	require.True(t, replayed)
+	require.Equal(t, resp.GetLedgerId(), again.GetLedgerId())
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger WHERE note = 'rolling'`))
+	require.NotContains(t, idempotency.DefaultFinalCodes(), codes.Unimplemented)
+}
+
+// A validation failure does not use up the key: the corrected request can
+// be sent with it (InvalidArgument is not final by default).
+func TestValidationFailureReleasesTheKey(t *testing.T) {
+	t.Parallel()
+	var e *env
+	e = newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if req.GetValue() == "" {
+			return nil, status.Error(codes.InvalidArgument, "note is required")
+		}
+		return e.insertLedger(ctx, req)
+	}})
+	ctx := context.Background()
+	r := e.call(ctx, methodCharge, "k", "")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Equal(t, 0, e.keyRows())
+	r = e.call(ctx, methodCharge, "k", "fixed")
+	require.NoError(t, r.err, "the corrected request, same key")
+	require.False(t, r.replayed)
+	require.True(t, e.call(ctx, methodCharge, "k", "fixed").replayed)
+}
+
+// A final error whose message is not valid UTF-8 is stored (repaired) and
+// replayed, instead of failing to store and running again on every retry.
+func TestFinalErrorWithInvalidUTF8IsStored(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		return nil, status.Error(codes.FailedPrecondition, "account \xff\xfe frozen")
+	}})
+	ctx := context.Background()
+	first := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.FailedPrecondition, status.Code(first.err), "%v", first.err)
+	again := e.call(ctx, methodCharge, "k", "x")
+	require.Equal(t, codes.FailedPrecondition, status.Code(again.err))
+	require.True(t, again.replayed)
+	require.Equal(t, "account \uFFFD frozen", status.Convert(again.err).Message())
+	require.Equal(t, status.Convert(first.err).Message(), status.Convert(again.err).Message(), "the first call and its replay agree")
+	require.EqualValues(t, 1, e.runs.Load())
 }

@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 
@@ -102,4 +103,16 @@ func TestProcessMessageAppliesEachIDOnce(t *testing.T) {
 	require.Equal(t, idempotency.OutcomeRejected, o)
 	require.ErrorContains(t, err, "message ID: key is empty", "the error names the message ID, not a gRPC header")
 	require.NotContains(t, err.Error(), idempotency.MetadataKey)
+}
+
+// A consumer whose scope PostgreSQL cannot store is misconfigured: its
+// messages are good, and come back once it is fixed.
+func TestBadConsumerScopeRedeliversGoodMessages(t *testing.T) {
+	t.Parallel()
+	store := migratedStore(t, testdb.New(t, 2))
+	o, err := store.ProcessMessage(context.Background(), idempotency.Message{Scope: strings.Repeat("s", idempotency.MaxScopeLen+1), ID: "m-1", Body: []byte("good")},
+		func(context.Context, pgx.Tx) error { return nil })
+	require.Equal(t, idempotency.OutcomeMisconfigured, o)
+	require.Equal(t, codes.Internal, status.Code(err))
+	require.Equal(t, idempotency.Redeliver, idempotency.DispositionOf(o, err))
 }

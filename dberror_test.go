@@ -1,104 +1,190 @@
-package idempotency
+package idempotency_test
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
-	"errors"
-	"fmt"
-	"io"
-	"net"
-	"syscall"
+	"strings"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
-// Every database error gets the code that tells the client the truth:
-// Unavailable only where a retry can help.
-func TestUnitDatabaseErrorClassification(t *testing.T) {
+// Failures that no retry can fix are Internal, with what to do, never
+// Unavailable (which clients and the client chain retry): a TLS
+// certificate that cannot verify, a library file the server cannot load,
+// an answer pgx cannot decode. Nothing runs.
+func TestPermanentFailuresOfTheConnectionAreInternal(t *testing.T) {
 	t.Parallel()
-	var pool *pgxpool.Pool
-	s, err := NewStore(pool)
-	require.NoError(t, err)
-	for _, tc := range []struct {
-		err  error
-		code codes.Code
-		says string
+	ctx := context.Background()
+	db := testdb.New(t, 2)
+	migratedStore(t, db)
+	var ran bool
+	run := func(context.Context, pgx.Tx) (proto.Message, error) { ran = true; return nil, nil }
+	for name, tc := range map[string]struct {
+		tweak func(t *testing.T, cfg *pgxpool.Config)
+		says  string
 	}{
-		{io.ErrUnexpectedEOF, codes.Unavailable, "key store unavailable"},
-		{&pgconn.ConnectError{}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "08006"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "57P01"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "53300"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "53100"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "25006"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "57014"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "40001"}, codes.Aborted, "retry with the same key"},
-		{&pgconn.PgError{Code: "40P01"}, codes.Aborted, "retry with the same key"},
-		{&pgconn.PgError{Code: "42P01"}, codes.Internal, `key table "idempotency_keys" does not exist: run Store.Migrate`},
-		{&pgconn.PgError{Code: "42703"}, codes.Internal, "not at this version's schema: run Store.Migrate"},
-		{&pgconn.PgError{Code: "42501"}, codes.Internal, "grant it SELECT, INSERT, UPDATE and DELETE"},
-		{&pgconn.PgError{Code: "28P01"}, codes.Internal, "PostgreSQL refused the login"},
-		{&pgconn.PgError{Code: "22021"}, codes.Internal, "unexpected database error"},
-		{&pgconn.PgError{Code: "P0001"}, codes.Internal, "unexpected database error"},
-		{&pgconn.PgError{Code: "28000", Severity: "FATAL"}, codes.Internal, "PostgreSQL refused the login"},
-		{&pgconn.PgError{Code: "3D000", Severity: "FATAL"}, codes.Internal, "PostgreSQL refused the login"},
-		{&pgconn.PgError{Code: "42501", Severity: "FATAL"}, codes.Internal, "grant it CONNECT"},
-		{&pgconn.ConnectError{Config: &pgconn.Config{}}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "26000"}, codes.Internal, "max_prepared_statements"},
-		{&pgconn.PgError{Code: "25P03", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "XX000", Severity: "FATAL"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "58030"}, codes.Unavailable, "key store unavailable"},
-		{&pgconn.PgError{Code: "58P01", Severity: "FATAL"}, codes.Internal, "cannot load a file its configuration names"},
-		{&pgconn.PgError{Code: "58P01"}, codes.Internal, "cannot load a file its configuration names"},
-		{&pgconn.PgError{Code: "58P02"}, codes.Internal, "cannot load a file its configuration names"},
-		{&pgconn.PgError{Code: "08P01", Severity: "FATAL"}, codes.Internal, "protocol violation"},
-		{&pgconn.PgError{Code: "57P04", Severity: "FATAL"}, codes.Internal, "the database was dropped"},
-		{&pgconn.PgError{Code: "53400"}, codes.Internal, "configuration limit"},
-		{&net.OpError{Op: "dial", Err: syscall.ECONNREFUSED}, codes.Unavailable, "key store unavailable"},
-		{fmt.Errorf("write: %w", syscall.EPIPE), codes.Unavailable, "key store unavailable"},
-		{x509.UnknownAuthorityError{}, codes.Internal, "TLS handshake with the server cannot succeed"},
-		{&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}, codes.Internal, "TLS handshake with the server cannot succeed"},
-		{errors.New("can't scan into dest[1]: cannot scan tid (OID 27) in binary format into *pgtype.TID"), codes.Internal, "pgx could not use the server's answer"},
+		// The local server's certificate is self-signed: verify-full can
+		// never accept it.
+		"sslmode=verify-full against a self-signed certificate": {func(t *testing.T, cfg *pgxpool.Config) {
+			url := strings.Replace(db.URL(), "sslmode=disable", "sslmode=verify-full", 1)
+			if !strings.Contains(url, "sslmode=verify-full") {
+				url += "&sslmode=verify-full"
+			}
+			c, err := pgxpool.ParseConfig(url)
+			require.NoError(t, err)
+			*cfg = *c
+		}, "TLS handshake with the server cannot succeed"},
+		// A role whose sessions preload a library that is not installed:
+		// every login fails with 58P01.
+		"a missing session_preload_libraries file": {func(t *testing.T, cfg *pgxpool.Config) {
+			cfg.ConnConfig.User = testRole(t, "ALTER ROLE %s SET session_preload_libraries = 'idempotency_missing_library'")
+		}, "cannot load a file its configuration names"},
+		// A type registered on the pool's connections that cannot decode
+		// what the engine reads.
+		"an answer pgx cannot decode": {func(t *testing.T, cfg *pgxpool.Config) {
+			cfg.AfterConnect = func(_ context.Context, c *pgx.Conn) error {
+				c.TypeMap().RegisterType(&pgtype.Type{Name: "tid", OID: pgtype.TIDOID, Codec: pgtype.BoolCodec{}})
+				return nil
+			}
+		}, "pgx could not use the server's answer"},
 	} {
-		name := fmt.Sprintf("%T %v", tc.err, tc.err)
-		err := s.dbError(context.Background(), "claim", tc.err)
-		require.Equal(t, tc.code, status.Code(err), name)
-		require.Contains(t, status.Convert(err).Message(), tc.says, name)
-		require.ErrorIs(t, err, tc.err, "%s: the cause stays reachable", name)
+		t.Run(name, func(t *testing.T) {
+			cfg, err := pgxpool.ParseConfig(db.URL())
+			require.NoError(t, err)
+			tc.tweak(t, cfg)
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			store, err := idempotency.NewStore(pool)
+			require.NoError(t, err)
+			res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, run)
+			require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+			require.Contains(t, status.Convert(err).Message(), tc.says)
+			require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome)
+			require.False(t, ran, "nothing runs")
+			require.Zero(t, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+		})
 	}
-
-	cancelled, cancel := context.WithCancel(context.Background())
-	cancel()
-	err = s.dbError(cancelled, "claim", fmt.Errorf("read: %w", context.Canceled))
-	require.Equal(t, codes.Canceled, status.Code(err), "the caller's own cancellation")
-	require.ErrorIs(t, err, context.Canceled)
-	require.False(t, errors.Is(err, ErrStoreUnavailable))
 }
 
-// A handler's own database error is told as the engine's are: only what a
-// retry can fix is Unavailable; a missing library file is passed on as it
-// is, never as an outage.
-func TestUnitHandlerErrorClassification(t *testing.T) {
+// Permanent failures are never Unavailable, which clients retry forever:
+// each gets a code an operator or developer can act on.
+func TestPermanentErrorsAreNotUnavailable(t *testing.T) {
 	t.Parallel()
-	for _, tc := range []struct {
-		code string
-		want codes.Code
-	}{
-		{"40001", codes.Aborted},
-		{"08006", codes.Unavailable},
-		{"58030", codes.Unavailable},
-		{"58P01", codes.Unknown},
-		{"08P01", codes.Unknown},
-		{"57P04", codes.Unknown},
-		{"23505", codes.Unknown},
-	} {
-		err := handlerError(&pgconn.PgError{Code: tc.code})
-		require.Equal(t, tc.want, status.Code(err), tc.code)
-	}
+	ctx := context.Background()
+	run := func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil }
+	t.Run("unknown database or role", func(t *testing.T) {
+		t.Parallel()
+		base, err := pgxpool.ParseConfig(testdb.URL())
+		require.NoError(t, err)
+		for name, tweak := range map[string]func(*pgxpool.Config){
+			"database": func(c *pgxpool.Config) { c.ConnConfig.Database = "idempotency_no_such_database" },
+			"role":     func(c *pgxpool.Config) { c.ConnConfig.User = "idempotency_no_such_role" },
+		} {
+			cfg := base.Copy()
+			tweak(cfg)
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(pool.Close)
+			store, err := idempotency.NewStore(pool)
+			require.NoError(t, err)
+			res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, run)
+			require.Equal(t, codes.Internal, status.Code(err), "%s: %v", name, err)
+			require.Contains(t, status.Convert(err).Message(), "PostgreSQL refused the login", name)
+			require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome, name)
+		}
+	})
+	t.Run("read-only default", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.New(t, 2)
+		migratedStore(t, db)
+		ro := schemaPool(t, db.Schema, 2, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on" })
+		store, err := idempotency.NewStore(ro)
+		require.NoError(t, err)
+		ran := false
+		res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { ran = true; return nil, nil })
+		require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+		require.Contains(t, status.Convert(err).Message(), "default_transaction_read_only is on")
+		require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome)
+		require.False(t, ran, "nothing runs where its result could not be stored")
+	})
+	t.Run("handler errors", func(t *testing.T) {
+		t.Parallel()
+		db := testdb.New(t, 4)
+		store := migratedStore(t, db)
+		createLedger(t, db)
+		for name, tc := range map[string]struct {
+			fn      idempotency.Func
+			message string
+			stored  bool
+		}{
+			"SET TRANSACTION READ ONLY": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Exec(ctx, `SET TRANSACTION READ ONLY`)
+				return nil, err
+			}, "SET TRANSACTION", true},
+			"transaction_read_only spelled U&": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Exec(ctx, `SET LOCAL U&"transaction_read_only" = on`)
+				return nil, err
+			}, `SET U&"..."`, true},
+			"DEALLOCATE ALL": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Exec(ctx, `DEALLOCATE ALL`)
+				return nil, err
+			}, "DEALLOCATE", true},
+			"transaction_read_only through set_config": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Exec(ctx, `SELECT set_config('transaction_read_only', 'on', true)`)
+				return wrapperspb.String("read only"), err
+			}, "the handler made it so", true},
+			"rows left open": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Query(ctx, `SELECT generate_series(1, 10000)`)
+				return wrapperspb.String("left open"), err
+			}, "still open", true},
+			"QueryRow never scanned": {func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				tx.QueryRow(ctx, `SELECT 1`)
+				return wrapperspb.String("never scanned"), nil
+			}, "still open", true},
+		} {
+			key := strings.ReplaceAll(name, " ", "-")
+			for attempt := 0; attempt < 2; attempt++ {
+				res, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m"}, tc.fn)
+				require.Equal(t, codes.Internal, status.Code(err), "%s: %v", name, err)
+				require.Contains(t, status.Convert(err).Message(), tc.message, name)
+				if tc.stored {
+					want := []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeReplayed}[attempt]
+					require.Equal(t, want, res.Outcome, "%s: stored, never run again", name)
+				}
+			}
+			// The connection is fit for the next call.
+			res, err := store.Execute(ctx, idempotency.Call{Key: key + "-then", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('next')`)
+				return nil, err
+			})
+			require.NoError(t, err, name)
+			require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+		}
+	})
+}
+
+// A handler that returns the driver's error for a serialization failure or
+// a deadlock: Aborted, which clients retry with the same key, not Unknown.
+func TestHandlersDeadlockIsAborted(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		var err error
+		_, err = idempotency.MustTxFromContext(ctx).Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = 'deadlock_detected'; END $$`)
+		return nil, err
+	}})
+	r := e.call(context.Background(), methodCharge, "k", "x")
+	require.Equal(t, codes.Aborted, status.Code(r.err), "%v", r.err)
+	require.Contains(t, retryCodes, status.Code(r.err), "a code the client interceptor retries")
+	require.Equal(t, 0, e.keyRows(), "released: the retry runs again")
 }

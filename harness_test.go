@@ -2,6 +2,9 @@ package idempotency_test
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"slices"
@@ -572,3 +575,125 @@ func (f endTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallSt
 }
 
 func (f endTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) { f(ctx, data) }
+
+// onePool is a pool of one connection on a schema of its own (so the
+// next call gets the same connection unless the engine closed it), with a
+// migrated store and a ledger.
+func onePool(t *testing.T, opts ...idempotency.StoreOption) (*testdb.DB, *idempotency.Store) {
+	t.Helper()
+	db := testdb.New(t, 1)
+	store := migratedStore(t, db, opts...)
+	createLedger(t, db)
+	return db, store
+}
+
+func execString(store *idempotency.Store, key string, fn func(ctx context.Context, tx pgx.Tx) (string, error)) (idempotency.Result, error) {
+	return store.Execute(context.Background(), idempotency.Call{Key: key, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		s, err := fn(ctx, tx)
+		if err != nil {
+			return nil, err
+		}
+		return wrapperspb.String(s), nil
+	})
+}
+
+// backendPID is the PID of the session the call's transaction runs on.
+func backendPID(ctx context.Context, tx pgx.Tx) (int, error) {
+	var pid int
+	err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid)
+	return pid, err
+}
+
+// requireStoredInternal requires err to be a stored Internal error saying
+// what.
+func requireStoredInternal(t *testing.T, err error, what string) {
+	t.Helper()
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.True(t, idempotency.IsFinal(err), "stored: %v", err)
+	require.Contains(t, status.Convert(err).Message(), what)
+}
+
+// keyState is the state of key's row in db's key table, "" when it has none.
+func keyState(t *testing.T, db *testdb.DB, key string) string {
+	t.Helper()
+	var state string
+	err := db.Pool.QueryRow(context.Background(), `SELECT state FROM idempotency_keys WHERE key = $1`, key).Scan(&state)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return ""
+	}
+	require.NoError(t, err)
+	return state
+}
+
+// testRole creates a login role for t (dropped when t ends) with the
+// privileges of the test database's schema, and runs each alter on it (%s
+// is the role's quoted name). Creating roles needs CREATEROLE, and some
+// settings a superuser: the tests' role has both on the local server.
+func testRole(t *testing.T, alters ...string) string {
+	t.Helper()
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	name := "idempotency_test_" + hex.EncodeToString(b[:])
+	quoted := pgx.Identifier{name}.Sanitize()
+	admin := testdb.Admin(t)
+	ctx := context.Background()
+	if _, err := admin.Exec(ctx, "CREATE ROLE "+quoted+" LOGIN"); err != nil {
+		t.Fatalf("create role %s (the tests need CREATEROLE): %v", name, err)
+	}
+	t.Cleanup(func() {
+		_, _ = admin.Exec(ctx, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", name)
+		if _, err := admin.Exec(ctx, "DROP OWNED BY "+quoted+"; DROP ROLE "+quoted); err != nil {
+			t.Errorf("drop role %s: %v", name, err)
+		}
+	})
+	for _, alter := range alters {
+		if _, err := admin.Exec(ctx, strings.ReplaceAll(alter, "%s", quoted)); err != nil {
+			t.Fatalf("%s: %v", alter, err)
+		}
+	}
+	return name
+}
+
+// deadlineCue makes contexts whose deadline passes when the test says so:
+// Err is context.DeadlineExceeded once expired, as a timer's would be.
+type deadlineCue struct {
+	done chan struct{}
+	once sync.Once
+}
+
+func newDeadlineCue() *deadlineCue { return &deadlineCue{done: make(chan struct{})} }
+
+func (c *deadlineCue) wrap(parent context.Context) context.Context {
+	return cuedContext{Context: parent, cue: c}
+}
+
+func (c *deadlineCue) expire() { c.once.Do(func() { close(c.done) }) }
+
+// expireWhenSleeping expires the cue once the backend in pid is inside the
+// handler's pg_sleep.
+func (c *deadlineCue) expireWhenSleeping(t *testing.T, db *testdb.DB, pid *atomic.Uint32) {
+	t.Helper()
+	defer c.expire() // a failed wait must not leave the call sleeping
+	require.Eventually(t, func() bool {
+		p := pid.Load()
+		return p != 0 && db.Count(t, fmt.Sprintf(`SELECT count(*) FROM pg_stat_activity WHERE pid = %d AND wait_event = 'PgSleep'`, p)) == 1
+	}, liveness, time.Millisecond, "the handler's statement to run")
+}
+
+type cuedContext struct {
+	context.Context
+	cue *deadlineCue
+}
+
+func (c cuedContext) Deadline() (time.Time, bool) { return time.Now().Add(time.Hour), true }
+
+func (c cuedContext) Done() <-chan struct{} { return c.cue.done }
+
+func (c cuedContext) Err() error {
+	select {
+	case <-c.cue.done:
+		return context.DeadlineExceeded
+	default:
+		return c.Context.Err()
+	}
+}

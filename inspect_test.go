@@ -2,6 +2,8 @@ package idempotency_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -9,12 +11,15 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/testdb"
@@ -281,4 +286,114 @@ ANALYZE idempotency_keys`)
 	require.Equal(t, 3000, page.Examined, "every scope, once")
 	require.Empty(t, page.Next)
 	require.Len(t, traced.calls, 4, "three statements of a thousand scopes, and one that finds no more")
+}
+
+// Forget with the state "failed" deletes a failed record, so that the key
+// runs again, and never a succeeded one: 16 redrives of one failed
+// message at once, each forgetting and running the message again, apply
+// it once. Any other state is refused, nothing forgotten.
+func TestForgetFailedNeverForgetsAnAppliedEffect(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	store := migratedStore(t, db)
+	ctx := context.Background()
+	m := idempotency.Message{Scope: "redrive", ID: "m-1", Body: []byte("100")}
+	var applied atomic.Int64
+	fail := func(context.Context, pgx.Tx) error { return idempotency.Final(errors.New("poison today")) }
+	apply := func(context.Context, pgx.Tx) error { applied.Add(1); return nil }
+
+	require.ErrorIs(t, store.Forget(ctx, m.Scope, "message m-1", "failed"), idempotency.ErrKeyNotFound)
+	_, err := store.ProcessMessage(ctx, m, fail)
+	require.True(t, idempotency.IsFinal(err))
+
+	// A redrive: forget the failure, then deliver the message again.
+	redrive := func() error {
+		if err := store.Forget(ctx, m.Scope, "message m-1", "failed"); err != nil && !errors.Is(err, idempotency.ErrKeyNotFound) {
+			return err
+		}
+		for {
+			if _, err := store.ProcessMessage(ctx, m, apply); !idempotency.IsInProgress(err) {
+				return err
+			}
+		}
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 16)
+	for i := range errs {
+		wg.Go(func() { errs[i] = redrive() })
+	}
+	wg.Wait()
+	// And one more, after them (an operator's repeated command).
+	errs = append(errs, redrive())
+	for i, err := range errs {
+		if err != nil && !errors.Is(err, idempotency.ErrNotFailed) && !idempotency.IsInProgress(err) {
+			t.Fatalf("redrive %d: %v", i, err)
+		}
+	}
+	require.EqualValues(t, 1, applied.Load(), "the message is applied once")
+	err = store.Forget(ctx, m.Scope, "message m-1", "failed")
+	require.ErrorIs(t, err, idempotency.ErrNotFailed, "a succeeded record is kept")
+	require.Contains(t, err.Error(), "succeeded")
+	rec, err := store.Inspect(ctx, m.Scope, "message m-1")
+	require.NoError(t, err)
+	require.Equal(t, "succeeded", rec.State)
+
+	// A gRPC call's stored final error is forgotten the same way.
+	call := idempotency.Call{Scope: "redrive", Key: "k", Method: "m"}
+	_, err = store.Execute(ctx, call, func(context.Context, pgx.Tx) (proto.Message, error) {
+		return nil, idempotency.Final(fmt.Errorf("declined"))
+	})
+	require.Error(t, err)
+	for _, state := range []string{"succeeded", "running", "Failed"} {
+		require.ErrorContains(t, store.Forget(ctx, "redrive", "k", state), `use "failed", or "" for any`, state)
+	}
+	require.NoError(t, store.Forget(ctx, "redrive", "k", "failed"))
+	require.ErrorIs(t, store.Forget(ctx, "redrive", "k", "failed"), idempotency.ErrKeyNotFound)
+}
+
+// Inspect and Forget reach each transport's key when named with its
+// namespace, and tell a key whose call is running from a key never used.
+func TestInspectAndForgetNameEachTransportsKey(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, nil)
+	ctx := context.Background()
+	require.Equal(t, http.StatusCreated, e.post("x", "charge 1").status)
+	runs := 0
+	fn := func(context.Context, pgx.Tx) (proto.Message, error) { runs++; return wrapperspb.String("ok"), nil }
+	_, err := e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
+	require.NoError(t, err)
+
+	rec, err := e.store.Inspect(ctx, "", "x")
+	require.NoError(t, err)
+	require.Equal(t, idempotency.TransportGRPC, rec.Transport)
+	rec, err = e.store.Inspect(ctx, "", "http x")
+	require.NoError(t, err)
+	require.Equal(t, idempotency.TransportHTTP, rec.Transport)
+	require.Equal(t, "x", rec.Key)
+	require.Equal(t, "POST /v1/charges", rec.Method)
+
+	require.NoError(t, e.store.Forget(ctx, "", "http x", ""), "the HTTP charge")
+	_, err = e.store.Execute(ctx, idempotency.Call{Key: "x", Method: "/svc/Refund"}, fn)
+	require.NoError(t, err)
+	require.Equal(t, 1, runs, "the gRPC key was left alone")
+	require.Equal(t, http.StatusCreated, e.post("x", "charge 1").status)
+	require.Equal(t, 2, e.ledgerRows(), "the forgotten HTTP key ran again")
+
+	holding, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := e.store.Execute(ctx, idempotency.Call{Key: "running", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			close(holding)
+			<-release
+			return nil, nil
+		})
+		done <- err
+	}()
+	await(t, holding, "the call to hold its key")
+	_, err = e.store.Inspect(ctx, "", "running")
+	require.ErrorIs(t, err, idempotency.ErrInProgress, "running, not never used")
+	close(release)
+	require.NoError(t, await(t, done, "the call"))
+	_, err = e.store.Inspect(ctx, "", "never")
+	require.ErrorIs(t, err, idempotency.ErrKeyNotFound)
 }

@@ -6,13 +6,13 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -625,30 +625,6 @@ func TestHeldKeyLocksSeesARunningCall(t *testing.T) {
 	require.EqualValues(t, 1, during.Load(), "the running request's lock")
 }
 
-func TestPanicRollsBackAndLeavesNoKey(t *testing.T) {
-	t.Parallel()
-	var e *env
-	e = newEnv(t, envConfig{
-		interceptors: []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor()},
-		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
-			resp, err := e.insertLedger(ctx, req)
-			if e.runs.Load() == 1 {
-				panic("handler bug")
-			}
-			return resp, err
-		},
-	})
-	r := e.call(context.Background(), methodCharge, "k", "x")
-	require.ErrorContains(t, r.err, "panic caught", "the panic propagated to the recovery interceptor")
-	require.Equal(t, 0, e.ledgerRows())
-	require.Equal(t, 0, e.keyRows())
-
-	requireNoKeyLocks(t, e.db, "", []string{"k"}, "no lock outlives the panicking call")
-	r = e.call(context.Background(), methodCharge, "k", "x")
-	require.NoError(t, r.err)
-	require.False(t, r.replayed)
-}
-
 // A crash between the claim and the commit: the server's database session
 // dies while the handler runs. Nothing of the call may remain, and a retry
 // must execute immediately rather than wait for a lease.
@@ -811,4 +787,43 @@ func TestTracerSeesEveryKeyedCall(t *testing.T) {
 	defer mu.Unlock()
 	require.Equal(t, []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeReplayed, idempotency.OutcomeKeyReused, idempotency.OutcomeRejected}, seen)
 	require.Equal(t, "key_reused", idempotency.OutcomeKeyReused.String())
+}
+
+// The middleware mounted twice (on a router group and on its route), and
+// the interceptor chained twice, protect a call once: the inner one does
+// not answer "in progress" for the outer one's own key.
+func TestProtectionNestedInItselfRunsTheHandlerOnce(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	store := migratedStore(t, db, idempotency.WithInProgressWait(50*time.Millisecond))
+	var runs atomic.Int64
+	mw := idempotency.HTTPMiddleware(store)
+	srv := httptest.NewServer(mw(mw(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { runs.Add(1); w.WriteHeader(http.StatusCreated) }))))
+	t.Cleanup(srv.Close)
+	for i := 0; i < 2; i++ {
+		req, err := http.NewRequest(http.MethodPost, srv.URL+"/v1/x", strings.NewReader("b"))
+		require.NoError(t, err)
+		req.Header.Set(idempotency.HeaderKey, "k")
+		resp, err := srv.Client().Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusCreated, resp.StatusCode, "attempt %d", i)
+	}
+	require.EqualValues(t, 1, runs.Load())
+
+	var grpcRuns atomic.Int64
+	icpt := idempotency.UnaryServerInterceptor(store)
+	gs := grpc.NewServer(grpc.ChainUnaryInterceptor(icpt, icpt))
+	gs.RegisterService(ledgerDesc(), &ledger{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		grpcRuns.Add(1)
+		return keyedLedger(ctx, req)
+	}})
+	conn := dial(t, serve(t, gs))
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "g")
+	first := invoke(ctx, conn, methodCharge, "x")
+	require.NoError(t, first.err)
+	again := invoke(ctx, conn, methodCharge, "x")
+	require.NoError(t, again.err)
+	require.True(t, again.replayed)
+	require.EqualValues(t, 1, grpcRuns.Load())
 }

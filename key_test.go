@@ -1,64 +1,180 @@
-package idempotency
+package idempotency_test
 
 import (
-	"errors"
+	"bytes"
+	"context"
+	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
 )
 
-func TestUnitValidateKey(t *testing.T) {
+// Malformed keys (empty, 256 characters, non-ASCII, control characters,
+// two values) are covered by TestInvalidKeysAreRejectedAndWriteNothing and
+// FuzzKeyMetadata, and a key reused with another body or method by
+// TestKeyReusedWithDifferentRequest. This test adds sizes and reuse
+// combinations: each hostile call gets exactly the specified code and
+// writes no row and runs no handler.
+func TestOversizedCallsAndReusedKeysGetTheirCodeAndWriteNothing(t *testing.T) {
 	t.Parallel()
-	for key, reason := range map[string]string{
-		"":                       "key is empty",
-		strings.Repeat("a", 256): "256 bytes long, the limit is 255",
-		"has space":              "byte 3 is 0x20",
-		"a\tb":                   "byte 1 is 0x09",
-		"a\x00b":                 "byte 1 is 0x00",
-		"a\x7fb":                 "byte 1 is 0x7F",
-		"ключ":                   `non-ASCII 'к'`,
-		"\xff":                   "byte 0 is 0xFF",
+	e := newEnv(t, envConfig{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if _, err := idempotency.MustTxFromContext(ctx).Exec(ctx, `INSERT INTO ledger (note) VALUES ($1)`, fmt.Sprint(len(req.GetValue()))); err != nil {
+			return nil, err
+		}
+		return wrapperspb.String(fmt.Sprintf("%d bytes", len(req.GetValue()))), nil
+	}})
+	ctx := context.Background()
+	huge := strings.Repeat("h", 3<<20) // under gRPC's default 4 MiB message limit
+	keyed := func(key string) context.Context {
+		return metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, key)
+	}
+
+	// The calls the hostile ones collide with.
+	first := invoke(keyed("huge-key"), e.conn, methodCharge, huge)
+	require.NoError(t, first.err, "a 3 MiB request with a valid key is served")
+	require.NoError(t, e.call(ctx, methodCharge, "charge-key", "x").err)
+	again := invoke(keyed("huge-key"), e.conn, methodCharge, huge)
+	require.True(t, again.replayed, "a 3 MiB request replays")
+	require.True(t, bytes.Equal(first.raw, again.raw))
+	require.Less(t, e.db.Count(t, `SELECT max(pg_column_size(k.*)) FROM idempotency_keys k`), 4096,
+		"a request is kept as its fingerprint, never stored whole")
+	runs, keys, rows := e.runs.Load(), e.keyRows(), e.ledgerRows()
+
+	for _, tc := range []struct {
+		name   string
+		ctx    context.Context
+		method string
+		body   string
+		code   codes.Code
+		reason string // ErrorInfo reason, "" for gRPC's own rejections
+	}{
+		{"3 MiB body, key reused with the last byte changed", keyed("huge-key"), methodCharge, huge[:len(huge)-1] + "H", codes.FailedPrecondition, "KEY_REUSED"},
+		{"3 MiB body, key reused for another method", keyed("huge-key"), methodRefund, huge, codes.FailedPrecondition, "KEY_REUSED"},
+		{"key reused for another method, same body", keyed("charge-key"), methodRefund, "x", codes.FailedPrecondition, "KEY_REUSED"},
+		{"1 MiB key", keyed(strings.Repeat("k", 1<<20)), methodCharge, "x", codes.InvalidArgument, "INVALID_KEY"},
+		{"1 MiB key of valid characters but for the length", keyed(strings.Repeat("~", 1<<20)), methodRefund, huge, codes.InvalidArgument, "INVALID_KEY"},
+		// gRPC refuses this before any interceptor runs.
+		{"5 MiB body, over the server's message limit", keyed("new-key"), methodCharge, strings.Repeat("x", 5<<20), codes.ResourceExhausted, ""},
 	} {
-		err := ValidateKey(key)
-		require.ErrorIs(t, err, ErrInvalidKey, "%q", key)
-		require.ErrorContains(t, err, reason, "%q", key)
-		require.Equal(t, codes.InvalidArgument, status.Code(err))
-	}
-	for _, key := range []string{"!", "~", strings.Repeat("~", MaxKeyLen), "0190f3b4-7c1e-7000-8000-000000000000"} {
-		require.NoError(t, ValidateKey(key), "%q", key)
+		r := invoke(tc.ctx, e.conn, tc.method, tc.body)
+		require.Equal(t, tc.code, status.Code(r.err), "%s: %v", tc.name, r.err)
+		require.Equal(t, tc.reason, errorReason(r.err), tc.name)
+		require.Less(t, proto.Size(status.Convert(r.err).Proto()), 2048, "%s: the error must not echo the input back", tc.name)
+		require.Equal(t, runs, e.runs.Load(), "%s: handler ran", tc.name)
+		require.Equal(t, keys, e.keyRows(), "%s: key rows", tc.name)
+		require.Equal(t, rows, e.ledgerRows(), "%s: business rows", tc.name)
 	}
 }
 
-// The engine's key errors name no transport; each transport says where the
-// key came from.
-func TestUnitKeyErrorsNameTheirSource(t *testing.T) {
+// Scope and key are data, never SQL: a caller-chosen scope and keys full of
+// quote, comment and LIKE characters each name their own call, are stored
+// exactly as sent, and replay only their own response. (Hostile table and
+// schema names are covered by TestMigrateIsIdempotentAndHonoursTableName.)
+func TestScopeAndKeyCannotInjectSQL(t *testing.T) {
 	t.Parallel()
-	bare := ValidateKey("")
-	require.Empty(t, badRequestField(bare), "the engine names no field")
-
-	header := keyError(bare, MetadataKey, "")
-	require.Equal(t, MetadataKey, badRequestField(header))
-	require.ErrorIs(t, header, ErrInvalidKey)
-
-	msg := keyError(bare, "ID", "message ID")
-	require.Equal(t, "ID", badRequestField(msg))
-	require.ErrorContains(t, msg, "message ID: key is empty")
-	require.NotContains(t, msg.Error(), MetadataKey)
-	require.Empty(t, badRequestField(bare), "labelling copies, the original is unchanged")
-
-	other := errors.New("not a key error")
-	require.Equal(t, other, keyError(other, "f", "w"))
+	scopes := []string{"tenant", "tenant' OR '1'='1", "x'); DROP TABLE ledger; --", `"; DELETE FROM idempotency_keys; --`, `\`, "%"}
+	keys := []string{"k", "k'", "k%", "k_", "%", "_", `\`, "$1", "';DROP_TABLE_ledger;--", `k"--`}
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithScope(func(ctx context.Context) (string, error) {
+		return metadata.ValueFromIncomingContext(ctx, "x-tenant")[0], nil // the caller's choice, unchecked
+	})}})
+	call := func(scope, key string) reply {
+		ctx := metadata.AppendToOutgoingContext(context.Background(), "x-tenant", scope, idempotency.MetadataKey, key)
+		return invoke(ctx, e.conn, methodCharge, "x")
+	}
+	first := map[[2]string][]byte{}
+	for _, s := range scopes {
+		for _, k := range keys {
+			r := call(s, k)
+			require.NoError(t, r.err, "scope %q key %q", s, k)
+			require.False(t, r.replayed, "scope %q key %q must not match another call's row", s, k)
+			first[[2]string{s, k}] = r.raw
+		}
+	}
+	for _, s := range scopes {
+		for _, k := range keys {
+			r := call(s, k)
+			require.True(t, r.replayed, "scope %q key %q", s, k)
+			require.Equal(t, first[[2]string{s, k}], r.raw, "scope %q key %q replays its own response", s, k)
+		}
+	}
+	n := len(scopes) * len(keys)
+	require.EqualValues(t, n, e.runs.Load())
+	require.Equal(t, n, e.ledgerRows(), "the ledger is intact")
+	require.Equal(t, n, e.keyRows())
+	for _, s := range scopes {
+		for _, k := range keys {
+			require.Equal(t, 1, e.db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND key = $2`, s, k), "scope %q key %q stored as sent", s, k)
+		}
+	}
 }
 
-func badRequestField(err error) string {
+// errorReason is the ErrorInfo reason of err, "" when it has none.
+func errorReason(err error) string {
 	for _, d := range status.Convert(err).Details() {
-		if br, ok := d.(*errdetails.BadRequest); ok {
-			return br.GetFieldViolations()[0].GetField()
+		if ei, ok := d.(*errdetails.ErrorInfo); ok {
+			return ei.GetReason()
 		}
 	}
 	return ""
+}
+
+// A key sent as binary metadata (idempotency-key-bin) is a different
+// header to gRPC; neither the client interceptor nor the server may run the
+// call as if it had no key, or mint one beside it. Both refuse it.
+func TestBinaryKeyIsRefusedByClientAndServer(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired()}})
+	conn, _ := retryingClient(t, "passthrough:///"+e.addr, 2)
+	for range 2 { // the same logical call, sent twice through the library's client
+		ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey+"-bin", "order-77")
+		err := conn.Invoke(ctx, methodCharge, wrapperspb.String("order 77"), &wrapperspb.StringValue{})
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+		require.True(t, hasInvalidKeyInfo(err), "%v", err)
+	}
+	require.Zero(t, e.arrived.Load(), "the client refuses before sending")
+
+	// A client without the library's interceptor: the server refuses the
+	// binary key even beside a text one.
+	for _, md := range [][]string{
+		{idempotency.MetadataKey + "-bin", "order-78"},
+		{idempotency.MetadataKey, "order-78", idempotency.MetadataKey + "-bin", "order-78"},
+	} {
+		ctx := metadata.AppendToOutgoingContext(context.Background(), md...)
+		r := invoke(ctx, e.conn, methodCharge, "order 78")
+		require.Equal(t, codes.InvalidArgument, status.Code(r.err), "%v", r.err)
+		require.True(t, hasInvalidKeyInfo(r.err), "%v", r.err)
+	}
+	require.Zero(t, e.runs.Load())
+	require.Zero(t, e.ledgerRows())
+	require.Zero(t, e.keyRows())
+}
+
+// A key sent as binary metadata is not silently ignored.
+func TestServerRefusesBinaryKeyNamingTheTextHeader(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: []idempotency.ServerOption{idempotency.WithKeyRequired()}})
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey+"-bin", "k")
+	r := invoke(ctx, e.conn, methodCharge, "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Contains(t, status.Convert(r.err).Message(), "send it as the text metadata idempotency-key")
+	require.Equal(t, idempotency.MetadataKey+"-bin", badRequestField(t, r.err))
+	require.EqualValues(t, 0, e.runs.Load())
+
+	r = e.call(context.Background(), methodCharge, "", "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err))
+	require.Contains(t, status.Convert(r.err).Message(), "send it in the idempotency-key metadata", "the missing-key error names the header")
+
+	optional := newEnv(t, envConfig{})
+	r = invoke(ctx, optional.conn, methodCharge, "x")
+	require.Equal(t, codes.InvalidArgument, status.Code(r.err), "refused even where a key is optional: the caller meant to send one")
+	require.EqualValues(t, 0, optional.runs.Load())
 }

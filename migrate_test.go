@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"io"
+	"net/http"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,6 +17,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -376,4 +381,225 @@ func TestMigrateWithoutASchemaToCreateIn(t *testing.T) {
 	err = store.Migrate(context.Background())
 	require.ErrorContains(t, err, "none of its schemas exists: set search_path, or name the schema with WithTable")
 	require.Zero(t, db.Count(t, `SELECT count(*) FROM pg_catalog.pg_tables WHERE tablename = 'idempotency_keys_migrations' AND schemaname = $1`, db.Schema))
+}
+
+// Sixteen replicas start at once on an empty schema, naming one table in
+// four ways: with its schema, through a search_path of that schema alone,
+// through one whose first schema does not exist, and with the schema
+// quoted in the search_path. Every Migrate succeeds, one table is made,
+// each version is recorded once, and every store then serves calls.
+func TestSixteenReplicasMigrateOneTableSpelledFourWays(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	ctx := context.Background()
+	paths := []string{"", db.Schema, "r31_absent_schema, " + db.Schema, `"` + db.Schema + `"`}
+	var stores []*idempotency.Store
+	for i := range 16 {
+		path := paths[i%len(paths)]
+		var opt idempotency.StoreOption
+		pool := db.Pool
+		if path == "" {
+			opt = idempotency.WithTable(db.Schema, "keys")
+		} else {
+			pool = schemaPool(t, path, 1, nil)
+			opt = idempotency.WithTable("", "keys")
+		}
+		s, err := idempotency.NewStore(pool, opt)
+		require.NoError(t, err)
+		stores = append(stores, s)
+	}
+	all, err := idempotency.Migrations("", "keys")
+	require.NoError(t, err)
+	for round := range 3 {
+		_, err := db.Pool.Exec(ctx, `DROP TABLE IF EXISTS keys, keys_migrations`)
+		require.NoError(t, err)
+		start := make(chan struct{})
+		errs := make(chan error, len(stores))
+		for _, s := range stores {
+			go func() {
+				<-start
+				errs <- s.Migrate(ctx)
+			}()
+		}
+		close(start)
+		for range stores {
+			require.NoError(t, <-errs, "round %d", round)
+		}
+		require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE tablename = 'keys' AND schemaname IN ($1, 'public', 'r31_absent_schema')`, db.Schema), "round %d", round)
+		require.Equal(t, len(all), db.Count(t, `SELECT count(*) FROM keys_migrations`), "round %d", round)
+		for i, s := range stores {
+			res, err := s.Execute(ctx, idempotency.Call{Scope: "s", Key: fmt.Sprintf("r%d-k%d", round, i%4), Method: "/r31.Svc/Do"},
+				func(context.Context, pgx.Tx) (proto.Message, error) { return wrapperspb.String("ok"), nil })
+			require.NoError(t, err, "store %d", i)
+			if i >= 4 {
+				require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "store %d shares the table", i)
+			}
+		}
+	}
+}
+
+// Migrate brings a table from version 2 (rows of an older release to move,
+// 003; the fillfactor, 004) while sixteen workers make calls through the
+// same table: no call fails, none runs twice (each key's handler writes one
+// ledger row in the call's transaction; each key is sent twice), and
+// Migrate succeeds.
+func TestMigrateWhileSixteenWorkersCall(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 20)
+	ctx := context.Background()
+	store := migratedStore(t, db)
+	downgradeTo(t, db, 2)
+	_, err := db.Pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, response_type, response, metadata, expires_at)
+SELECT 'tenant-' || (i % 7), 'h-' || i, 'POST /v1/charges', '\x01', 'succeeded', 'google.protobuf.BytesValue', '\x0a027b7d'::bytea, '\x08c901'::bytea, now() + interval '1 hour'
+FROM generate_series(1, 6000) i;
+CREATE TABLE ledger (key text PRIMARY KEY)`)
+	require.NoError(t, err)
+
+	var wg sync.WaitGroup
+	var stop atomic.Bool
+	var calls, failures atomic.Int64
+	var firstErr atomic.Value
+	for w := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; !stop.Load() || i < 5; i++ {
+				key := fmt.Sprintf("w%d-%d", w, i)
+				for range 2 {
+					_, err := store.Execute(ctx, idempotency.Call{Scope: "tenant-1", Key: key, Method: "/r31.Svc/Charge"},
+						func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+							_, err := tx.Exec(ctx, `INSERT INTO ledger (key) VALUES ($1)`, key)
+							return wrapperspb.String(key), err
+						})
+					calls.Add(1)
+					if err != nil {
+						failures.Add(1)
+						firstErr.CompareAndSwap(nil, err)
+					}
+				}
+			}
+		}()
+	}
+	migrateErr := store.Migrate(ctx)
+	stop.Store(true)
+	wg.Wait()
+	require.NoError(t, migrateErr)
+	require.Zero(t, failures.Load(), "of %d calls; first: %v", calls.Load(), firstErr.Load())
+	require.Equal(t, 6000, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key LIKE 'http h-%'`))
+	require.Equal(t, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key LIKE 'w%'`), db.Count(t, `SELECT count(*) FROM ledger`))
+	require.EqualValues(t, calls.Load()/2, db.Count(t, `SELECT count(*) FROM ledger`), "each key ran once")
+}
+
+func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	// Hostile names must be quoted, not interpreted. Migrate creates the
+	// schema, whose name would end the dollar quote of the statement that
+	// creates it.
+	schema := db.Schema + ` odd "schema"; $create_schema$ \' --` // unique per run, so parallel runs do not collide
+	const table = `keys'); DROP TABLE victim; --`
+	_, err := db.Pool.Exec(ctx, `CREATE TABLE victim (id int)`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = testdb.Admin(t).Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+	})
+
+	store, err := idempotency.NewStore(db.Pool, idempotency.WithTable(schema, table))
+	require.NoError(t, err)
+	for i := 0; i < 2; i++ {
+		require.NoError(t, store.Migrate(ctx), "Migrate run %d", i+1)
+	}
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, schema, table))
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE tablename = 'victim'`))
+	all, err := idempotency.Migrations(schema, table)
+	require.NoError(t, err)
+	require.Equal(t, len(all), db.Count(t, `SELECT count(*) FROM `+pgx.Identifier{schema, table + "_migrations"}.Sanitize()), "each migration applied once")
+	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relpersistence = 'u'`, table), "the key table must not be UNLOGGED")
+
+	res, err := store.Execute(ctx, idempotency.Call{Scope: "s'; --", Key: "k", Method: "m", Fingerprint: []byte{1}},
+		func(context.Context, pgx.Tx) (proto.Message, error) { return wrapperspb.String("v"), nil })
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+
+	ms, err := idempotency.Migrations(schema, table)
+	require.NoError(t, err)
+	require.NotEmpty(t, ms)
+	require.Contains(t, ms[0].SQL, pgx.Identifier{schema, table}.Sanitize(), "exported SQL names the configured table")
+}
+
+// Migration 003 moves the HTTP and message rows of older versions into
+// their namespaces, the errors the engine stored for HTTP requests too,
+// and leaves Store.Execute's alone; a downgrade and an upgrade again never
+// make it fail.
+func TestMigrationMovesOlderRowsIntoTheirNamespaces(t *testing.T) {
+	t.Parallel()
+	e := newHTTPEnv(t, func(w http.ResponseWriter, r *http.Request) {
+		switch body, _ := io.ReadAll(r.Body); string(body) {
+		case "end":
+			_, _ = idempotency.MustTxFromContext(r.Context()).Conn().Exec(r.Context(), `COMMIT`)
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	ctx := context.Background()
+	store := e.store
+	var runs atomic.Int64
+	direct := idempotency.Call{Key: "d", Method: "POST /v1/orders"}
+	fn := func(context.Context, pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		return wrapperspb.Bytes([]byte("{}")), nil
+	}
+	_, err := store.Execute(ctx, direct, fn)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusCreated, e.post("ok", "fine").status)
+	require.Equal(t, http.StatusInternalServerError, e.post("ended", "end").status, "an error the engine stored")
+	_, err = store.ProcessMessage(ctx, idempotency.Message{ID: "m"}, func(context.Context, pgx.Tx) error { return nil })
+	require.NoError(t, err)
+
+	ms, err := idempotency.Migrations("", idempotency.DefaultTable)
+	require.NoError(t, err)
+	downgrade := func() { // as the older version's table looks
+		_, err := e.db.Pool.Exec(ctx, ms[2].Down)
+		require.NoError(t, err)
+		_, err = e.db.Pool.Exec(ctx, `DELETE FROM idempotency_keys_migrations WHERE version = 3`)
+		require.NoError(t, err)
+	}
+	for round := 0; round < 2; round++ {
+		downgrade()
+		require.NoError(t, store.Migrate(ctx), "round %d", round)
+		require.Equal(t, http.StatusCreated, e.post("ok", "fine").status)
+		require.Equal(t, http.StatusInternalServerError, e.post("ended", "end").status)
+		o, err := store.ProcessMessage(ctx, idempotency.Message{ID: "m", Redelivered: true}, func(context.Context, pgx.Tx) error { return errors.New("ran") })
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, o)
+		res, err := store.Execute(ctx, direct, fn)
+		require.NoError(t, err)
+		require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, "Execute's row stays in its namespace")
+	}
+	require.EqualValues(t, 2, e.runs.Load(), "each HTTP request ran once")
+	require.EqualValues(t, 1, runs.Load())
+
+	// A downgrade, then the older version writes the bare key again: the
+	// upgrade leaves the row it cannot move, instead of failing.
+	downgrade()
+	_, err = e.db.Pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, key, method, fingerprint, state, response_type, response, metadata, expires_at)
+VALUES ('', 'taken', 'POST /v1/charges', '\x00', 'succeeded', 'google.protobuf.BytesValue', '', '\x08c901', now() + interval '1 hour'),
+       ('', 'http taken', 'POST /v1/charges', '\x00', 'succeeded', 'google.protobuf.BytesValue', '', '\x08c901', now() + interval '1 hour')`)
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx))
+}
+
+func TestNeverMigratedIsAConfigurationError(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store, err := idempotency.NewStore(db.Pool) // no Migrate
+	require.NoError(t, err)
+	ran := false
+	res, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"},
+		func(context.Context, pgx.Tx) (proto.Message, error) { ran = true; return nil, nil })
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Contains(t, status.Convert(err).Message(), `key table "idempotency_keys" does not exist: run Store.Migrate`)
+	require.Equal(t, idempotency.OutcomeMisconfigured, res.Outcome, "an operator must act; not an outage")
+	require.False(t, ran, "nothing runs without a key table")
+	require.False(t, errors.Is(err, idempotency.ErrStoreUnavailable))
 }

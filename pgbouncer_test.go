@@ -639,3 +639,161 @@ AND classid = 0 AND objid = $1 AND objsubid = 1`, lockKey) > 0
 	}
 	require.EqualValues(t, 1, runs.Load(), "the handler ran once")
 }
+
+// Behind PgBouncer in transaction pooling, a handler that commits on
+// tx.Conn() hands the server connection back to PgBouncer while another
+// client takes it: the key's lock is the transaction's alone behind a
+// pooler, so nothing outlives the call, and both callers get the stored
+// error.
+func TestThroughPgBouncerCommitOnConnLeavesNoLock(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	pool := bouncedPoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 2 })
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+	require.NoError(t, err)
+	ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
+	ctx := context.Background()
+	other, err := pgx.Connect(ctx, pgbouncerURL(t))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close(context.Background()) })
+	var otherTx pgx.Tx
+	var runs atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		runs.Add(1)
+		c := tx.Conn()
+		var pid int
+		if err := c.QueryRow(ctx, `INSERT INTO `+ledger+` (note, key) VALUES ('x', 'k') RETURNING pg_backend_pid()`).Scan(&pid); err != nil {
+			return nil, err
+		}
+		if _, err := c.Exec(ctx, `COMMIT`); err != nil {
+			return nil, err
+		}
+		// Another client of the same PgBouncer starts a transaction now,
+		// and gets the server connection the handler just released.
+		var err error
+		if otherTx, err = beginOnReleasedServer(ctx, t, other, pid); err != nil {
+			return nil, err
+		}
+		return wrapperspb.String("done"), nil
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err1 := store.Execute(ctx, call, fn)
+	t.Logf("first call: %v", err1)
+	require.NotNil(t, otherTx)
+	require.NoError(t, otherTx.Commit(ctx))
+	_, err2 := store.Execute(ctx, call, fn)
+	t.Logf("second call: %v", err2)
+	errForget := store.Forget(ctx, "", "k", "")
+	t.Logf("forget: %v", errForget)
+	require.EqualValues(t, 1, runs.Load())
+	requireNoKeyLocks(t, db, "", []string{"k"}, "no lock of the key outlives its calls")
+}
+
+// Behind PgBouncer, a handler that rolls back on tx.Conn() and writes
+// outside any transaction (its write commits) while another client takes
+// the server connection: the engine stores the call's error, and the
+// retry replays it (a session's lock left on that server connection made
+// the store fail, and the retry ran the handler again).
+func TestThroughPgBouncerRollbackOnConnRunsOnce(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	// A PgBouncer of the test's own: the test ends the handler's server
+	// connection after the pooler handed it on, which on a shared pooler
+	// may be another test's by then.
+	url := pgbouncerOf(t, 2)
+	pool := bouncedPoolAt(t, url, func(cfg *pgxpool.Config) { cfg.MaxConns = 2 })
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable), idempotency.WithInProgressWait(200*time.Millisecond))
+	require.NoError(t, err)
+	ledger := pgx.Identifier{db.Schema, "ledger"}.Sanitize()
+	ctx := context.Background()
+	other, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = other.Close(context.Background()) })
+	var otherTx pgx.Tx
+	var handlerPID int
+	var runs atomic.Int64
+	fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		n := runs.Add(1)
+		c := tx.Conn()
+		if n == 1 {
+			if err := c.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&handlerPID); err != nil {
+				return nil, err
+			}
+			if _, err := c.Exec(ctx, `ROLLBACK`); err != nil {
+				return nil, err
+			}
+			var err error
+			if otherTx, err = beginOnReleasedServer(ctx, t, other, handlerPID); err != nil {
+				return nil, err
+			}
+		}
+		if _, err := c.Exec(ctx, `INSERT INTO `+ledger+` (note, key) VALUES ('charge', 'k')`); err != nil {
+			return nil, err
+		}
+		return wrapperspb.String("done"), nil
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err1 := store.Execute(ctx, call, fn)
+	t.Logf("first call: %v (stored: %v)", err1, idempotency.IsFinal(err1))
+	require.NotNil(t, otherTx)
+	require.NoError(t, otherTx.Commit(ctx))
+	_, err2 := store.Execute(ctx, call, fn)
+	t.Logf("retry while the server connection lives: %v", err2)
+	t.Logf("key locks held: %d, key row state %q", heldKeyLocks(t, db, "", []string{"k"}), keyState(t, db, "k"))
+	// PgBouncer closes server connections (server_lifetime,
+	// server_idle_timeout, a restart): here, the one that holds the lock.
+	killBackend(t, uint32(handlerPID))
+	_, err3 := store.Execute(ctx, call, fn)
+	t.Logf("retry after the server connection went: %v", err3)
+	require.EqualValues(t, 1, runs.Load(), "the handler ran again after its write had committed")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM `+ledger))
+}
+
+// Behind PgBouncer in transaction pooling, a setting a handler changes for
+// the session (a plain SET) would stay on PgBouncer's server connection,
+// which outlives the engine's client connection: the engine resets it
+// with the commit, and the next call PgBouncer gives it sees none of it.
+func TestThroughPgBouncerSessionSettingIsReset(t *testing.T) {
+	t.Parallel()
+	db := suiteDB(t)
+	pool := bouncedPoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
+	store, err := idempotency.NewStore(pool, idempotency.WithTable(db.Schema, idempotency.DefaultTable))
+	require.NoError(t, err)
+	var pidA, pidB int
+	_, err = execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
+		var err error
+		if pidA, err = backendPID(ctx, tx); err != nil {
+			return "", err
+		}
+		_, err = tx.Exec(ctx, `SET app.tenant = 'acme'`)
+		return "a", err
+	})
+	require.NoError(t, err)
+	var seen string
+	_, err = execString(store, "b", func(ctx context.Context, tx pgx.Tx) (string, error) {
+		var err error
+		if pidB, err = backendPID(ctx, tx); err != nil {
+			return "", err
+		}
+		return "b", tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&seen)
+	})
+	require.NoError(t, err)
+	t.Logf("call a on server backend %d, call b on %d", pidA, pidB)
+	require.Empty(t, seen, "call b sees the tenant call a's handler set for its session")
+}
+
+// beginOnReleasedServer begins a transaction of another client of the same
+// PgBouncer, which takes the server connection the handler (on the backend
+// handlerPID) has just released, and logs which backend it got.
+func beginOnReleasedServer(ctx context.Context, t *testing.T, other *pgx.Conn, handlerPID int) (pgx.Tx, error) {
+	tx, err := other.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var otherPID int
+	if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&otherPID); err != nil {
+		return tx, err // the caller's cleanup rolls it back
+	}
+	t.Logf("handler's server backend %d, other client's %d", handlerPID, otherPID)
+	return tx, nil
+}

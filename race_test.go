@@ -3,6 +3,7 @@ package idempotency_test
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
@@ -203,6 +205,118 @@ func (g *commitGate) roundTrip(ctx context.Context, _ *pgx.Conn, statements []st
 				r.timedOut.Store(true)
 			}
 			time.Sleep(r.jitter)
+		})
+	}
+}
+
+// A saturated pool (MaxConns 1 and 2) and 16+ callers of few keys, with
+// handlers that misbehave in turn (tx.Conn() with a COMMIT, a panic, an
+// error, an aborted statement ignored, rows left open): every key's callers
+// agree on one answer, a key whose handler committed anything never runs
+// again, nobody gets Unavailable, and no lock is left.
+func TestSaturatedPoolsWithMisbehavingHandlers(t *testing.T) {
+	t.Parallel()
+	for _, conns := range []int32{1, 2} {
+		t.Run(fmt.Sprintf("MaxConns=%d", conns), func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, conns)
+			store := migratedStore(t, db, idempotency.WithInProgressWait(30*time.Second))
+			createLedger(t, db)
+			const keys = 6
+			var runs [keys]atomic.Int64
+			fn := func(k int) idempotency.Func {
+				return func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+					n := runs[k].Add(1)
+					if _, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ($1)`, fmt.Sprintf("k%d run %d", k, n)); err != nil {
+						return nil, err
+					}
+					switch k {
+					case 0:
+						if _, err := tx.Conn().Exec(ctx, `COMMIT`); err != nil {
+							return nil, err
+						}
+					case 1:
+						if n == 1 {
+							panic("boom")
+						}
+					case 2:
+						if n == 1 {
+							return nil, status.Error(codes.Unavailable, "provider down")
+						}
+					case 3:
+						_, _ = tx.Exec(ctx, `SELECT 1/0`)
+					case 4:
+						rows, err := tx.Query(ctx, `SELECT generate_series(1, 100000)`)
+						if err != nil {
+							return nil, err
+						}
+						_ = rows // left open
+					}
+					return wrapperspb.String(fmt.Sprintf("k%d run %d", k, n)), nil
+				}
+			}
+			type answer struct {
+				code codes.Code
+				msg  string
+			}
+			answers := make([][]answer, keys)
+			var mu sync.Mutex
+			var wg sync.WaitGroup
+			for c := range 18 {
+				k := c % keys
+				wg.Go(func() {
+					var res idempotency.Result
+					var err error
+					func() {
+						defer func() { _ = recover() }()
+						res, err = store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("k%d", k), Method: "m"}, fn(k))
+					}()
+					a := answer{code: status.Code(err), msg: status.Convert(err).Message()}
+					if err == nil && res.Response != nil {
+						a.msg = res.Response.(*wrapperspb.StringValue).GetValue()
+					}
+					mu.Lock()
+					answers[k] = append(answers[k], a)
+					mu.Unlock()
+				})
+			}
+			wg.Wait()
+			// Retries of the failed first runs (panic, Unavailable) then
+			// settle those keys; everyone after agrees.
+			for k := range keys {
+				var last answer
+				for range 2 {
+					var res idempotency.Result
+					var err error
+					func() {
+						defer func() { _ = recover() }()
+						res, err = store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("k%d", k), Method: "m"}, fn(k))
+					}()
+					a := answer{code: status.Code(err), msg: status.Convert(err).Message()}
+					if err == nil && res.Response != nil {
+						a.msg = res.Response.(*wrapperspb.StringValue).GetValue()
+					}
+					if last != (answer{}) {
+						require.Equal(t, last, a, "key k%d: two later callers disagree", k)
+					}
+					last = a
+				}
+				t.Logf("k%d: runs %d, first callers %v, final %v", k, runs[k].Load(), answers[k], last)
+				for _, a := range answers[k] {
+					if a.msg != "provider down" { // the handler's own error
+						require.NotEqual(t, codes.Unavailable, a.code, "k%d: %s", k, a.msg)
+					}
+				}
+			}
+			require.EqualValues(t, 1, runs[0].Load(), "committed on tx.Conn(): never again")
+			require.EqualValues(t, 1, runs[3].Load(), "ignored failure: stored")
+			require.EqualValues(t, 1, runs[4].Load(), "rows left open: stored")
+			require.EqualValues(t, 1, runs[5].Load())
+			keyNames := make([]string, keys)
+			for k := range keys {
+				keyNames[k] = fmt.Sprintf("k%d", k)
+			}
+			requireNoKeyLocks(t, db, "", keyNames, "a key's lock outlived its calls")
 		})
 	}
 }

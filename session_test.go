@@ -492,3 +492,178 @@ CREATE OPERATOR + (LEFTARG = timestamptz, RIGHTARG = interval, FUNCTION = nowher
 		})
 	}
 }
+
+// A handler that switches search_path to a tenant's schema cannot move the
+// key's row: with or without a key table in the tenant's schema, the key
+// is stored in the store's table and replays.
+func TestTenantSearchPathCannotMoveTheKey(t *testing.T) {
+	t.Parallel()
+	for name, tenantHasKeyTable := range map[string]bool{"tenant schema with a key table": true, "tenant schema without one": false} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.New(t, 4)
+			ctx := context.Background()
+			store := migratedStore(t, db)
+			tenant := db.Schema + "_tenant"
+			_, err := testdb.Admin(t).Exec(ctx, `CREATE SCHEMA `+pgx.Identifier{tenant}.Sanitize()+`; CREATE TABLE `+pgx.Identifier{tenant, "ledger"}.Sanitize()+` (note text)`)
+			require.NoError(t, err)
+			t.Cleanup(func() {
+				_, _ = testdb.Admin(t).Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{tenant}.Sanitize()+` CASCADE`)
+			})
+			if tenantHasKeyTable {
+				tenantStore, err := idempotency.NewStore(db.Pool, idempotency.WithTable(tenant, idempotency.DefaultTable))
+				require.NoError(t, err)
+				require.NoError(t, tenantStore.Migrate(ctx))
+			}
+			var runs atomic.Int64
+			fn := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				runs.Add(1)
+				if _, err := tx.Exec(ctx, `SET LOCAL search_path = `+pgx.Identifier{tenant}.Sanitize()); err != nil {
+					return nil, err
+				}
+				_, err := tx.Exec(ctx, `INSERT INTO ledger (note) VALUES ('tenant write')`)
+				return wrapperspb.String("done"), err
+			}
+			for i, want := range []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeReplayed, idempotency.OutcomeReplayed} {
+				res, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m", Retry: i == 2}, fn)
+				require.NoError(t, err)
+				require.Equal(t, want, res.Outcome, "call %d", i)
+			}
+			require.EqualValues(t, 1, runs.Load())
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM `+pgx.Identifier{db.Schema, idempotency.DefaultTable}.Sanitize()), "the key is in the store's table")
+			if tenantHasKeyTable {
+				require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM `+pgx.Identifier{tenant, idempotency.DefaultTable}.Sanitize()), "not in the tenant's")
+			}
+			require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM `+pgx.Identifier{tenant, "ledger"}.Sanitize()))
+		})
+	}
+}
+
+// A session setting of the handler's own (a tenant, as row-level-security
+// set-ups keep one) set by SQL the engine cannot read as set_config costs
+// the connection, like set_config: the next calls on a pool of one start
+// from a session as the pool made it.
+func TestHiddenSetConfigCostsAReset(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		sql  string
+		next int // innocent calls after it; each must see no tenant
+	}{
+		{
+			name: "set_config named by a Unicode-escaped identifier",
+			sql:  `SELECT U&"\0073et_config"('app.tenant', 'acme', false)`,
+			next: 1,
+		},
+		{
+			// Had the connection gone back to the pool as the handler left
+			// it, each would see tenant-a.
+			name: "set_config in SQL text that a built-in function runs (query_to_xml)",
+			sql:  `SELECT query_to_xml('SELECT set_config(''app.tenant'', ''tenant-a'', false)', false, false, '')`,
+			next: 3,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			_, store := onePool(t)
+			_, err := execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
+				_, err := tx.Exec(ctx, tc.sql)
+				return "a", err
+			})
+			require.NoError(t, err)
+			var seen []string
+			for i := range tc.next {
+				res, err := execString(store, fmt.Sprintf("b%d", i), func(ctx context.Context, tx pgx.Tx) (string, error) {
+					var tenant string
+					err := tx.QueryRow(ctx, `SELECT coalesce(current_setting('app.tenant', true), '')`).Scan(&tenant)
+					return tenant, err
+				})
+				require.NoError(t, err)
+				seen = append(seen, res.Response.(*wrapperspb.StringValue).GetValue())
+			}
+			require.Equal(t, make([]string, tc.next), seen, "innocent calls see the session setting another call's handler made")
+		})
+	}
+}
+
+// A statement a handler prepares by name with tx.Prepare would stay
+// prepared on the pooled connection: the connection is closed instead, and
+// the next call prepares the same name afresh.
+func TestNamedPrepareCostsAReset(t *testing.T) {
+	t.Parallel()
+	db, store := onePool(t)
+	_, err := execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
+		if _, err := tx.Prepare(ctx, "add_note", `INSERT INTO ledger (note) VALUES ($1)`); err != nil {
+			return "", err
+		}
+		_, err := tx.Exec(ctx, "add_note", "a")
+		return "a", err
+	})
+	require.NoError(t, err)
+	var leftOver []string
+	_, err = execString(store, "b", func(ctx context.Context, tx pgx.Tx) (string, error) {
+		rows, err := tx.Query(ctx, `SELECT name FROM pg_prepared_statements WHERE name = 'add_note'`)
+		if err != nil {
+			return "", err
+		}
+		leftOver, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return "", err
+		}
+		if _, err := tx.Prepare(ctx, "add_note", `INSERT INTO ledger (note) VALUES ($1) RETURNING id`); err != nil {
+			return "", err
+		}
+		_, err = tx.Exec(ctx, "add_note", "b")
+		return "b", err
+	})
+	t.Logf("prepared statements of call a seen by call b: %v", leftOver)
+	require.NoError(t, err, "an innocent call fails on the statement call a's handler prepared")
+	require.Equal(t, 2, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// A temporary table created by a function the handler calls (the engine
+// cannot read its body) is seen by the session's temporary schema
+// appearing during the call: the connection is closed, and the next call
+// creates its own scratch table.
+func TestTemporaryObjectFromAFunctionCostsAReset(t *testing.T) {
+	t.Parallel()
+	db, store := onePool(t)
+	ctx := context.Background()
+	_, err := db.Pool.Exec(ctx, `CREATE FUNCTION stage() RETURNS void LANGUAGE plpgsql AS $$ BEGIN EXECUTE 'CREATE TEMPORARY TABLE scratch (x int)'; END $$`)
+	require.NoError(t, err)
+	_, err = execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
+		_, err := tx.Exec(ctx, `SELECT stage()`)
+		return "a", err
+	})
+	require.NoError(t, err)
+	_, err = execString(store, "b", func(ctx context.Context, tx pgx.Tx) (string, error) {
+		_, err := tx.Exec(ctx, `CREATE TEMPORARY TABLE scratch (x int) ON COMMIT DROP`)
+		return "b", err
+	})
+	require.NoError(t, err, "an innocent call fails on the temporary table of call a's handler")
+}
+
+// A session-level advisory lock taken through query_to_xml does not
+// outlive the call: the round trip that commits it releases the session's
+// advisory locks.
+func TestSessionAdvisoryLockDoesNotOutliveTheCall(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	_, err := execString(store, "a", func(ctx context.Context, tx pgx.Tx) (string, error) {
+		_, err := tx.Exec(ctx, `SELECT query_to_xml('SELECT pg_advisory_lock(987654321)', false, false, '')`)
+		return "a", err
+	})
+	require.NoError(t, err)
+	// Another session gets the lock, never while a pooled connection holds
+	// it (the wait would end at lock_timeout).
+	ctx := context.Background()
+	tx, err := testdb.Admin(t).Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, fmt.Sprintf(`SET LOCAL lock_timeout = '%dms'`, liveness.Milliseconds()))
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT pg_advisory_xact_lock(987654321)`)
+	require.NoError(t, err, "the advisory lock call a's handler took is still held by a pooled connection")
+}

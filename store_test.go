@@ -2,9 +2,9 @@ package idempotency_test
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -17,85 +17,6 @@ import (
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/internal/testdb"
 )
-
-func TestMigrateIsIdempotentAndHonoursTableName(t *testing.T) {
-	t.Parallel()
-	db := testdb.New(t, 4)
-	ctx := context.Background()
-	// Hostile names must be quoted, not interpreted. Migrate creates the
-	// schema, whose name would end the dollar quote of the statement that
-	// creates it.
-	schema := db.Schema + ` odd "schema"; $create_schema$ \' --` // unique per run, so parallel runs do not collide
-	const table = `keys'); DROP TABLE victim; --`
-	_, err := db.Pool.Exec(ctx, `CREATE TABLE victim (id int)`)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_, _ = testdb.Admin(t).Exec(context.Background(), `DROP SCHEMA `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
-	})
-
-	store, err := idempotency.NewStore(db.Pool, idempotency.WithTable(schema, table))
-	require.NoError(t, err)
-	for i := 0; i < 2; i++ {
-		require.NoError(t, store.Migrate(ctx), "Migrate run %d", i+1)
-	}
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = $2`, schema, table))
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM pg_tables WHERE tablename = 'victim'`))
-	all, err := idempotency.Migrations(schema, table)
-	require.NoError(t, err)
-	require.Equal(t, len(all), db.Count(t, `SELECT count(*) FROM `+pgx.Identifier{schema, table + "_migrations"}.Sanitize()), "each migration applied once")
-	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM pg_class WHERE relname = $1 AND relpersistence = 'u'`, table), "the key table must not be UNLOGGED")
-
-	res, err := store.Execute(ctx, idempotency.Call{Scope: "s'; --", Key: "k", Method: "m", Fingerprint: []byte{1}},
-		func(context.Context, pgx.Tx) (proto.Message, error) { return wrapperspb.String("v"), nil })
-	require.NoError(t, err)
-	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
-
-	ms, err := idempotency.Migrations(schema, table)
-	require.NoError(t, err)
-	require.NotEmpty(t, ms)
-	require.Contains(t, ms[0].SQL, pgx.Identifier{schema, table}.Sanitize(), "exported SQL names the configured table")
-}
-
-func TestDeleteExpiredAndCleaner(t *testing.T) {
-	t.Parallel()
-	db := testdb.New(t, 4)
-	ctx := context.Background()
-	store := migratedStore(t, db)
-	run := func(key string, ttl time.Duration) {
-		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: ttl},
-			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
-		require.NoError(t, err)
-	}
-	for i := 0; i < 5; i++ {
-		run("short-"+string(rune('a'+i)), time.Millisecond)
-	}
-	run("long", time.Hour)
-	time.Sleep(20 * time.Millisecond)
-
-	n, err := store.DeleteExpired(ctx, 2)
-	require.NoError(t, err)
-	require.EqualValues(t, 5, n, "every expired key, in batches of 2")
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`), "the live key is kept")
-	_, err = store.DeleteExpired(ctx, 0)
-	require.Error(t, err)
-	for i := 0; i < 3; i++ {
-		run("again-"+string(rune('a'+i)), time.Millisecond)
-	}
-	time.Sleep(20 * time.Millisecond)
-
-	cctx, cancel := context.WithCancel(ctx)
-	stopped := make(chan error, 1)
-	go func() { stopped <- store.RunCleaner(cctx, 10*time.Millisecond, 1, nil) }()
-	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 1 }, 30*time.Second, 10*time.Millisecond)
-	cancel()
-	select {
-	case err := <-stopped:
-		require.ErrorIs(t, err, context.Canceled)
-	case <-time.After(30 * time.Second):
-		t.Fatal("cleaner did not stop with its context")
-	}
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys WHERE key = 'long'`), "live keys are kept")
-}
 
 // The engine's cost in round trips to PostgreSQL, counted, not timed: a
 // fresh call with one business write makes as many as a plain
@@ -161,4 +82,25 @@ func TestUnstorableScopeIsRejected(t *testing.T) {
 		require.Equal(t, idempotency.OutcomeRejected, res.Outcome)
 	}
 	require.Equal(t, 0, db.Count(t, `SELECT count(*) FROM idempotency_keys`))
+}
+
+func TestUnstorableCallsAreRejectedUpFront(t *testing.T) {
+	t.Parallel()
+	db := testdb.New(t, 2)
+	store := migratedStore(t, db)
+	run := func(context.Context, pgx.Tx) (proto.Message, error) { t.Error("ran"); return nil, nil }
+	for name, call := range map[string]idempotency.Call{
+		"scope over the limit":      {Scope: strings.Repeat("s", idempotency.MaxScopeLen+1), Key: "k", Method: "m"},
+		"scope at PostgreSQL limit": {Scope: strings.Repeat("s", 3000), Key: "k", Method: "m"},
+		"non-UTF-8 method":          {Key: "k", Method: "/svc/\xffM"},
+		"NUL in method":             {Key: "k", Method: "/svc/\x00M"},
+	} {
+		res, err := store.Execute(context.Background(), call, run)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%s: %v", name, err)
+		require.Equal(t, idempotency.OutcomeRejected, res.Outcome, name)
+	}
+	res, err := store.Execute(context.Background(), idempotency.Call{Scope: strings.Repeat("s", idempotency.MaxScopeLen), Key: strings.Repeat("k", idempotency.MaxKeyLen), Method: "m"},
+		func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.NoError(t, err, "the longest scope with the longest key fits")
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
 }

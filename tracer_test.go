@@ -2,12 +2,15 @@ package idempotency_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -326,4 +329,143 @@ func TestLogTracerLogsEveryCallsEndWithoutItsKey(t *testing.T) {
 		t.Logf("%s: %s", c.name, line)
 	}
 	require.NotContains(t, logs.String(), "secret-k", "keys are never logged")
+}
+
+// panickyTracer panics in the methods it is told to, with values
+// of several kinds (an error, nil, a value whose String panics).
+type panickyTracer struct {
+	start, end bool
+	value      func() any
+}
+
+func (p panickyTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallStartData) context.Context {
+	if p.start {
+		panic(p.value())
+	}
+	return context.WithValue(ctx, tracedKey{}, "traced")
+}
+
+func (p panickyTracer) TraceCallEnd(context.Context, idempotency.TraceCallEndData) {
+	if p.end {
+		panic(p.value())
+	}
+}
+
+type tracedKey struct{}
+
+type badStringer struct{}
+
+func (badStringer) String() string { panic("String panicked too") }
+
+// A tracer that panics (at the start, at the end, or both; with an error,
+// nil, or a value whose String panics) changes nothing a caller sees:
+// Execute's outcomes and errors, the HTTP status and body, and the rows.
+func TestPanickingTracerChangesNoOutcome(t *testing.T) {
+	t.Parallel()
+	values := map[string]func() any{
+		"error":         func() any { return errors.New("tracer bug") },
+		"nil":           func() any { return nil },
+		"string panics": func() any { return badStringer{} },
+		"abort handler": func() any { return http.ErrAbortHandler },
+	}
+	for name, value := range values {
+		for _, where := range []panickyTracer{{start: true}, {end: true}, {start: true, end: true}} {
+			where.value = value
+			label := fmt.Sprintf("%s start=%v end=%v", name, where.start, where.end)
+			db := suiteDB(t)
+			store := migratedStore(t, db, idempotency.WithTracer(where))
+			ctx := context.Background()
+			var ran atomic.Int64
+			run := func(key string, fail error) (idempotency.Result, error) {
+				return store.Execute(ctx, idempotency.Call{Scope: "s", Key: key, Method: "/r31.Svc/Do"},
+					func(context.Context, pgx.Tx) (proto.Message, error) {
+						ran.Add(1)
+						if fail != nil {
+							return nil, fail
+						}
+						return wrapperspb.String("ok-" + key), nil
+					})
+			}
+			res, err := run("a", nil)
+			require.NoError(t, err, label)
+			require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, label)
+			res, err = run("a", nil)
+			require.NoError(t, err, label)
+			require.Equal(t, idempotency.OutcomeReplayed, res.Outcome, label)
+			_, err = run("b", idempotency.Final(status.Error(codes.NotFound, "no such order")))
+			require.Equal(t, codes.NotFound, status.Code(err), label)
+			_, err = run("b", nil)
+			require.Equal(t, codes.NotFound, status.Code(err), label)
+			_, err = run("c", status.Error(codes.Unavailable, "downstream"))
+			require.Equal(t, codes.Unavailable, status.Code(err), label)
+			res, err = run("c", nil)
+			require.NoError(t, err, label)
+			require.Equal(t, idempotency.OutcomeExecuted, res.Outcome, label)
+			require.EqualValues(t, 4, ran.Load(), label)
+
+			srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusCreated)
+				_, _ = io.WriteString(w, "created")
+			})))
+			for i := range 2 {
+				req, err := http.NewRequest(http.MethodPost, srv.URL+"/x", strings.NewReader("{}"))
+				require.NoError(t, err)
+				req.Header.Set(idempotency.HeaderKey, "h")
+				resp, err := srv.Client().Do(req)
+				require.NoError(t, err, label)
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				require.Equal(t, http.StatusCreated, resp.StatusCode, label)
+				require.Equal(t, "created", string(b), label)
+				require.Equal(t, i == 1, resp.Header.Get(idempotency.ReplayedHeader) == "true", label)
+			}
+			srv.Close()
+			require.Equal(t, 4, db.Count(t, `SELECT count(*) FROM idempotency_keys`), label)
+		}
+	}
+}
+
+// A tracer tells a caller that gave up, and a store that cannot work as
+// configured, from an outage.
+func TestOutcomesOfCancellationAndMisconfiguration(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	var outcomes []idempotency.Outcome
+	tracer := endTracer(func(_ context.Context, d idempotency.TraceCallEndData) {
+		mu.Lock()
+		defer mu.Unlock()
+		outcomes = append(outcomes, d.Outcome)
+	})
+	db := testdb.New(t, 4)
+	ctx := context.Background()
+	store := migratedStore(t, db, idempotency.WithTracer(tracer), idempotency.WithInProgressWait(10*time.Second))
+	holding, release := make(chan struct{}), make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := store.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) {
+			close(holding)
+			<-release
+			return nil, nil
+		})
+		done <- err
+	}()
+	await(t, holding, "the first call to hold the key")
+	cctx, cancel := context.WithCancel(ctx)
+	waiting := make(chan error, 1)
+	go func() {
+		_, err := store.Execute(cctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+		waiting <- err
+	}()
+	cancel() // the duplicate's caller gives up, before or while it waits
+	require.ErrorIs(t, await(t, waiting, "the cancelled duplicate"), context.Canceled)
+	close(release)
+	require.NoError(t, await(t, done, "the first call"))
+
+	unmigrated, err := idempotency.NewStore(db.Pool, idempotency.WithTable("", "never_migrated"), idempotency.WithTracer(tracer))
+	require.NoError(t, err)
+	_, err = unmigrated.Execute(ctx, idempotency.Call{Key: "k", Method: "m"}, func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
+	require.Equal(t, codes.Internal, status.Code(err))
+	mu.Lock()
+	defer mu.Unlock()
+	require.ElementsMatch(t, []idempotency.Outcome{idempotency.OutcomeExecuted, idempotency.OutcomeCanceled, idempotency.OutcomeMisconfigured}, outcomes)
 }

@@ -98,7 +98,7 @@ func FuzzTxControl(f *testing.F) {
 	})
 }
 
-// The ways past the check a review found, now caught: a CREATE FUNCTION
+// Ways past the check that once got through, now caught: a CREATE FUNCTION
 // whose name is begin (not a BEGIN ATOMIC body), and statement names that
 // are not one word.
 func TestUnitTxControlCatchesWhatGotPast(t *testing.T) {

@@ -8,16 +8,14 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
-	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // Duplicates of a slow call wait for it for the in-progress wait (200ms
@@ -169,68 +167,31 @@ func TestWaitingDuplicatesHoldNoConnection(t *testing.T) {
 		duplicates, fresh, took, read.Round(time.Microsecond))
 }
 
-// RunCleaner returns with its context both while it sleeps between rounds
-// and in the middle of a DELETE blocked by a lock, without reporting the
-// cancellation as an error and without leaving its statement running.
-func TestCleanerStopsWithItsContext(t *testing.T) {
+// With statement_timeout shorter than the in-progress wait, a duplicate
+// still gets the first call's result: no statement waits for a lock.
+func TestStatementTimeoutShorterThanTheWait(t *testing.T) {
 	t.Parallel()
-	db := testdb.New(t, 4)
-	ctx := context.Background()
-	store := migratedStore(t, db)
-	expire := func(key string) {
-		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m", TTL: time.Millisecond},
-			func(context.Context, pgx.Tx) (proto.Message, error) { return nil, nil })
-		require.NoError(t, err)
-	}
-	var reported atomic.Int64
-	run := func(cctx context.Context) <-chan error {
-		stopped := make(chan error, 1)
-		go func() {
-			stopped <- store.RunCleaner(cctx, time.Hour, 100, func(error) { reported.Add(1) })
-		}()
-		return stopped
-	}
-	requireStops := func(stopped <-chan error, cancel context.CancelFunc, when string) time.Duration {
-		start := time.Now()
-		cancel()
-		select {
-		case err := <-stopped:
-			require.ErrorIs(t, err, context.Canceled, when)
-		case <-time.After(30 * time.Second):
-			t.Fatalf("cleaner did not stop with its context %s", when)
-		}
-		return time.Since(start)
-	}
-
-	// Between rounds: the first round ran, the next is an hour away.
-	expire("a")
-	time.Sleep(5 * time.Millisecond)
-	cctx, cancel := context.WithCancel(ctx)
-	stopped := run(cctx)
-	require.Eventually(t, func() bool { return db.Count(t, `SELECT count(*) FROM idempotency_keys`) == 0 }, 30*time.Second, 5*time.Millisecond)
-	idle := requireStops(stopped, cancel, "between rounds")
-
-	// Mid-statement: another transaction locks the table, so the cleaner's
-	// DELETE waits on the lock until the context is cancelled.
-	expire("b")
-	time.Sleep(5 * time.Millisecond)
-	locker, err := db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = locker.Rollback(ctx) })
-	_, err = locker.Exec(ctx, `LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE`)
-	require.NoError(t, err)
-	lockerPID := locker.Conn().PgConn().PID()
-	blocked := func() int {
-		return db.Count(t, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, lockerPID)
-	}
-	cctx, cancel = context.WithCancel(ctx)
-	stopped = run(cctx)
-	require.Eventually(t, func() bool { return blocked() == 1 }, 30*time.Second, 5*time.Millisecond, "the cleaner's DELETE waits on the lock")
-	busy := requireStops(stopped, cancel, "mid-statement")
-	require.Eventually(t, func() bool { return blocked() == 0 }, 30*time.Second, 5*time.Millisecond, "the cancelled DELETE no longer runs")
-	require.NoError(t, locker.Rollback(ctx))
-
-	require.Zero(t, reported.Load(), "stopping is not an error round")
-	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM idempotency_keys`), "the cancelled round deleted nothing")
-	t.Logf("cleaner stopped %v after cancel between rounds, %v after cancel mid-statement; 0 errors reported", idle.Round(time.Microsecond), busy.Round(time.Microsecond))
+	db := suiteDB(t)
+	pool := schemaPool(t, db.Schema, 4, func(c *pgxpool.Config) { c.ConnConfig.RuntimeParams["statement_timeout"] = "300ms" })
+	holding := make(chan struct{})
+	srv := startReplica(t, pool, replicaConfig{
+		storeOpts: []idempotency.StoreOption{idempotency.WithInProgressWait(liveness)},
+		handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+			resp, err := keyedLedger(ctx, req)
+			if req.GetValue() == "slow" {
+				close(holding)
+				time.Sleep(time.Second) // past statement_timeout, within the wait
+			}
+			return resp, err
+		},
+	})
+	conn := dial(t, srv.addr)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "k")
+	first := make(chan reply, 1)
+	go func() { first <- invoke(ctx, conn, methodCharge, "slow") }()
+	await(t, holding, "the first call's handler to run")
+	dup := invoke(ctx, conn, methodCharge, "slow")
+	require.NoError(t, dup.err, "a duplicate outwaits statement_timeout")
+	require.True(t, dup.replayed)
+	require.NoError(t, await(t, first, "the first call").err)
 }

@@ -1,6 +1,7 @@
 package idempotency_test
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"testing"
@@ -114,4 +115,33 @@ func rawAnswers(t *testing.T, e *env, conn *grpc.ClientConn, ctx context.Context
 	require.EqualValues(t, 1, e.runs.Load(), "one run, the rest replays")
 	require.NoError(t, e.db.Pool.QueryRow(context.Background(), `SELECT response FROM idempotency_keys WHERE key = $1`, key).Scan(&stored))
 	return raws, stored
+}
+
+// exact.go: the wrapper handed to gRPC for a response type with a map "is
+// the decoded message in every other respect: an interceptor outside this
+// package's reads its fields through ProtoReflect". An interceptor outside
+// that edits the response through ProtoReflect (redaction, a served-by
+// field, an error-to-field mapping), as it can for any other response,
+// changes the message the wrapper reports but not what is sent: the wire
+// carries the stored bytes, so the edit is silently lost, for map types
+// only.
+//
+// Correct: what the client receives is the message the outer interceptor
+// returned (its edit visible), or the edit is refused loudly.
+func TestOuterEditOfMapResponseReachesTheClient(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	var edited proto.Message
+	addr := mapService(t, e, 4, func(resp any) {
+		m := resp.(proto.Message).ProtoReflect()
+		m.Set(m.Descriptor().Fields().ByName("id"), protoreflect.ValueOfString("redacted"))
+		edited = resp.(proto.Message)
+	})
+	conn := dial(t, addr)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), idempotency.MetadataKey, "edit-1")
+	req := rawMessage(nil)
+	var out rawMessage
+	require.NoError(t, conn.Invoke(ctx, "/dynmap.v1.Receipts/Issue", &req, &out, grpc.ForceCodecV2(rawCodec{})))
+	require.Equal(t, "redacted", edited.ProtoReflect().Get(edited.ProtoReflect().Descriptor().Fields().ByName("id")).String(), "the outer interceptor sees its edit")
+	require.True(t, bytes.Contains(out, []byte("redacted")), "the client receives the edited response; got %q (the handler's id r-1)", []byte(out))
 }

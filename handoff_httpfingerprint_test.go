@@ -21,7 +21,7 @@ import (
 // of 100), for the key's whole TTL after the upgrade. Version 5 keeps the
 // body's bytes digest beside its canonical JSON's: a byte-identical retry
 // replays, another body is 422.
-func TestReview31VersionFourRowIsComparedAsBefore(t *testing.T) {
+func TestHTTPVersionFourRowIsComparedAsBefore(t *testing.T) {
 	t.Parallel()
 	db := suiteDB(t)
 	store := migratedStore(t, db)
