@@ -6,7 +6,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/retry"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -29,9 +33,6 @@ import (
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
-
-	"github.com/exactlyonce/idempotency"
-	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
 // The test harness of the package: a hand-declared gRPC service, servers on
@@ -696,4 +697,40 @@ func (c cuedContext) Err() error {
 	default:
 		return c.Context.Err()
 	}
+}
+
+// What the HTTP tests share: a client that sends a request under a key
+// and reads the whole response, trailers included, and a POST of a body
+// under a Content-Type.
+
+// mountedReply is what a client received, trailers included.
+type mountedReply struct {
+	status  int
+	header  http.Header
+	trailer http.Header
+	body    string
+}
+
+// do sends req with the key and reads the whole response.
+func do(t *testing.T, client *http.Client, req *http.Request, key string) mountedReply {
+	t.Helper()
+	if key != "" {
+		req.Header.Set(idempotency.HeaderKey, key)
+	}
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return mountedReply{resp.StatusCode, resp.Header, resp.Trailer, string(b)}
+}
+
+func mountedPost(t *testing.T, url, contentType, body string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
+	require.NoError(t, err)
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
+	return req
 }

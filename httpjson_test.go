@@ -1,390 +1,492 @@
-package idempotency
+package idempotency_test
 
 import (
 	"bytes"
-	"cmp"
-	"crypto/sha256"
+	"context"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
-	"reflect"
+	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
 )
 
-// canonicalText runs the canonicalisation and returns its text, and
-// whether the output buffer kept the body's length as its capacity (the
-// text is never longer than the body).
-func canonicalText(body []byte) (text []byte, ok, inPlace bool) {
-	if len(body) == 0 {
-		return nil, false, true
-	}
-	c := jsonCanon{in: body, out: make([]byte, 0, len(body))}
-	ok = c.run()
-	return c.out, ok, cap(c.out) == len(body)
+// JSON request bodies are compared by value: a retry whose JSON differs
+// only in whitespace, key order or string escapes (protojson varies its
+// spacing between builds on purpose) is replayed, never 422; any other
+// body, and JSON that does not parse, is compared by its bytes.
+
+// jsonServer serves POST /v1/charges behind the middleware with a handler
+// that answers with its run's number and what it read.
+func jsonServer(t *testing.T) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
+	return jsonServerOn(t, suiteDB(t))
 }
 
-// The canonical form drops what no decoder sees (whitespace, the order of
-// keys, the escaping of a string) and keeps the rest: a number's literal,
-// duplicate keys in their order, a key's spelling. Bodies that are not one
-// JSON value, or that hold what encoding/json would read as U+FFFD, are
-// not canonical (the fingerprint falls back to their bytes).
-func TestJSONDigestSameAndDifferent(t *testing.T) {
+// jsonServerOn is jsonServer on db, whose rows a test reads or rewrites.
+func jsonServerOn(t *testing.T, db *testdb.DB) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
+	store := migratedStore(t, db)
+	var runs atomic.Int64
+	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		b, _ := io.ReadAll(r.Body)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "run %d charged %d bytes", n, len(b))
+	})))
+	t.Cleanup(srv.Close)
+	return srv, &runs
+}
+
+// sendJSON posts body under contentType with key and reads the answer.
+func sendJSON(t *testing.T, srv *httptest.Server, key, contentType, body string) mountedReply {
+	t.Helper()
+	return do(t, srv.Client(), mountedPost(t, srv.URL+"/v1/charges", contentType, body), key)
+}
+
+// It failed because a body was compared by its bytes alone: the retry of
+// the same JSON written another way (the space protojson adds after a
+// comma in one build and not in another, indentation, keys in another
+// order, a trailing newline, "\u00e9" for "é") got 422, as if the key had
+// been reused for another request.
+func TestHTTPJSONRetryWrittenAnotherWayIsReplayed(t *testing.T) {
 	t.Parallel()
-	same := [][2]string{
-		{`{"a":1,"b":[true,false,null]}`, ` { "b" : [ true , false , null ] , "a" : 1 } ` + "\n"},
-		{`{"a":1,"b":2}`, "{\"a\":1,\r\n\t\"b\":2}"},
-		{`{"amount_cents":"100","account_id":"acct-7"}`, `{"account_id":"acct-7", "amount_cents":"100"}`}, // protojson's random space
-		{`"é"`, `"\u00e9"`},
-		{`"é"`, `"\u00E9"`},
-		{`"/"`, `"\/"`},
-		{`"😀"`, `"\ud83d\ude00"`},
-		{`"\n"`, `"\u000a"`},
-		{`"\u001f"`, `"\u001F"`},
-		{`"\""`, `"\u0022"`},
-		{`{"é":1,"e":2}`, `{"e":2,"\u00e9":1}`},
-		{`{"a":{"y":1,"x":[1,{"q":2,"p":3}]}}`, `{"a":{"x":[1,{"p":3,"q":2}],"y":1}}`},
-		{`{"a":1,"a":2,"b":0}`, `{"b":0,"a":1,"a":2}`},
-		{`[]`, `[ ]`},
-		{`{}`, `{ }`},
-		{`1e999999999`, ` 1e999999999 `},
-		{`{"k":"` + strings.Repeat("x", 100) + `","j":1}`, `{"j":1,"k":"` + strings.Repeat("x", 100) + `"}`},
-	}
-	for _, c := range same {
-		a, aok := jsonDigest([]byte(c[0]))
-		b, bok := jsonDigest([]byte(c[1]))
-		require.True(t, aok && bok, "%s / %s: both canonical", c[0], c[1])
-		require.Equal(t, a, b, "%s and %s are one request", c[0], c[1])
-	}
-	different := [][2]string{
-		{`1`, `1.0`},
-		{`1`, `1e0`},
-		{`0`, `-0`},
-		{`1e2`, `1E2`},
-		{`100`, `1e2`},
-		{`9007199254740993`, `9007199254740992`}, // one float64, two int64s
-		{`{"a":1,"a":2}`, `{"a":2,"a":1}`},
-		{`{"a":1,"a":2}`, `{"a":2}`},
-		{`{"Amount":1}`, `{"amount":1}`},
-		{`["a","b"]`, `["b","a"]`},
-		{`{"a":[1,2]}`, `{"a":[2,1]}`},
-		{`"a"`, `["a"]`},
-		{`{"a":"b"}`, `{"a":["b"]}`},
-		{`null`, `"null"`},
-		{`{"a":1}`, `{"a":"1"}`},
-		{`"\u0000"`, `""`},
-		{`[{"a":1},{"b":2}]`, `[{"a":1,"b":2}]`},
-		{`{"ab":1}`, `{"a":1,"b":1}`},
-	}
-	for _, c := range different {
-		a, aok := jsonDigest([]byte(c[0]))
-		b, bok := jsonDigest([]byte(c[1]))
-		require.True(t, aok && bok, "%s / %s: both canonical", c[0], c[1])
-		require.NotEqual(t, a, b, "%s and %s are two requests", c[0], c[1])
-	}
-	for _, body := range []string{
-		``, ` `, `{`, `}`, `{"a":1,}`, `[1,]`, `{"a" 1}`, `{a:1}`, `01`, `1.`, `.1`, `-`, `1e`, `+1`,
-		`tru`, `nul`, `"abc`, "\"a\x01\"", `"\x"`, `"\u12"`, `"\u12g4"`,
-		`1 2`, `{} {}`, `{"a":1}x`, "\xef\xbb\xbf{}", // a byte order mark
-		"\"\xff\"", "\"\xed\xa0\x80\"", // not UTF-8; a surrogate in UTF-8
-		`"\ud800"`, `"\udc00"`, `"\ud800\u0041"`, `"\ud800x"`, `"\udc00\ud800"`,
-		strings.Repeat("[", maxJSONDepth+1) + strings.Repeat("]", maxJSONDepth+1),
+	srv, runs := jsonServer(t)
+	msg, err := structpb.NewStruct(map[string]any{"account_id": "acct-7", "amount_cents": "100", "note": "café"})
+	require.NoError(t, err)
+	compact, err := protojson.Marshal(msg)
+	require.NoError(t, err)
+	multiline, err := protojson.MarshalOptions{Multiline: true}.Marshal(msg)
+	require.NoError(t, err)
+	require.NotEqual(t, string(compact), string(multiline))
+	var indented bytes.Buffer
+	require.NoError(t, json.Indent(&indented, compact, "", "\t"))
+
+	first := sendJSON(t, srv, "k-json", "application/json", `{"account_id":"acct-7","amount_cents":"100","note":"café"}`)
+	require.Equal(t, http.StatusCreated, first.status, first.body)
+	for _, retry := range []struct{ name, body string }{
+		{"a space after each comma", `{"account_id":"acct-7", "amount_cents":"100", "note":"café"}`},
+		{"protojson, one line", string(compact)},
+		{"protojson, multi-line", string(multiline)},
+		{"indented with tabs, CRLF", strings.ReplaceAll(indented.String(), "\n", "\r\n")},
+		{"keys in another order", `{"note":"café","amount_cents":"100","account_id":"acct-7"}`},
+		{"a trailing newline", `{"account_id":"acct-7","amount_cents":"100","note":"café"}` + "\n"},
+		{"a string escaped another way", `{"account_id":"acct\u002d7","amount_cents":"100","note":"caf\u00e9"}`},
 	} {
-		_, ok := jsonDigest([]byte(body))
-		require.False(t, ok, "%.80q is not canonical", body)
+		r := sendJSON(t, srv, "k-json", "application/json", retry.body)
+		require.Equal(t, http.StatusCreated, r.status, "%s: %s", retry.name, r.body)
+		require.Equal(t, first.body, r.body, retry.name)
+		require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader), retry.name)
 	}
-	deepest := strings.Repeat(`{"a":[`, maxJSONDepth/2-1) + `{"a":[]}` + strings.Repeat("]}", maxJSONDepth/2-1)
-	require.True(t, json.Valid([]byte(deepest)), "sanity: encoding/json reads it")
-	_, ok := jsonDigest([]byte(deepest))
-	require.True(t, ok, "nesting as deep as encoding/json reads is canonical")
+	require.EqualValues(t, 1, runs.Load(), "one execution")
+
+	// A +json media type (RFC 6839) is JSON too.
+	first = sendJSON(t, srv, "k-json-suffix", "application/vnd.api+json", `{"data":{"type":"charges","id":"1"}}`)
+	r := sendJSON(t, srv, "k-json-suffix", "application/vnd.api+json", `{ "data": { "id": "1", "type": "charges" } }`)
+	require.Equal(t, first.body, r.body)
+	require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader))
+	require.EqualValues(t, 2, runs.Load())
+}
+
+// What the canonical form keeps apart: another value, and what a Go
+// handler reads differently although RFC 8785 (JCS) would write it one
+// way: 100 and 100.0 or 1e2 (json.Unmarshal into an int refuses the
+// last two), two integers past 2^53 (one float64, two int64s), one key's
+// members in another order (encoding/json keeps the last), a key spelled
+// in another case.
+func TestHTTPJSONOfAnotherValueIs422(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for i, c := range []struct{ first, other string }{
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-7","amount_cents":101}`},
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-8","amount_cents":100}`},
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-7","amount_cents":100.0}`},
+		{`{"account_id":"acct-7","amount_cents":100}`, `{"account_id":"acct-7","amount_cents":1e2}`},
+		{`{"amount_cents":9007199254740993}`, `{"amount_cents":9007199254740992}`},
+		{`{"amount_cents":1,"amount_cents":2}`, `{"amount_cents":2,"amount_cents":1}`},
+		{`{"amount_cents":1}`, `{"Amount_cents":1}`},
+		{`{"items":["a","b"]}`, `{"items":["b","a"]}`},
+	} {
+		key := fmt.Sprintf("k-other-%d", i)
+		require.Equal(t, http.StatusCreated, sendJSON(t, srv, key, "application/json", c.first).status)
+		r := sendJSON(t, srv, key, "application/json", c.other)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%s after %s: %s", c.other, c.first, r.body)
+		require.EqualValues(t, i+1, runs.Load(), "%s ran", c.other)
+	}
+}
+
+// It would fail if any body were compared as JSON: under a media type that
+// is not JSON (text/plain, none, newline-delimited JSON) a body is its
+// bytes, JSON or not, so the same bytes are replayed and a reordered
+// object is another request.
+func TestHTTPJSONUnderAnotherMediaTypeIsComparedByBytes(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for i, ct := range []string{"text/plain", "", "application/x-ndjson", "application/jsonl"} {
+		key := fmt.Sprintf("k-bytes-%d", i)
+		first := sendJSON(t, srv, key, ct, `{"a":1,"b":2}`)
+		require.Equal(t, http.StatusCreated, first.status, first.body)
+		same := sendJSON(t, srv, key, ct, `{"a":1,"b":2}`)
+		require.Equal(t, "true", same.header.Get(idempotency.ReplayedHeader), "Content-Type %q: the same bytes", ct)
+		for _, other := range []string{`{"b":2,"a":1}`, `{"a":1,"b":2}` + "\n", `{"a":1, "b":2}`} {
+			r := sendJSON(t, srv, key, ct, other)
+			require.Equal(t, http.StatusUnprocessableEntity, r.status, "Content-Type %q: %q after %q: %s", ct, other, `{"a":1,"b":2}`, r.body)
+		}
+		require.EqualValues(t, i+1, runs.Load())
+	}
+}
+
+// A JSON body that does not parse is compared by its bytes: two that
+// differ by a byte are never one request. Among them, bodies that
+// encoding/json does read, as the same value, but that differ: strings
+// that are not UTF-8, or hold half of a surrogate pair (both read as
+// U+FFFD), so that a canonical form made by decoding would take them for
+// one request.
+func TestHTTPInvalidJSONIsComparedByBytes(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for _, pair := range [][2]string{
+		{"\"\xff\"", "\"\xfe\""},
+		{`"\ud800"`, `"\udc00"`},
+	} {
+		var a, b string
+		require.NoError(t, json.Unmarshal([]byte(pair[0]), &a))
+		require.NoError(t, json.Unmarshal([]byte(pair[1]), &b))
+		require.Equal(t, a, b, "sanity: encoding/json reads %q and %q as one string", pair[0], pair[1])
+	}
+	for i, c := range []struct{ first, other string }{
+		{`{"a":1,}`, `{"a":1 ,}`},
+		{`{"a":1`, `{"a": 1`},
+		{`{"a":1}{"b":2}`, `{"a":1} {"b":2}`},
+		{"\xef\xbb\xbf{\"a\":1}", "\xef\xbb\xbf{\"a\": 1}"}, // after a byte order mark
+		{"{\"note\":\"\xff\"}", "{\"note\":\"\xfe\"}"},
+		{`{"note":"\ud800"}`, `{"note":"\udc00"}`},
+		{`{"note":"\ud800"}`, `{"note":"\ud800" }`},
+	} {
+		key := fmt.Sprintf("k-invalid-%d", i)
+		first := sendJSON(t, srv, key, "application/json", c.first)
+		require.Equal(t, http.StatusCreated, first.status, first.body)
+		same := sendJSON(t, srv, key, "application/json", c.first)
+		require.Equal(t, "true", same.header.Get(idempotency.ReplayedHeader), "%q: the same bytes are replayed", c.first)
+		r := sendJSON(t, srv, key, "application/json", c.other)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%q after %q: %s", c.other, c.first, r.body)
+		require.EqualValues(t, i+1, runs.Load())
+	}
+}
+
+// Nesting as deep as encoding/json reads (10,000 levels) and numbers of
+// any size are compared by value, without a panic and without the number
+// being rounded; nesting deeper than that is compared by its bytes.
+func TestHTTPDeepAndHugeJSON(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	deepest := strings.Repeat(`{"a":[`, 4999) + `{"a":[]}` + strings.Repeat("]}", 4999)
 	tooDeep := "[" + deepest + "]"
+	require.True(t, json.Valid([]byte(deepest)))
 	require.False(t, json.Valid([]byte(tooDeep)), "sanity: encoding/json refuses it")
-	_, ok = jsonDigest([]byte(tooDeep))
-	require.False(t, ok, "nesting deeper than encoding/json reads is compared by its bytes")
-}
-
-// It failed when the sort of an object's members case folded both keys
-// again at each comparison: 500 keys sharing a prefix of 1,000 U+0345
-// (which folds in four steps), in descending order, under the default
-// 1 MiB limit, cost seconds. Each key is folded once, so the folding
-// costs no more than the body's size, whatever its shape.
-func TestJSONCanonicalFormFoldsEachKeyOnce(t *testing.T) {
-	t.Parallel()
-	for _, c := range []struct {
-		name string
-		body []byte
+	digits := strings.Repeat("9", 200_000)
+	for i, c := range []struct {
+		name, first, same, other string
 	}{
-		{"keys sharing a prefix of U+0345", sharedPrefixKeys("\u0345", 1000, 500)},
-		{"keys sharing a prefix of 'k'", sharedPrefixKeys("k", 2000, 500)},
-		{"keys sharing an escaped prefix", sharedPrefixKeys(`\u0345`, 1000, 150)},
-		{"many tiny members", []byte(`{` + strings.Repeat(`"a":0,`, 100_000) + `"b":0}`)},
-		{"nested objects", []byte(strings.Repeat(`{"b":0,"a":`, 5000) + "0" + strings.Repeat("}", 5000))},
+		{"10,000 levels", deepest, strings.ReplaceAll(deepest, ":", ": "), strings.Replace(deepest, `"a"`, `"b"`, 1)},
+		{"a 200,000-digit integer", `{"n":` + digits + `}`, `{ "n" : ` + digits + ` }`, `{"n":` + digits[1:] + `8}`},
+		{"an exponent past float64", `{"n":1e999999999,"m":-1E-999999999}`, `{"m":-1E-999999999, "n":1e999999999}`, `{"n":1e999999998,"m":-1E-999999999}`},
+		{"10,001 levels", tooDeep, tooDeep, "[" + strings.ReplaceAll(deepest, "[]", "[ ]") + "]"},
 	} {
-		canon := jsonCanon{in: c.body, out: make([]byte, 0, len(c.body))}
-		require.True(t, canon.run(), c.name)
-		require.LessOrEqual(t, canon.folded, len(c.body), "%s: bytes of keys case folded, against the body's %d", c.name, len(c.body))
+		key := fmt.Sprintf("k-deep-%d", i)
+		first := sendJSON(t, srv, key, "application/json", c.first)
+		require.Equal(t, http.StatusCreated, first.status, "%s: %s", c.name, first.body)
+		same := sendJSON(t, srv, key, "application/json", c.same)
+		require.Equal(t, first.body, same.body, c.name)
+		require.Equal(t, "true", same.header.Get(idempotency.ReplayedHeader), c.name)
+		other := sendJSON(t, srv, key, "application/json", c.other)
+		require.Equal(t, http.StatusUnprocessableEntity, other.status, "%s: %s", c.name, other.body)
+		require.EqualValues(t, i+1, runs.Load(), c.name)
 	}
 }
 
-// Keys are ordered as the release before ordered them, folding each pair
-// of keys' runes at each comparison (compareRunesFolded, kept here): so a
-// body's canonical digest is the one it had, and a stored row compares
-// across the upgrade.
-func TestJSONFoldedKeysOrderAsBefore(t *testing.T) {
+// version4Row is the fingerprint the release before this one (version 4,
+// a JSON body digested by its bytes) stored for POST /v1/charges to host
+// api.example with Content-Type application/json and the body
+// {"amount_cents":100,"account_id":"acct-7"}: computed by that release's
+// httpFingerprint.
+const version4Row = "ff49444604ed4c5e8ba19b543c833ba1cc0dfcb55eeaa1f65202eaa78496fd471671267de00258f931c14918ad1a7045af83f56e3ec5d21a431029bb35ee68f3f8411188bfc0"
+
+// A key stored by the release before JSON was compared by value is
+// compared as that release compared it: its retry with the same bytes is
+// replayed, and another body, or the same JSON written another way, is
+// another request (422), as it was before the upgrade. (It failed with 422
+// for the same bytes when the new digest was written under the old
+// version, and with another value replayed when the two versions were not
+// compared.) A stored row that does not parse as
+// version 4 is the same request as nothing.
+func TestHTTPJSONRetryAcrossTheFingerprintUpgradeIsComparedAsBefore(t *testing.T) {
 	t.Parallel()
-	keys := []string{`""`, `"a"`, `"A"`, `"_"`, `"b"`, `"aa"`, `"a\""`, `"a\\"`, `"ſ"`, `"s"`, `"S"`, `"K"`, `"k"`,
-		`"K"`, `"ͅ"`, `"ι"`, `"Ι"`, `"ι"`, `"é"`, `"É"`, `"éx"`, `"😀"`, `"ǅ"`, `"ǆ"`, `"Ǆ"`, `"ẞ"`, `"ß"`, `"\u0000"`, "\"\ufffd\""}
-	for _, x := range keys {
-		for _, y := range keys {
-			want := compareRunesFolded([]byte(x), []byte(y))
-			got := bytes.Compare(foldKey(nil, []byte(x)), foldKey(nil, []byte(y)))
-			require.Equal(t, want, got, "%s against %s", x, y)
-		}
-		require.LessOrEqual(t, len(foldKey(nil, []byte(x))), len(x), "%s: its fold is no longer", x)
+	db := suiteDB(t)
+	store := migratedStore(t, db)
+	var runs atomic.Int64
+	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "run %d", n)
+	})))
+	t.Cleanup(srv.Close)
+	send := func(key, body string) mountedReply {
+		req := mountedPost(t, srv.URL+"/v1/charges", "application/json", body)
+		req.Host = "api.example"
+		return do(t, srv.Client(), req, key)
 	}
-	body := `{"b":1,"_":2,"A":3,"a":4,"ſ":5,"S":6,"s":7,"K":8,"k":9,"ͅ":10,"ι":11,"Ι":12,"é":13,"É":14,"\u00e9x":15,"":16,"a\"":17,"a\\":18,"aa":19,"😀":20,"z":{"Y":1,"y":2,"x":[{"q":1,"Q":2}]}}`
-	d, ok := jsonDigest([]byte(body))
-	require.True(t, ok)
-	require.Equal(t, "bdc5f5bcb3fe206c873b7604c23b6f8d261d077c0299278fc4645fdcca3d159f", hex.EncodeToString(d[:]), "the digest the release before computed")
-}
-
-// compareRunesFolded is how the release before ordered two keys: rune by
-// rune, each folded to the smallest rune of its orbit (ASCII letters upper
-// case), then the shorter first.
-func compareRunesFolded(x, y []byte) int {
-	for len(x) > 0 && len(y) > 0 {
-		rx, nx := utf8.DecodeRune(x)
-		ry, ny := utf8.DecodeRune(y)
-		if rx, ry = smallestFold(rx), smallestFold(ry); rx != ry {
-			return cmp.Compare(rx, ry)
-		}
-		x, y = x[nx:], y[ny:]
-	}
-	return cmp.Compare(len(x), len(y))
-}
-
-// FuzzJSONDigest checks the canonical form against encoding/json: two
-// bodies with one canonical digest decode to the same value (with
-// json.Number, so a number counts as its literal), a body re-encoded by
-// encoding/json (no whitespace, keys sorted, strings escaped its way) or
-// indented keeps its digest, what is canonical is valid JSON, and the
-// text is never longer than the body.
-func FuzzJSONDigest(f *testing.F) {
-	for _, s := range []string{
-		`{"b":[1,2,{"y":null,"x":true}],"a":"\u00e9\n"}`,
-		`{"a":1,"a":2}`, `[1.0,-0,1e5,1E+5]`, `"\ud83d\ude00<>&"`, `{}`, `[]`, `0`,
-		`{"k":"` + strings.Repeat("v", 40) + `","j":[` + strings.Repeat(`{"z":1,"y":2},`, 5) + `0]}`,
-		"\"\xff\"", `"\ud800"`, `[[[[[[[[[[]]]]]]]]]]`,
-	} {
-		f.Add([]byte(s), []byte(" "+s+"\n"))
-	}
-	f.Fuzz(func(t *testing.T, a, b []byte) {
-		da, aok := jsonDigest(a)
-		db, bok := jsonDigest(b)
-		for _, in := range [][]byte{a, b} {
-			text, ok, inPlace := canonicalText(in)
-			if !ok {
-				continue
-			}
-			if !json.Valid(in) {
-				t.Fatalf("%q is canonical but not valid JSON", in)
-			}
-			if !inPlace || len(text) > len(in) {
-				t.Fatalf("%q: the canonical text (%d bytes) outgrew the body", in, len(text))
-			}
-			// Re-encoded by encoding/json, when that is the same value:
-			// every string UTF-8 (else it writes U+FFFD) and no key twice
-			// (else it keeps the last).
-			if v, err := decodeJSON(in); err == nil && !hasDuplicateKey(in) {
-				re, err := json.Marshal(v)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if d, ok := jsonDigest(re); !ok || d != mustDigest(t, in) {
-					t.Fatalf("%q and its re-encoding %q: not one request", in, re)
-				}
-			}
-			var indented bytes.Buffer
-			if err := json.Indent(&indented, in, "", "  "); err == nil {
-				if d, ok := jsonDigest(indented.Bytes()); !ok || d != mustDigest(t, in) {
-					t.Fatalf("%q indented: not one request", in)
-				}
-			}
-		}
-		if aok && bok && da == db {
-			va, erra := decodeJSON(a)
-			vb, errb := decodeJSON(b)
-			if erra != nil || errb != nil || !reflect.DeepEqual(va, vb) {
-				t.Fatalf("%q and %q are one request to the fingerprint but not to encoding/json", a, b)
-			}
-		}
-	})
-}
-
-func mustDigest(t *testing.T, b []byte) [sha256.Size]byte {
-	d, ok := jsonDigest(b)
-	if !ok {
-		t.Fatalf("%q: not canonical", b)
-	}
-	return d
-}
-
-func decodeJSON(b []byte) (any, error) {
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.UseNumber()
-	var v any
-	if err := dec.Decode(&v); err != nil {
-		return nil, err
-	}
-	if _, err := dec.Token(); err != io.EOF {
-		return nil, fmt.Errorf("more after the value")
-	}
-	return v, nil
-}
-
-// hasDuplicateKey reports whether an object in b (valid JSON) has a key
-// twice, or two that fold alike (the canonical form keeps them in the
-// order sent, encoding/json writes them sorted), or a string that is not
-// UTF-8 (encoding/json would change it).
-func hasDuplicateKey(b []byte) bool {
-	if !utf8.Valid(b) || bytes.Contains(b, []byte(`\ud`)) || bytes.Contains(b, []byte(`\uD`)) {
-		return true // a surrogate escape: let the other checks speak
-	}
-	dec := json.NewDecoder(bytes.NewReader(b))
-	type level struct {
-		keys      map[string]bool // nil for an array
-		expectKey bool
-	}
-	var stack []*level
-	valueDone := func() {
-		if len(stack) > 0 && stack[len(stack)-1].keys != nil {
-			stack[len(stack)-1].expectKey = true
-		}
-	}
-	for {
-		tok, err := dec.Token()
-		if err != nil {
-			return false
-		}
-		if n := len(stack); n > 0 && stack[n-1].keys != nil && stack[n-1].expectKey {
-			top := stack[n-1]
-			if tok == json.Delim('}') {
-				stack = stack[:n-1]
-				valueDone()
-				continue
-			}
-			k := string(foldKey(nil, []byte(tok.(string))))
-			if top.keys[k] {
-				return true
-			}
-			top.keys[k], top.expectKey = true, false
-			continue
-		}
-		switch tok {
-		case json.Delim('{'):
-			stack = append(stack, &level{keys: map[string]bool{}, expectKey: true})
-		case json.Delim('['):
-			stack = append(stack, &level{})
-		case json.Delim(']'):
-			stack = stack[:len(stack)-1]
-			valueDone()
-		default:
-			valueDone()
-		}
-	}
-}
-
-// sharedPrefixKeys is an object of n members whose keys are prefix
-// repeated count times and then a number, in descending order: a sort
-// that compares each pair of keys from their start reads the prefix every
-// time.
-func sharedPrefixKeys(prefix string, count, n int) []byte {
-	var buf bytes.Buffer
-	buf.WriteByte('{')
-	for i := n - 1; i >= 0; i-- {
-		fmt.Fprintf(&buf, `"%s%04d":0`, strings.Repeat(prefix, count), i)
-		if i > 0 {
-			buf.WriteByte(',')
-		}
-	}
-	buf.WriteByte('}')
-	return buf.Bytes()
-}
-
-// BenchmarkJSONDigest measures a 1 MiB body (WithHTTPMaxRequestBytes's
-// default) of several shapes: what the canonical digest allocates against
-// the body's size, next to the digest of the bytes and to encoding/json
-// decoding the body into an any.
-func BenchmarkJSONDigest(b *testing.B) {
-	const size = 1 << 20
-	fill := func(unit func(i int) string, open, sep, close string) []byte {
-		var buf bytes.Buffer
-		buf.WriteString(open)
-		for i := 0; ; i++ {
-			u := unit(i)
-			if buf.Len()+len(u)+len(sep)+len(close) > size {
-				break
-			}
-			if i > 0 {
-				buf.WriteString(sep)
-			}
-			buf.WriteString(u)
-		}
-		buf.WriteString(close)
-		return buf.Bytes()
-	}
-	shapes := []struct {
-		name string
-		body []byte
+	old, err := hex.DecodeString(version4Row)
+	require.NoError(t, err)
+	const body = `{"amount_cents":100,"account_id":"acct-7"}`
+	for i, c := range []struct {
+		name, retry string
+		row         []byte
+		want        int
 	}{
-		{"records", fill(func(i int) string {
-			return fmt.Sprintf(`{"id":"ch_%08d","account_id":"acct-%d","amount_cents":%d,"currency":"EUR","tags":["a","b"],"paid":true}`, i, i%97, i*7)
-		}, "[", ", ", "]")},
-		{"flat_object_tiny_members", fill(func(i int) string { return fmt.Sprintf(`"%x":0`, i) }, "{", ",", "}")},
-		// Keys in no order: a stable sort in place moves each member
-		// log(n) times per merge level.
-		{"flat_object_keys_in_random_order", fill(func(i int) string { return fmt.Sprintf(`"%05x":0`, (i*7919)%(1<<17)) }, "{", ",", "}")},
-		{"flat_object_smallest_members", fill(func(int) string { return `"":0` }, "{", ",", "}")}, // the most members a body holds
-		{"array_of_small_numbers", fill(func(int) string { return "0" }, "[", ",", "]")},
-		{"array_of_empty_objects", fill(func(int) string { return "{}" }, "[", ",", "]")},
-		{"long_string", []byte(`"` + strings.Repeat("é", (size-2)/2) + `"`)},
-		{"nested_to_the_limit", []byte(strings.Repeat(`{"a":[`, maxJSONDepth/2) + strings.Repeat("]}", maxJSONDepth/2))},
-		{"keys_sharing_a_folding_prefix", sharedPrefixKeys("\u0345", 1000, 500)},
-		{"keys_sharing_an_ascii_prefix", sharedPrefixKeys("k", 2000, 500)},
-		{"one_key_of_cased_runes", []byte(`{"` + strings.Repeat("ͅΣσςſKǅẞ", size/20) + `":0}`)},
-		{"one_key_of_uncased_runes", []byte(`{"` + strings.Repeat("中", (size-6)/3) + `":0}`)},
-		{"escaped_string", []byte(`"` + strings.Repeat(`\u00e9`, (size-2)/6) + `"`)},
-		{"long_numbers", fill(func(int) string { return "-" + strings.Repeat("9", 500) + ".5e-99" }, "[", ",", "]")},
-		{"nested_objects_of_two_members", []byte(strings.Repeat(`{"b":0,"a":`, maxJSONDepth-1) + "0" + strings.Repeat("}", maxJSONDepth-1))},
-	}
-	for _, s := range shapes {
-		if _, ok := jsonDigest(s.body); !ok {
-			b.Fatalf("%s: not canonical", s.name)
+		{"the same bytes", body, old, http.StatusCreated},
+		{"written another way, by its bytes as before", `{"account_id": "acct-7", "amount_cents": 100}`, old, http.StatusUnprocessableEntity},
+		{"another value", `{"amount_cents":900,"account_id":"acct-7"}`, old, http.StatusUnprocessableEntity},
+		{"a damaged version 4 row", body, append(bytes.Clone(old), 0), http.StatusUnprocessableEntity},
+	} {
+		key := fmt.Sprintf("k-v4-%d", i)
+		first := send(key, body)
+		require.Equal(t, http.StatusCreated, first.status, first.body)
+		var stored []byte
+		require.NoError(t, db.Pool.QueryRow(context.Background(), `SELECT fingerprint FROM idempotency_keys WHERE key LIKE '%'||$1`, key).Scan(&stored))
+		require.Equal(t, old[5:5+32], stored[5:5+32], "the request's digest is version 4's")
+		require.EqualValues(t, 6, stored[4], "stored as version 6")
+		tag, err := db.Pool.Exec(context.Background(), `UPDATE idempotency_keys SET fingerprint = $1 WHERE key LIKE '%'||$2`, c.row, key)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, tag.RowsAffected())
+		r := send(key, c.retry)
+		require.Equal(t, c.want, r.status, "%s: %s", c.name, r.body)
+		if c.want == http.StatusCreated {
+			require.Equal(t, first.body, r.body, c.name)
+			require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader), c.name)
 		}
-		b.Run(s.name+"/canonical", func(b *testing.B) {
-			b.ReportAllocs()
-			b.SetBytes(int64(len(s.body)))
-			for b.Loop() {
-				jsonDigest(s.body)
-			}
-		})
-		b.Run(s.name+"/bytes", func(b *testing.B) {
-			b.ReportAllocs()
-			b.SetBytes(int64(len(s.body)))
-			for b.Loop() {
-				sha256.Sum256(s.body)
-			}
-		})
-		b.Run(s.name+"/encoding_json_any", func(b *testing.B) {
-			b.ReportAllocs()
-			b.SetBytes(int64(len(s.body)))
-			for b.Loop() {
-				_, _ = decodeJSON(s.body)
-			}
-		})
+		require.EqualValues(t, i+1, runs.Load(), "%s: one execution per key", c.name)
+	}
+}
+
+// The canonical JSON fingerprint (httpjson.go). The rule: two
+// requests a handler could tell apart are never one request (a replay of
+// another request's response); two that differ only in whitespace, member
+// order and string escapes are.
+
+// jsonCharge is what a typical Go handler decodes: encoding/json
+// matches the key "amount" to the field whatever its case ("Amount",
+// "AMOUNT"), and the last member it meets wins.
+type jsonCharge struct {
+	Amount int64 `json:"amount"`
+}
+
+// chargeJSONServer serves a handler that decodes the body into jsonCharge
+// with encoding/json and answers with the amount it charged.
+func chargeJSONServer(t *testing.T) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
+	db := suiteDB(t)
+	store := migratedStore(t, db)
+	var runs atomic.Int64
+	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		var c jsonCharge
+		if err := json.NewDecoder(r.Body).Decode(&c); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "run %d charged %d", n, c.Amount)
+	})))
+	t.Cleanup(srv.Close)
+	return srv, &runs
+}
+
+// The canonical form sorts members by their key's exact bytes and keeps
+// the order sent only among members of one exact key. encoding/json folds
+// case when it matches a key to a struct field, so "amount" and "Amount"
+// set the same field and the later one wins: {"amount":1,"Amount":500}
+// charges 500, {"Amount":500,"amount":1} charges 1. Both canonicalise to
+// {"Amount":500,"amount":1}: the second request is answered with the
+// first's "charged 500" and its handler never runs.
+func TestHTTPJSONCaseFoldedDuplicateKeysInAnotherOrderAreDifferentRequests(t *testing.T) {
+	t.Parallel()
+	first, second := `{"amount":1,"Amount":500}`, `{"Amount":500,"amount":1}`
+	// What the handler reads from each, decoded here to show they differ.
+	var a, b jsonCharge
+	require.NoError(t, json.Unmarshal([]byte(first), &a))
+	require.NoError(t, json.Unmarshal([]byte(second), &b))
+	require.NotEqual(t, a.Amount, b.Amount, "the handler reads the two bodies differently")
+
+	srv, runs := chargeJSONServer(t)
+	r1 := sendJSON(t, srv, "k-fold", "application/json", first)
+	require.Equal(t, http.StatusCreated, r1.status, r1.body)
+	require.Equal(t, "run 1 charged 500", r1.body)
+	r2 := sendJSON(t, srv, "k-fold", "application/json", second)
+	require.NotEqual(t, "true", r2.header.Get(idempotency.ReplayedHeader),
+		"a request the handler reads as charging 1 was answered with the stored response of one charging 500: %q", r2.body)
+	require.Equal(t, http.StatusUnprocessableEntity, r2.status, r2.body)
+	require.EqualValues(t, 1, runs.Load())
+}
+
+// The same with a folding beyond ASCII: encoding/json matches "ſ" (U+017F,
+// long s) to a field named "s", as it matches "S".
+func TestHTTPJSONUnicodeFoldedDuplicateKeysInAnotherOrderAreDifferentRequests(t *testing.T) {
+	t.Parallel()
+	type s struct {
+		S int64 `json:"s"`
+	}
+	first, second := `{"s":1,"ſ":500}`, `{"ſ":500,"s":1}`
+	var a, b s
+	require.NoError(t, json.Unmarshal([]byte(first), &a))
+	require.NoError(t, json.Unmarshal([]byte(second), &b))
+	require.NotEqual(t, a.S, b.S, "the handler reads the two bodies differently")
+
+	srv, runs := jsonServer(t)
+	r1 := sendJSON(t, srv, "k-fold-u", "application/json", first)
+	require.Equal(t, http.StatusCreated, r1.status, r1.body)
+	r2 := sendJSON(t, srv, "k-fold-u", "application/json", second)
+	require.NotEqual(t, "true", r2.header.Get(idempotency.ReplayedHeader), "replayed: %q", r2.body)
+	require.Equal(t, http.StatusUnprocessableEntity, r2.status, r2.body)
+	require.EqualValues(t, 1, runs.Load())
+}
+
+// A JSON body sent with a charset parameter other than UTF-8: the canonical
+// form reads the raw bytes as UTF-8 and decodes escapes to UTF-8, so the
+// raw bytes C3 A9 and the escape "\u00e9" count as one string (é). A
+// handler that honours the declared charset, ISO-8859-1, reads the raw
+// bytes as "Ã©" and the escape as "é": two requests it tells apart were
+// one, and the second got the first's response. A JSON body in another
+// charset than UTF-8 is compared by its bytes: the second is 422.
+func TestHTTPJSONWithLatin1CharsetEscapesAreNotRawBytes(t *testing.T) {
+	t.Parallel()
+	const ct = "application/json; charset=iso-8859-1"
+	first := `{"name":"caf` + "\xc3\xa9" + `"}` // raw bytes: in ISO-8859-1, "cafÃ©"
+	second := `{"name":"caf\u00e9"}`            // an escape: "café" in any charset
+	decode := func(body string) string {
+		// ISO-8859-1: each byte is the code point of its value.
+		var utf8Body []byte
+		for _, c := range []byte(body) {
+			utf8Body = utf8.AppendRune(utf8Body, rune(c))
+		}
+		var v struct{ Name string }
+		require.NoError(t, json.Unmarshal(utf8Body, &v))
+		return v.Name
+	}
+	require.Equal(t, "cafÃ©", decode(first))
+	require.Equal(t, "café", decode(second))
+
+	db := suiteDB(t)
+	store := migratedStore(t, db)
+	var runs atomic.Int64
+	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := runs.Add(1)
+		b, _ := io.ReadAll(r.Body)
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "run %d named %q", n, decode(string(b)))
+	})))
+	t.Cleanup(srv.Close)
+	r1 := sendJSON(t, srv, "k-latin1", ct, first)
+	require.Equal(t, http.StatusCreated, r1.status, r1.body)
+	r2 := sendJSON(t, srv, "k-latin1", ct, second)
+	require.NotEqual(t, "true", r2.header.Get(idempotency.ReplayedHeader), "replayed %q for a request naming %q", r2.body, decode(second))
+	require.Equal(t, http.StatusUnprocessableEntity, r2.status, "the key with another request")
+	require.EqualValues(t, 1, runs.Load())
+}
+
+// What a handler tells apart and the canonical form must keep apart:
+// Unicode normalisation forms, numbers written otherwise, a lone
+// surrogate against U+FFFD, invalid UTF-8 against U+FFFD, a BOM, trailing
+// garbage, a key of the object structure spelled as a string.
+func TestHTTPJSONValuesAHandlerTellsApartAre422(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	cases := []struct{ first, other string }{
+		{`{"n":"caf` + "\u00e9" + `"}`, `{"n":"cafe` + "\u0301" + `"}`}, // NFC vs NFD
+		{`{"n":"caf\u00e9"}`, `{"n":"cafe\u0301"}`},
+		{`{"n":0}`, `{"n":-0}`},
+		{`{"n":1}`, `{"n":1e0}`},
+		{`{"n":1E400}`, `{"n":1e400}`},
+		{`{"n":"\ufffd"}`, `{"n":"\ud800"}`},
+		{`{"n":"\ufffd"}`, `{"n":"` + "\xff" + `"}`},
+		{`{"n":"\u0000"}`, `{"n":""}`},
+		{`{"n":"a"}`, "\xef\xbb\xbf" + `{"n":"a"}`},
+		{`{"n":"a"}`, `{"n":"a"}x`},
+		{`{"n":"a"}`, `{"n":"a"}{}`},
+		{`[{"a":"b"}]`, `[{"a":"b"},{}]`},
+		{`{"a":[1,2]}`, `{"a":[12]}`},
+		{`{"a":{"b":"c,d"}}`, `{"a":{"b":"c","d":null}}`},
+		{`{"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa":1}`, `{"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa":[1]}`},
+		{`{"k":{"x":"yyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyy"}}`, `{"k":[{"x":"yyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyy"}]}`},
+		{`{"a":1,"a":2,"b":3}`, `{"a":2,"b":3,"a":1}`},
+		{`{"a":"\"b\":1"}`, `{"a":"","b":1}`},
+	}
+	for i, c := range cases {
+		key := fmt.Sprintf("k-apart-%d", i)
+		r1 := sendJSON(t, srv, key, "application/json", c.first)
+		require.Equal(t, http.StatusCreated, r1.status, r1.body)
+		r := sendJSON(t, srv, key, "application/json", c.other)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%q after %q: %s", c.other, c.first, r.body)
+	}
+	require.EqualValues(t, len(cases), runs.Load())
+}
+
+// Bodies that differ only as the rule allows replay, deep nesting and
+// structured-suffix types with parameters included.
+func TestHTTPJSONDeepEscapedOrSuffixTypedRetryIsReplayed(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	deep := func(n int, sep string) string {
+		return string(bytes.Repeat([]byte("["+sep), n)) + "1" + string(bytes.Repeat([]byte(sep+"]"), n))
+	}
+	cases := []struct{ ct, first, other string }{
+		{"application/problem+json", `{"type":"about:blank","title":"x"}`, `{ "title" : "x" , "type" : "about:blank" }`},
+		{"application/json; charset=utf-8", `{"a":"\/"}`, `{"a":"/"}`},
+		{"application/json", deep(9000, ""), deep(9000, " ")},
+		{"application/json", `{"a":"\u00E9\uD83D\uDE00"}`, `{"a":"é😀"}`},
+		{"application/json", `{"z":{"y":[1,{"q":"rrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrr","p":2}]},"a":1}`, `{"a":1,"z":{"y":[1,{"p":2,"q":"rrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrr"}]}}`},
+	}
+	for i, c := range cases {
+		key := fmt.Sprintf("k-same-%d", i)
+		r1 := sendJSON(t, srv, key, c.ct, c.first)
+		require.Equal(t, http.StatusCreated, r1.status, r1.body)
+		r := sendJSON(t, srv, key, c.ct, c.other)
+		require.Equal(t, http.StatusCreated, r.status, "%d: %s", i, r.body)
+		require.Equal(t, "true", r.header.Get(idempotency.ReplayedHeader), "%d", i)
+	}
+	require.EqualValues(t, len(cases), runs.Load())
+}
+
+// A JSON body under a charset other than UTF-8 is compared by its bytes:
+// read in ISO-8859-1, the bytes C3 A9 are "Ã©", not the "é" that "\u00e9"
+// is. RFC 9110 reads a Content-Type's charset where Go's mime package
+// refuses the whole list of parameters (an empty parameter, which RFC
+// 9110 allows), and so does a handler that reads it so.
+func TestHTTPJSONUnderAnotherCharsetIsComparedByItsBytes(t *testing.T) {
+	t.Parallel()
+	srv, runs := jsonServer(t)
+	for i, contentType := range []string{
+		"application/json; charset=iso-8859-1",
+		"application/json; charset=iso-8859-1;;",
+		"application/json;; charset=iso-8859-1",
+		"application/json; charset=iso-8859-1; ;",
+	} {
+		key := fmt.Sprintf("k-charset-%d", i)
+		first := sendJSON(t, srv, key, contentType, "{\"note\":\"\xc3\xa9\"}")
+		require.Equal(t, http.StatusCreated, first.status, "%s: %s", contentType, first.body)
+		r := sendJSON(t, srv, key, contentType, `{"note":"\u00e9"}`)
+		require.Equal(t, http.StatusUnprocessableEntity, r.status, "%s: another value in ISO-8859-1, replayed: %s", contentType, r.body)
+		require.EqualValues(t, i+1, runs.Load(), "%s: one execution per key", contentType)
 	}
 }
