@@ -15,6 +15,11 @@ import (
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/idempotencyconnect"
@@ -226,4 +231,187 @@ func pgAddress(t testing.TB) string {
 	cfg, err := pgxpool.ParseConfig(testdb.URL())
 	require.NoError(t, err)
 	return net.JoinHostPort(cfg.ConnConfig.Host, fmt.Sprint(cfg.ConnConfig.Port))
+}
+
+// A MODE_DISABLED method failing with Unavailable: nothing deduplicates a
+// retry, so the client makes one attempt; a NO_SIDE_EFFECTS one is
+// retried.
+func TestClientRetriesOnlyWhatIsSafe(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var runs atomic.Int64
+	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+		if runs.Add(1) <= 2 {
+			return nil, connect.NewError(connect.CodeUnavailable, errors.New("busy"))
+		}
+		return connect.NewResponse(&testingv1.Response{Body: "ok"}), nil
+	}
+	url := mount(t, e.store, fn, nil, nil, nil)
+	opts := []idempotency.ClientOption{idempotency.WithRetryBackoff(time.Millisecond, time.Millisecond)}
+	_, err := client(t, url, "/idempotency.testing.v1.PolicyService/Disabled", protocols[0], false, opts...).CallUnary(context.Background(), connect.NewRequest(&testingv1.Request{Body: "d"}))
+	require.Equal(t, connect.CodeUnavailable, connectCode(err))
+	require.EqualValues(t, 1, runs.Load(), "one attempt of a call nothing deduplicates")
+	_, err = client(t, url, procNoSideEffects, protocols[0], false, opts...).CallUnary(context.Background(), connect.NewRequest(&testingv1.Request{Body: "n"}))
+	require.NoError(t, err)
+	require.EqualValues(t, 3, runs.Load(), "a safe call retried")
+}
+
+// loseFirstAnswer is a transport that delivers the first request and loses
+// its answer (the connection broke after the server committed).
+type loseFirstAnswer struct {
+	base http.RoundTripper
+	n    atomic.Int64
+}
+
+func (l *loseFirstAnswer) RoundTrip(r *http.Request) (*http.Response, error) {
+	res, err := l.base.RoundTrip(r)
+	if err == nil && l.n.Add(1) == 1 {
+		_ = res.Body.Close()
+		return nil, errors.New("connection reset by peer")
+	}
+	return res, err
+}
+
+// An application's own retry loop around a client whose interceptor makes
+// one attempt (WithMaxAttempts(1)): the loop sends the same request again
+// after the answer was lost, and the key the interceptor put on it the
+// first time makes the second attempt a replay. So does a new request
+// with the key captured (KeyOf) given to WithOutgoingKey, and one with the
+// key as a header beside the same WithOutgoingKey.
+func TestApplicationRetryLoopOutsideTheInterceptorIsAReplay(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var runs atomic.Int64
+	url := mount(t, e.store, ledgerFn(&runs), nil, nil, nil)
+	ic, err := idempotencyconnect.NewClientInterceptor(idempotency.WithMaxAttempts(1))
+	require.NoError(t, err)
+	tr := &loseFirstAnswer{base: httpClient(t, false).Transport}
+	c := connect.NewClient[testingv1.Request, testingv1.Response](&http.Client{Transport: tr}, url+procRequired, connect.WithInterceptors(ic))
+	ctx := context.Background()
+	req := connect.NewRequest(&testingv1.Request{Body: "loop"})
+	var resp *connect.Response[testingv1.Response]
+	for range 3 {
+		if resp, err = c.CallUnary(ctx, req); err == nil {
+			break
+		}
+	}
+	require.NoError(t, err)
+	require.Equal(t, "true", resp.Trailer().Get(idempotency.ReplayedTrailer), "the loop's second send is a replay")
+	key := idempotencyconnect.KeyOf(req)
+	again, err := c.CallUnary(idempotency.WithOutgoingKey(ctx, key), connect.NewRequest(&testingv1.Request{Body: "loop"}))
+	require.NoError(t, err)
+	require.Equal(t, resp.Msg.GetLedgerId(), again.Msg.GetLedgerId())
+	both := keyed(key, "loop")
+	third, err := c.CallUnary(idempotency.WithOutgoingKey(ctx, key), both)
+	require.NoError(t, err, "the same key both ways is one key")
+	require.Equal(t, resp.Msg.GetLedgerId(), third.Msg.GetLedgerId())
+	require.EqualValues(t, 1, runs.Load())
+	require.Equal(t, 1, e.ledgerRows())
+
+	bin := connect.NewRequest(&testingv1.Request{Body: "bin"})
+	bin.Header().Set("Idempotency-Key-Bin", connect.EncodeBinaryHeader([]byte("k")))
+	_, err = c.CallUnary(ctx, bin)
+	require.Equal(t, connect.CodeInvalidArgument, connectCode(err), "the binary key refused by the client: %v", err)
+	require.EqualValues(t, 1, runs.Load())
+}
+
+// An application sets the key header in the map in gRPC's lower case (as
+// HTTP/2 sends it), through the client interceptor: the call is sent with
+// that one key, and executes.
+func TestLowerCaseKeyHeaderThroughTheClientIsTheOneKeySent(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	h, keys := keysSeen(e.mux)
+	url := serve(t, h)
+	req := connect.NewRequest(&testingv1.Request{Body: "lc"})
+	req.Header()["idempotency-key"] = []string{"r32-lower"}
+	resp, err := client(t, url, procRequired, protocols[0], false).CallUnary(context.Background(), req)
+	require.NoError(t, err, "one key, set once")
+	require.Positive(t, resp.Msg.GetLedgerId())
+	require.Equal(t, []string{"r32-lower"}, keys())
+	require.Equal(t, 1, e.ledgerRows())
+}
+
+// The caller cancels its call while the client interceptor waits before a
+// retry (the first attempt answered Unavailable). The caller asked to stop:
+// the call ends with Canceled, as grpc-go's (idempotency.UnaryClientInterceptor)
+// ends it, not with the attempt's Unavailable, which tells the caller to
+// retry a call it gave up.
+func TestCancelledDuringTheBackoffEndsWithCanceled(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var runs atomic.Int64
+	url := mount(t, e.store, func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+		runs.Add(1)
+		return nil, connect.NewError(connect.CodeUnavailable, errors.New("busy"))
+	}, nil, nil, nil)
+	backoff := idempotency.WithRetryBackoff(20*time.Second, 20*time.Second)
+
+	// connect-go, the idempotency client interceptor outermost.
+	answered := make(chan struct{}, 1)
+	inner := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			resp, err := next(ctx, req)
+			answered <- struct{}{}
+			return resp, err
+		}
+	})
+	ic, err := idempotencyconnect.NewClientInterceptor(backoff)
+	require.NoError(t, err)
+	c := connect.NewClient[testingv1.Request, testingv1.Response](httpClient(t, false), url+procRequired, connect.WithInterceptors(ic, inner))
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() { <-answered; cancel() }()
+	_, err = c.CallUnary(ctx, connect.NewRequest(&testingv1.Request{Body: "c"}))
+	connectErr := err
+
+	// grpc-go, the library's chain, against the same handler.
+	answered2 := make(chan struct{}, 1)
+	gc := grpcClient(t, url, idempotency.UnaryClientInterceptor(backoff), func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		answered2 <- struct{}{}
+		return err
+	})
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	go func() { <-answered2; cancel2() }()
+	_, err = gc.Required(ctx2, &testingv1.Request{Body: "g"})
+	require.Equal(t, codes.Canceled, status.Code(err), "grpc-go's chain: %v", err)
+
+	require.Equal(t, connect.CodeCanceled, connectCode(connectErr), "connect's interceptor: %v", connectErr)
+	_, hasDelay := idempotencyconnect.RetryDelay(connectErr)
+	require.False(t, hasDelay, "no RetryInfo on a call the caller cancelled")
+	require.EqualValues(t, 2, runs.Load(), "one attempt each")
+}
+
+// The server asks for a wait longer than the retry budget (RetryInfo of
+// 10 s, budget 1 s), and a call's deadline is shorter than the backoff:
+// one attempt each, the handler's code and RetryInfo kept, the message
+// saying why no retry followed.
+func TestNoRetryPastTheBudgetOrTheDeadline(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var runs atomic.Int64
+	url := mount(t, e.store, func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+		runs.Add(1)
+		ce := connect.NewError(connect.CodeUnavailable, errors.New("maintenance"))
+		d, err := connect.NewErrorDetail(&errdetails.RetryInfo{RetryDelay: durationpb.New(10 * time.Second)})
+		require.NoError(t, err)
+		ce.AddDetail(d)
+		return nil, ce
+	}, nil, nil, nil)
+	c := client(t, url, procRequired, protocols[1], false, idempotency.WithRetryBudget(time.Second))
+	_, err := c.CallUnary(context.Background(), connect.NewRequest(&testingv1.Request{Body: "a"}))
+	require.Equal(t, connect.CodeUnavailable, connectCode(err))
+	d, ok := idempotencyconnect.RetryDelay(err)
+	require.True(t, ok)
+	require.Equal(t, 10*time.Second, d)
+	require.Contains(t, err.Error(), "WithRetryBudget")
+	require.EqualValues(t, 1, runs.Load())
+
+	c = client(t, url, procRequired, protocols[2], false, idempotency.WithRetryBackoff(5*time.Second, 5*time.Second))
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	_, err = c.CallUnary(ctx, connect.NewRequest(&testingv1.Request{Body: "b"}))
+	require.Equal(t, connect.CodeUnavailable, connectCode(err))
+	require.Contains(t, err.Error(), "deadline")
+	require.EqualValues(t, 2, runs.Load())
 }

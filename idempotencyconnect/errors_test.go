@@ -4,15 +4,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"sort"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/exactlyonce/idempotency"
@@ -28,7 +32,7 @@ func TestFinalErrorAnswersEveryCallerAlike(t *testing.T) {
 	e := newEnv(t)
 	var runs atomic.Int64
 	var fnErr atomic.Pointer[error]
-	url := r32Mount(t, e.store, func(context.Context, *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+	url := mount(t, e.store, func(context.Context, *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
 		runs.Add(1)
 		return nil, *fnErr.Load()
 	}, nil, nil, nil)
@@ -100,7 +104,8 @@ type statusError struct {
 	text string
 }
 
-func (e statusError) Error() string              { return e.text }
+func (e statusError) Error() string { return e.text }
+
 func (e statusError) GRPCStatus() *status.Status { return e.st }
 
 // connectErrAnswer is what a connect client sees of an error: its code,
@@ -130,4 +135,137 @@ func connectAnswer(t *testing.T, err error) connectErrAnswer {
 	sort.Strings(meta)
 	a.meta = strings.Join(meta, ";")
 	return a
+}
+
+// errView is what a client sees of an error: code, message, details
+// and the metadata it came with (less the replay marker).
+type errView struct {
+	code    connect.Code
+	msg     string
+	details []string
+	meta    map[string]string
+}
+
+func viewOf(t *testing.T, err error) errView {
+	t.Helper()
+	var ce *connect.Error
+	require.True(t, errors.As(err, &ce), "%v is a connect error", err)
+	v := errView{code: ce.Code(), msg: ce.Message(), meta: map[string]string{}}
+	for _, d := range ce.Details() {
+		v.details = append(v.details, d.Type())
+	}
+	for k, vs := range ce.Meta() {
+		k = strings.ToLower(k)
+		if strings.HasPrefix(k, "x-") {
+			v.meta[k] = strings.Join(vs, ",")
+		}
+	}
+	sort.Strings(v.details)
+	return v
+}
+
+// A handler that sets headers and trailers through CallInfo, then fails
+// with a final error wrapping a connect error (fmt.Errorf("%w")) that has
+// a detail and metadata: every caller of the key, in every protocol, sees
+// the code, message, details and metadata the first caller saw.
+func TestWrappedFinalErrorWithCallInfoHeadersIsReplayedAsSent(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var runs atomic.Int64
+	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+		runs.Add(1)
+		info, ok := connect.CallInfoForHandlerContext(ctx)
+		require.True(t, ok)
+		info.ResponseHeader().Set("X-Info-Header", "h")
+		info.ResponseTrailer().Set("X-Info-Trailer", "t")
+		ce := connect.NewError(connect.CodeFailedPrecondition, errors.New("the card was declined"))
+		d, _ := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: "CARD_DECLINED", Domain: "payments.example"})
+		ce.AddDetail(d)
+		ce.Meta().Set("X-Decline-Code", "51")
+		return nil, fmt.Errorf("charge: %w", ce)
+	}
+	url := mount(t, e.store, fn, nil, nil, nil)
+	ctx := context.Background()
+	for _, p := range protocols {
+		key := "r32-wrapped-" + p.name
+		c := client(t, url, procRequired, p, true)
+		_, err := c.CallUnary(ctx, keyed(key, "d"))
+		first := viewOf(t, err)
+		require.Equal(t, connect.CodeFailedPrecondition, first.code, p.name)
+		_, err = c.CallUnary(ctx, keyed(key, "d"))
+		require.Equal(t, first, viewOf(t, err), "%s: the replay is the first answer", p.name)
+	}
+	require.EqualValues(t, len(protocols), runs.Load())
+}
+
+// A final error whose message is not valid UTF-8 (a byte of a legacy
+// encoding), with metadata: the first caller and the replay see the same
+// code, message and metadata.
+func TestFinalErrorWithInvalidUTF8MessageKeepsItsMetadata(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	var runs atomic.Int64
+	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+		runs.Add(1)
+		ce := connect.NewError(connect.CodeFailedPrecondition, errors.New("card holder M\xfcller declined"))
+		d, _ := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: "CARD_DECLINED", Domain: "payments.example"})
+		ce.AddDetail(d)
+		ce.Meta().Set("X-Decline-Code", "51")
+		return nil, ce
+	}
+	url := mount(t, e.store, fn, nil, nil, nil)
+	ctx := context.Background()
+	for _, p := range protocols {
+		key := "r32-utf8-" + p.name
+		c := client(t, url, procRequired, p, true)
+		_, err := c.CallUnary(ctx, keyed(key, "d"))
+		first := viewOf(t, err)
+		require.Equal(t, connect.CodeFailedPrecondition, first.code, p.name)
+		_, err = c.CallUnary(ctx, keyed(key, "d"))
+		require.Equal(t, first, viewOf(t, err), "%s: the replay is the first answer", p.name)
+		require.Equal(t, "51", first.meta["x-decline-code"], "%s: the error's metadata", p.name)
+		require.Equal(t, []string{"google.rpc.ErrorInfo"}, first.details, "%s: the error's detail", p.name)
+	}
+	require.EqualValues(t, len(protocols), runs.Load())
+}
+
+// A handler's own error that is a context error of its own making (a
+// sub-operation's deadline, while the call's context is alive): connect
+// sends it as DeadlineExceeded, and so does grpc-go; with the
+// idempotency interceptor the code must stay.
+func TestHandlersOwnDeadlineErrorKeepsItsCode(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+		sub, cancel := context.WithTimeout(ctx, time.Nanosecond)
+		defer cancel()
+		<-sub.Done()
+		return nil, sub.Err()
+	}
+	url := mount(t, e.store, fn, nil, nil, nil)
+	plainMux := http.NewServeMux()
+	plainMux.Handle(procRequired, connect.NewUnaryHandler(procRequired, fn))
+	plainURL := serve(t, plainMux)
+	ctx := context.Background()
+	_, err := client(t, plainURL, procRequired, protocols[0], true).CallUnary(ctx, keyed("r32-dl", "1"))
+	require.Equal(t, connect.CodeDeadlineExceeded, connectCode(err), "connect without the interceptor: %v", err)
+
+	// grpc-go with UnaryServerInterceptor keeps it too.
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(idempotency.UnaryServerInterceptor(e.store)))
+	testingv1.RegisterPolicyServiceServer(srv, serializableWork{work: func(ctx context.Context, _ *testingv1.Request) (*testingv1.Response, error) {
+		sub, cancel := context.WithTimeout(ctx, time.Nanosecond)
+		defer cancel()
+		<-sub.Done()
+		return nil, sub.Err()
+	}})
+	lis := listen(t)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	_, err = grpcClient(t, "http://"+lis.Addr().String()).Required(metadata.AppendToOutgoingContext(ctx, idempotency.MetadataKey, "r32-dl-grpc"), &testingv1.Request{Body: "1"})
+	require.Equal(t, codes.DeadlineExceeded, status.Code(err), "grpc-go with the interceptor: %v", err)
+
+	for _, p := range protocols {
+		_, err := client(t, url, procRequired, p, true).CallUnary(ctx, keyed("r32-dl-"+p.name, "1"))
+		require.Equal(t, connect.CodeDeadlineExceeded, connectCode(err), "%s: the handler's own code: %v", p.name, err)
+	}
 }

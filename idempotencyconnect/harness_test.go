@@ -280,3 +280,37 @@ func listen(t testing.TB) net.Listener {
 	t.Cleanup(func() { _ = lis.Close() })
 	return lis
 }
+
+// unaryFn is a connect handler of the test service's methods.
+type unaryFn func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error)
+
+// mount serves fn for every unary method named, behind the idempotency
+// interceptor (with handler options before and after it), and returns the
+// server's URL.
+func mount(t *testing.T, store *idempotency.Store, fn unaryFn, before, after []connect.Interceptor, hopts []connect.HandlerOption, opts ...idempotency.ServerOption) string {
+	t.Helper()
+	ic, err := idempotencyconnect.NewHandlerInterceptor(store, opts...)
+	require.NoError(t, err)
+	chain := append(append(append([]connect.Interceptor{}, before...), ic), after...)
+	mux := http.NewServeMux()
+	for _, name := range []protoreflect.Name{"Required", "NoSideEffects", "Optional", "Unannotated", "Disabled"} {
+		m := method(name)
+		path := "/" + string(m.Parent().FullName()) + "/" + string(m.Name())
+		o := append([]connect.HandlerOption{connect.WithSchema(m)}, hopts...)
+		o = append(o, connect.WithInterceptors(chain...))
+		mux.Handle(path, connect.NewUnaryHandler(path, fn, o...))
+	}
+	return serve(t, mux)
+}
+
+// ledgerFn is the default work as a connect handler: a ledger row.
+func ledgerFn(runs *atomic.Int64) unaryFn {
+	return func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+		runs.Add(1)
+		resp, err := ledger(ctx, req.Msg)
+		if err != nil {
+			return nil, err
+		}
+		return connect.NewResponse(resp), nil
+	}
+}

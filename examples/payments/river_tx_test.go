@@ -10,7 +10,9 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 
+	"github.com/exactlyonce/idempotency"
 	"github.com/exactlyonce/idempotency/examples/payments"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
 )
@@ -71,4 +73,55 @@ func TestRiverInsertTxOnTheCallsTxSurvivesALostConnection(t *testing.T) {
 	require.EqualValues(t, 400, resp.GetBalanceCents())
 	require.Equal(t, counts{ledgerRows: 1}, w.counts(t))
 	require.Equal(t, 1, w.db.Count(t, `SELECT count(*) FROM river_job WHERE kind = 'payments_plain_river_charge'`), "one job, from the attempt that committed")
+}
+
+type savepointArgs struct{ N int }
+
+func (savepointArgs) Kind() string { return "payments_savepoint" }
+
+// River's InsertTx on a savepoint of the call's transaction, and on the
+// transaction itself, beside the handler's own statements: River reads
+// the query mode from Config, never takes the connection (the next call
+// gets the same backend from a pool of one), and a job inserted in a
+// savepoint rolled back is gone with it.
+func TestRiverInsertTxOnASavepointKeepsTheConnection(t *testing.T) {
+	w := newWorld(t, 0)
+	pool := w.db.OpenPool(t, 1)
+	store, err := idempotency.NewStore(pool)
+	require.NoError(t, err)
+	rc, err := river.NewClient(riverpgxv5.New(pool), &river.Config{})
+	require.NoError(t, err)
+	ctx := context.Background()
+	pid := func(key string) (p int) {
+		_, err := store.Execute(ctx, idempotency.Call{Key: key, Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			if _, err := rc.InsertTx(ctx, tx, savepointArgs{1}, nil); err != nil {
+				return nil, err
+			}
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return nil, err
+			}
+			if _, err := rc.InsertTx(ctx, sp, savepointArgs{2}, nil); err != nil {
+				return nil, err
+			}
+			if err := sp.Commit(ctx); err != nil {
+				return nil, err
+			}
+			gone, err := tx.Begin(ctx)
+			if err != nil {
+				return nil, err
+			}
+			if _, err := rc.InsertTx(ctx, gone, savepointArgs{3}, nil); err != nil {
+				return nil, err
+			}
+			if err := gone.Rollback(ctx); err != nil {
+				return nil, err
+			}
+			return nil, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&p)
+		})
+		require.NoError(t, err)
+		return p
+	}
+	require.Equal(t, pid("river-1"), pid("river-2"), "the call's connection went back to the pool: River never took it")
+	require.Equal(t, 4, w.db.Count(t, `SELECT count(*) FROM river_job WHERE kind = 'payments_savepoint'`), "two jobs per call; the rolled-back savepoint's is gone")
 }

@@ -159,8 +159,11 @@ func TestServerAnswersConcurrentChargesWithDefaultFlags(t *testing.T) {
 }
 
 // Two replicas on one host, each with the default flags but for the
-// addresses clients reach it at, start and charge on one database.
-func TestTwoReplicasStartWithDefaultFlags(t *testing.T) {
+// addresses of its listeners (gRPC, HTTP, connect and metrics, each on a
+// free port: with the defaults a second replica on one host cannot bind
+// 127.0.0.1:50051, 8080, 8081 or 9464), start one after the other and
+// charge on one database.
+func TestTwoReplicasStartOnFreePorts(t *testing.T) {
 	db := testdb.New(t, 1)
 	for i := range 2 {
 		// One after the other, as a rollout starts them: the first is

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"sync"
 	"testing"
 	"time"
 
@@ -13,6 +14,55 @@ import (
 
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
+
+// cancelOnPoll is a client hook that cancels a context as soon as a poll
+// hands out its first record: the poll returns records with the context
+// already done, as it does when a shutdown comes at that moment.
+type cancelOnPoll struct {
+	once   sync.Once
+	cancel func()
+}
+
+func (h *cancelOnPoll) OnFetchRecordUnbuffered(_ *kgo.Record, polled bool) {
+	if polled {
+		h.once.Do(h.cancel)
+	}
+}
+
+// Run is stopped at the moment its poll returned 10 records, before it
+// applied any. Run is then started again on the same client, as a
+// supervisor restarts it. The client had fetched past those 10 records.
+//
+// Before the fix: Run returned without setting the client back, the next
+// poll started at record 10, and committing offset 30 skipped records 0
+// to 9, which nobody applied: 20 effects, 30 committed.
+//
+// Now: the poll's partitions are set back to their first record before
+// Run returns; the restarted Run applies all 30, once each.
+func TestRecordsOfAPollCutByStoppingAreDeliveredAgain(t *testing.T) {
+	t.Parallel()
+	const n = 30
+	w := newWorld(t, 1, "credits")
+	w.produce(t, "credits", amounts(n)...)
+	first, cancelFirst := context.WithCancel(context.Background())
+	defer cancelFirst()
+	hook := &cancelOnPoll{cancel: cancelFirst}
+	client, err := kgo.NewClient(consumerOpts(w.brokers, "stopped-group", "credits", kgo.WithHooks(hook))...)
+	require.NoError(t, err)
+	c, err := idempotencykafka.New(w.store, client, credit, idempotencykafka.WithMaxPollRecords(10))
+	require.NoError(t, err)
+
+	require.ErrorIs(t, c.Run(first), context.Canceled)
+	rows, _ := w.credits(t)
+	require.Zero(t, rows, "the stopped Run applied nothing")
+
+	restarted := runCustom(t, w.store, client, credit)
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "stopped-group", "credits") == n })
+	restarted.stop()
+	rows, distinct := w.credits(t)
+	require.Equal(t, n, rows, "one effect per record: the records of the stopped poll were applied")
+	require.Equal(t, n, distinct)
+}
 
 // Run is cancelled at random moments (in a poll, in the middle of a
 // poll's records, in a mid-poll commit, in the poll's commit) and started

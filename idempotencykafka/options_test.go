@@ -12,6 +12,19 @@ import (
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
 
+// It failed when New accepted a scope the store refuses (over 1,024
+// bytes): every record then failed, retried forever.
+func TestNewRefusesAScopeTheStoreCannotKeep(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	client, err := kgo.NewClient(consumerOpts(w.brokers, "g", "credits")...)
+	require.NoError(t, err)
+	defer client.Close()
+	_, err = idempotencykafka.New(w.store, client, credit, idempotencykafka.WithScope(strings.Repeat("s", idempotency.MaxScopeLen+1)))
+	require.ErrorContains(t, err, "WithScope")
+	require.ErrorContains(t, err, "the limit is 1024")
+}
+
 // A group of 1,005 characters consumes ^pay by a regex, which matches the
 // topic payments-with-a-name. New checks the default scope for "" and for
 // the regex itself (1,016 bytes each, within the limit of 1,024), but the
@@ -62,4 +75,21 @@ func TestRegexConsumerScopeIsOneTheStoreCanKeep(t *testing.T) {
 	require.Zero(t, misconfigured, "the record is never tried under a scope the store refuses")
 	rows, _ := w.credits(t)
 	require.Equal(t, 1, rows, "the record is applied")
+}
+
+// It failed when Run took whatever the client had buffered in one poll
+// (PollFetches: up to the fetch's 50 MB), which a rebalance then waited
+// for: 100 records came in one or two polls. WithMaxPollRecords(10) (the
+// default is 500) takes at most 10 per poll, each poll ending in a commit.
+func TestPollsAreBounded(t *testing.T) {
+	t.Parallel()
+	w := newWorld(t, 1, "credits")
+	requests, _ := commitRequests(w.cluster, "bounded")
+	w.produce(t, "credits", amounts(100)...)
+	m := w.startMember(t, "bounded", "credits", idempotencykafka.WithMaxPollRecords(10), idempotencykafka.WithCommitEvery(1000))
+	waitFor(t, "every offset committed", func() bool { return w.committed(t, "bounded", "credits") == 100 })
+	m.stop()
+	require.GreaterOrEqual(t, requests.Load(), int64(10), "a commit per poll of at most 10 records")
+	_, err := idempotencykafka.New(w.store, m.client, credit, idempotencykafka.WithMaxPollRecords(0))
+	require.ErrorContains(t, err, "WithMaxPollRecords")
 }
