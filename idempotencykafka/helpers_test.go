@@ -581,3 +581,24 @@ func runCustomConsumer(t *testing.T, client *kgo.Client, c *idempotencykafka.Con
 	t.Cleanup(stop)
 	return stop
 }
+
+// createApplied creates the table applied: which group applied which
+// record ID, as the handlers of applyAs write it.
+func (w *world) createApplied(t *testing.T) {
+	t.Helper()
+	_, err := w.db.Pool.Exec(context.Background(), `CREATE TABLE applied (grp text NOT NULL, msg_id text NOT NULL)`)
+	require.NoError(t, err)
+}
+
+// applyAs is a handler of group: it writes the record's ID (its
+// DefaultIDHeader) to applied, or, while refuse (nil: never) says so,
+// refuses the record with a final error: the record is dead-lettered.
+func applyAs(group string, refuse func() bool) idempotencykafka.Handler {
+	return func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
+		if refuse != nil && refuse() {
+			return idempotency.Final(errors.New("group " + group + " refuses it"))
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO applied VALUES ($1, $2)`, group, header(r, idempotencykafka.DefaultIDHeader))
+		return err
+	}
+}
