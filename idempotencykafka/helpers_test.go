@@ -602,3 +602,34 @@ func applyAs(group string, refuse func() bool) idempotencykafka.Handler {
 		return err
 	}
 }
+
+// holdID applies r through store as another holder of its ID would (the
+// member that had r's partition before a rebalance, still applying it):
+// it returns once the ID is held, and holds it until release is called;
+// held then gets the holder's error. The ID is released when the test ends
+// at the latest.
+func (w *world) holdID(t *testing.T, store *idempotency.Store, group, topic string, r *kgo.Record) (release func(), held <-chan error) {
+	t.Helper()
+	client, err := kgo.NewClient(consumerOpts(w.brokers, group, topic)...)
+	require.NoError(t, err)
+	probe, err := idempotencykafka.New(store, client, credit)
+	require.NoError(t, err)
+	msg, err := probe.Message(context.Background(), r)
+	require.NoError(t, err)
+	client.Close()
+	holding, releasing := make(chan struct{}), make(chan struct{})
+	result := make(chan error, 1)
+	go func() {
+		_, err := store.ProcessMessage(context.Background(), msg, func(ctx context.Context, tx pgx.Tx) error {
+			close(holding)
+			<-releasing
+			return credit(ctx, tx, r)
+		})
+		result <- err
+	}()
+	<-holding
+	var once sync.Once
+	release = func() { once.Do(func() { close(releasing) }) }
+	t.Cleanup(release)
+	return release, result
+}
