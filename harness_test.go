@@ -734,3 +734,22 @@ func mountedPost(t *testing.T, url, contentType, body string) *http.Request {
 	}
 	return req
 }
+
+// lockTriesDB is a test database whose round trips that try a key's
+// advisory lock (a claim, a probe of a wait) are counted in tries while
+// counting is set; pool, when not nil, configures the pool further.
+func lockTriesDB(t *testing.T, counting *atomic.Bool, pool func(*pgxpool.Config)) (db *testdb.DB, tries *atomic.Int64) {
+	t.Helper()
+	tries = new(atomic.Int64)
+	db = testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(_ context.Context, _ *pgx.Conn, statements []string) {
+			if counting.Load() && strings.Contains(strings.Join(statements, ";"), "pg_try_advisory") {
+				tries.Add(1)
+			}
+		}}
+		if pool != nil {
+			pool(cfg)
+		}
+	})
+	return db, tries
+}

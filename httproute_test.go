@@ -243,65 +243,64 @@ func TestHTTPRoutesBehindStripPrefixAreDifferentCalls(t *testing.T) {
 	require.EqualValues(t, 2, runs.Load())
 }
 
-// It failed when the host was part of a request only through r.Pattern:
-// with the middleware wrapping the whole mux, the pattern is empty when the
-// request is named, and b.example's request under a.example's key and body
-// was answered with a.example's stored response. The host the client sent
-// is part of the fingerprint wherever the middleware is mounted.
-func TestHTTPOutsideTheMuxHostRoutesAreDifferentCalls(t *testing.T) {
+// b.example's request under a.example's key and body must never get
+// a.example's stored response: the host the client sent is part of the
+// fingerprint wherever the middleware is mounted.
+//
+// middleware outside the mux: it failed when the host was part of a request
+// only through r.Pattern: with the middleware wrapping the whole mux, the
+// pattern is empty when the request is named.
+//
+// one inner mux per host: it failed the same way with one mux per virtual
+// host: the inner mux's host-less pattern ("POST /charges") replaced the
+// outer one's.
+func TestHTTPHostRoutesAreDifferentCalls(t *testing.T) {
 	t.Parallel()
-	store := migratedStore(t, suiteDB(t))
-	var runs atomic.Int64
-	mux := http.NewServeMux()
-	for _, host := range []string{"a.example", "b.example"} {
-		mux.HandleFunc("POST "+host+"/charges", func(w http.ResponseWriter, r *http.Request) {
-			runs.Add(1)
-			_, _ = io.WriteString(w, "charged at "+host)
+	for _, tc := range []struct {
+		name, key string
+		handler   func(store *idempotency.Store, runs *atomic.Int64) http.Handler
+	}{
+		{"middleware outside the mux", "k-host-outside", func(store *idempotency.Store, runs *atomic.Int64) http.Handler {
+			mux := http.NewServeMux()
+			for _, host := range []string{"a.example", "b.example"} {
+				mux.HandleFunc("POST "+host+"/charges", func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					_, _ = io.WriteString(w, "charged at "+host)
+				})
+			}
+			return idempotency.HTTPMiddleware(store)(mux)
+		}},
+		{"one inner mux per host", "k-host-nested", func(store *idempotency.Store, runs *atomic.Int64) http.Handler {
+			idem := idempotency.HTTPMiddleware(store)
+			outer := http.NewServeMux()
+			for _, host := range []string{"a.example", "b.example"} {
+				inner := http.NewServeMux()
+				inner.Handle("POST /charges", idem(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					runs.Add(1)
+					_, _ = io.WriteString(w, "charged at "+host)
+				})))
+				outer.Handle(host+"/", inner)
+			}
+			return outer
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			store := migratedStore(t, suiteDB(t))
+			var runs atomic.Int64
+			srv := httptest.NewServer(tc.handler(store, &runs))
+			t.Cleanup(srv.Close)
+
+			a := mountedPost(t, srv.URL+"/charges", "", "100")
+			a.Host = "a.example"
+			require.Equal(t, "charged at a.example", do(t, srv.Client(), a, tc.key).body)
+			b := mountedPost(t, srv.URL+"/charges", "", "100")
+			b.Host = "b.example"
+			rb := do(t, srv.Client(), b, tc.key)
+			require.Empty(t, rb.header.Get(idempotency.ReplayedHeader), "b.example got a.example's stored response: %q", rb.body)
+			require.NotEqual(t, "charged at a.example", rb.body)
+			require.Equal(t, http.StatusUnprocessableEntity, rb.status, "the route of another host is another request")
+			require.EqualValues(t, 1, runs.Load())
 		})
 	}
-	srv := httptest.NewServer(idempotency.HTTPMiddleware(store)(mux))
-	t.Cleanup(srv.Close)
-
-	a := mountedPost(t, srv.URL+"/charges", "", "100")
-	a.Host = "a.example"
-	require.Equal(t, "charged at a.example", do(t, srv.Client(), a, "k-host-outside").body)
-	b := mountedPost(t, srv.URL+"/charges", "", "100")
-	b.Host = "b.example"
-	rb := do(t, srv.Client(), b, "k-host-outside")
-	require.Empty(t, rb.header.Get(idempotency.ReplayedHeader), "b.example got a.example's stored response: %q", rb.body)
-	require.NotEqual(t, "charged at a.example", rb.body)
-	require.Equal(t, http.StatusUnprocessableEntity, rb.status, "the route of another host is another request")
-	require.EqualValues(t, 1, runs.Load())
-}
-
-// It failed the same way with one mux per virtual host: the inner mux's
-// host-less pattern ("POST /charges") replaced the outer one's, and
-// b.example got a.example's stored response.
-func TestHTTPNestedMuxHostRoutesAreDifferentCalls(t *testing.T) {
-	t.Parallel()
-	store := migratedStore(t, suiteDB(t))
-	idem := idempotency.HTTPMiddleware(store)
-	var runs atomic.Int64
-	outer := http.NewServeMux()
-	for _, host := range []string{"a.example", "b.example"} {
-		inner := http.NewServeMux()
-		inner.Handle("POST /charges", idem(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			runs.Add(1)
-			_, _ = io.WriteString(w, "charged at "+host)
-		})))
-		outer.Handle(host+"/", inner)
-	}
-	srv := httptest.NewServer(outer)
-	t.Cleanup(srv.Close)
-
-	a := mountedPost(t, srv.URL+"/charges", "", "100")
-	a.Host = "a.example"
-	require.Equal(t, "charged at a.example", do(t, srv.Client(), a, "k-host-nested").body)
-	b := mountedPost(t, srv.URL+"/charges", "", "100")
-	b.Host = "b.example"
-	rb := do(t, srv.Client(), b, "k-host-nested")
-	require.Empty(t, rb.header.Get(idempotency.ReplayedHeader), "b.example got a.example's stored response: %q", rb.body)
-	require.NotEqual(t, "charged at a.example", rb.body)
-	require.Equal(t, http.StatusUnprocessableEntity, rb.status, "the route of another host is another request")
-	require.EqualValues(t, 1, runs.Load())
 }

@@ -259,22 +259,28 @@ func TestSaturatedPoolsWithMisbehavingHandlers(t *testing.T) {
 				code codes.Code
 				msg  string
 			}
+			// call is one caller of key k and its answer; a handler's panic
+			// that reaches the caller is recovered as the empty answer.
+			call := func(k int) answer {
+				var res idempotency.Result
+				var err error
+				func() {
+					defer func() { _ = recover() }()
+					res, err = store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("k%d", k), Method: "m"}, fn(k))
+				}()
+				a := answer{code: status.Code(err), msg: status.Convert(err).Message()}
+				if err == nil && res.Response != nil {
+					a.msg = res.Response.(*wrapperspb.StringValue).GetValue()
+				}
+				return a
+			}
 			answers := make([][]answer, keys)
 			var mu sync.Mutex
 			var wg sync.WaitGroup
 			for c := range 18 {
 				k := c % keys
 				wg.Go(func() {
-					var res idempotency.Result
-					var err error
-					func() {
-						defer func() { _ = recover() }()
-						res, err = store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("k%d", k), Method: "m"}, fn(k))
-					}()
-					a := answer{code: status.Code(err), msg: status.Convert(err).Message()}
-					if err == nil && res.Response != nil {
-						a.msg = res.Response.(*wrapperspb.StringValue).GetValue()
-					}
+					a := call(k)
 					mu.Lock()
 					answers[k] = append(answers[k], a)
 					mu.Unlock()
@@ -286,16 +292,7 @@ func TestSaturatedPoolsWithMisbehavingHandlers(t *testing.T) {
 			for k := range keys {
 				var last answer
 				for range 2 {
-					var res idempotency.Result
-					var err error
-					func() {
-						defer func() { _ = recover() }()
-						res, err = store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprintf("k%d", k), Method: "m"}, fn(k))
-					}()
-					a := answer{code: status.Code(err), msg: status.Convert(err).Message()}
-					if err == nil && res.Response != nil {
-						a.msg = res.Response.(*wrapperspb.StringValue).GetValue()
-					}
+					a := call(k)
 					if last != (answer{}) {
 						require.Equal(t, last, a, "key k%d: two later callers disagree", k)
 					}

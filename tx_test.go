@@ -33,18 +33,8 @@ func TestWaysPastTheSQLCheckNeverRunTwice(t *testing.T) {
 	for name, tc := range bypassCases() {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			var tries atomic.Int64 // claims and probes of the key, once the handler has ended the transaction
 			var ended atomic.Bool
-			db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
-				cfg.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(_ context.Context, _ *pgx.Conn, statements []string) {
-					if ended.Load() && strings.Contains(strings.Join(statements, ";"), "pg_try_advisory") {
-						tries.Add(1)
-					}
-				}}
-				if tc.pool != nil {
-					tc.pool(cfg)
-				}
-			})
+			db, tries := lockTriesDB(t, &ended, tc.pool) // claims and probes of the key, once the handler has ended the transaction
 			store := migratedStore(t, db, idempotency.WithInProgressWait(liveness), idempotency.WithoutSQLCheck())
 			createLedger(t, db)
 			var runs atomic.Int64
@@ -368,18 +358,8 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 	} {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
-			var tries atomic.Int64 // the engine's lock attempts, counted once the handler has committed
 			var committed atomic.Bool
-			db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
-				cfg.ConnConfig.Tracer = &testdb.Tracer{OnRoundTrip: func(_ context.Context, _ *pgx.Conn, statements []string) {
-					if committed.Load() && strings.Contains(strings.Join(statements, ";"), "pg_try_advisory") {
-						tries.Add(1)
-					}
-				}}
-				if tc.pool != nil {
-					tc.pool(cfg)
-				}
-			})
+			db, tries := lockTriesDB(t, &committed, tc.pool) // the engine's lock attempts, counted once the handler has committed
 			store := migratedStore(t, db, idempotency.WithInProgressWait(liveness))
 			createLedger(t, db)
 			var runs atomic.Int64

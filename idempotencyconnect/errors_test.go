@@ -164,69 +164,61 @@ func viewOf(t *testing.T, err error) errView {
 	return v
 }
 
-// A handler that sets headers and trailers through CallInfo, then fails
-// with a final error wrapping a connect error (fmt.Errorf("%w")) that has
-// a detail and metadata: every caller of the key, in every protocol, sees
-// the code, message, details and metadata the first caller saw.
-func TestWrappedFinalErrorWithCallInfoHeadersIsReplayedAsSent(t *testing.T) {
+// A final error with a detail and metadata: every caller of the key, in
+// every protocol, sees the code, message, details and metadata the first
+// caller saw.
+func TestFinalErrorIsReplayedAsSent(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t)
-	var runs atomic.Int64
-	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
-		runs.Add(1)
-		info, ok := connect.CallInfoForHandlerContext(ctx)
-		require.True(t, ok)
-		info.ResponseHeader().Set("X-Info-Header", "h")
-		info.ResponseTrailer().Set("X-Info-Trailer", "t")
-		ce := connect.NewError(connect.CodeFailedPrecondition, errors.New("the card was declined"))
-		d, _ := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: "CARD_DECLINED", Domain: "payments.example"})
-		ce.AddDetail(d)
-		ce.Meta().Set("X-Decline-Code", "51")
-		return nil, fmt.Errorf("charge: %w", ce)
+	for _, tc := range []struct {
+		name, key string
+		fail      func(ctx context.Context, t *testing.T) error
+	}{
+		// The handler sets headers and trailers through CallInfo, then fails
+		// with a final error wrapping a connect error (fmt.Errorf("%w")).
+		{"wrapped, with CallInfo headers and trailers", "r32-wrapped-", func(ctx context.Context, t *testing.T) error {
+			info, ok := connect.CallInfoForHandlerContext(ctx)
+			require.True(t, ok)
+			info.ResponseHeader().Set("X-Info-Header", "h")
+			info.ResponseTrailer().Set("X-Info-Trailer", "t")
+			ce := connect.NewError(connect.CodeFailedPrecondition, errors.New("the card was declined"))
+			d, _ := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: "CARD_DECLINED", Domain: "payments.example"})
+			ce.AddDetail(d)
+			ce.Meta().Set("X-Decline-Code", "51")
+			return fmt.Errorf("charge: %w", ce)
+		}},
+		// The message is not valid UTF-8 (a byte of a legacy encoding).
+		{"message not valid UTF-8", "r32-utf8-", func(context.Context, *testing.T) error {
+			ce := connect.NewError(connect.CodeFailedPrecondition, errors.New("card holder M\xfcller declined"))
+			d, _ := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: "CARD_DECLINED", Domain: "payments.example"})
+			ce.AddDetail(d)
+			ce.Meta().Set("X-Decline-Code", "51")
+			return ce
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			var runs atomic.Int64
+			fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+				runs.Add(1)
+				return nil, tc.fail(ctx, t)
+			}
+			url := mount(t, e.store, fn, nil, nil, nil)
+			ctx := context.Background()
+			for _, p := range protocols {
+				key := tc.key + p.name
+				c := client(t, url, procRequired, p, true)
+				_, err := c.CallUnary(ctx, keyed(key, "d"))
+				first := viewOf(t, err)
+				require.Equal(t, connect.CodeFailedPrecondition, first.code, p.name)
+				_, err = c.CallUnary(ctx, keyed(key, "d"))
+				require.Equal(t, first, viewOf(t, err), "%s: the replay is the first answer", p.name)
+				require.Equal(t, "51", first.meta["x-decline-code"], "%s: the error's metadata", p.name)
+				require.Equal(t, []string{"google.rpc.ErrorInfo"}, first.details, "%s: the error's detail", p.name)
+			}
+			require.EqualValues(t, len(protocols), runs.Load())
+		})
 	}
-	url := mount(t, e.store, fn, nil, nil, nil)
-	ctx := context.Background()
-	for _, p := range protocols {
-		key := "r32-wrapped-" + p.name
-		c := client(t, url, procRequired, p, true)
-		_, err := c.CallUnary(ctx, keyed(key, "d"))
-		first := viewOf(t, err)
-		require.Equal(t, connect.CodeFailedPrecondition, first.code, p.name)
-		_, err = c.CallUnary(ctx, keyed(key, "d"))
-		require.Equal(t, first, viewOf(t, err), "%s: the replay is the first answer", p.name)
-	}
-	require.EqualValues(t, len(protocols), runs.Load())
-}
-
-// A final error whose message is not valid UTF-8 (a byte of a legacy
-// encoding), with metadata: the first caller and the replay see the same
-// code, message and metadata.
-func TestFinalErrorWithInvalidUTF8MessageKeepsItsMetadata(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	var runs atomic.Int64
-	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
-		runs.Add(1)
-		ce := connect.NewError(connect.CodeFailedPrecondition, errors.New("card holder M\xfcller declined"))
-		d, _ := connect.NewErrorDetail(&errdetails.ErrorInfo{Reason: "CARD_DECLINED", Domain: "payments.example"})
-		ce.AddDetail(d)
-		ce.Meta().Set("X-Decline-Code", "51")
-		return nil, ce
-	}
-	url := mount(t, e.store, fn, nil, nil, nil)
-	ctx := context.Background()
-	for _, p := range protocols {
-		key := "r32-utf8-" + p.name
-		c := client(t, url, procRequired, p, true)
-		_, err := c.CallUnary(ctx, keyed(key, "d"))
-		first := viewOf(t, err)
-		require.Equal(t, connect.CodeFailedPrecondition, first.code, p.name)
-		_, err = c.CallUnary(ctx, keyed(key, "d"))
-		require.Equal(t, first, viewOf(t, err), "%s: the replay is the first answer", p.name)
-		require.Equal(t, "51", first.meta["x-decline-code"], "%s: the error's metadata", p.name)
-		require.Equal(t, []string{"google.rpc.ErrorInfo"}, first.details, "%s: the error's detail", p.name)
-	}
-	require.EqualValues(t, len(protocols), runs.Load())
 }
 
 // A handler's own error that is a context error of its own making (a

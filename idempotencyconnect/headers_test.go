@@ -131,42 +131,105 @@ func TestBinaryHeaderReplayedByteForByteWithinConnect(t *testing.T) {
 	require.EqualValues(t, 1, runs.Load())
 }
 
-// An interceptor outside the idempotency interceptor sets a default
-// response header; the handler replaces it (Set) through CallInfo. The
-// first caller gets the handler's value; so must the replay.
-func TestHandlerReplacingAnOuterHeaderIsReplayed(t *testing.T) {
+// An interceptor outside the idempotency interceptor sets a response
+// header through CallInfo (a default: a cache header, Vary, a CORS
+// header); the handler then changes it. The first answer carries the
+// header as the handler left it; the replay must carry the same.
+func TestHandlerChangingAnOuterHeaderIsReplayedAsFirstSent(t *testing.T) {
 	t.Parallel()
-	e := newEnv(t)
-	var runs atomic.Int64
-	outer := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
-		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-			if info, ok := connect.CallInfoForHandlerContext(ctx); ok {
-				info.ResponseHeader().Set("Cache-Control", "no-store")
-			}
-			return next(ctx, req)
-		}
-	})
-	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
-		runs.Add(1)
-		resp, err := ledger(ctx, req.Msg)
-		if err != nil {
-			return nil, err
-		}
-		info, _ := connect.CallInfoForHandlerContext(ctx)
-		info.ResponseHeader().Set("Cache-Control", "private, max-age=60")
-		return connect.NewResponse(resp), nil
+	type header struct {
+		name   string
+		values []string // nil: the answer has none
 	}
-	url := mount(t, e.store, fn, []connect.Interceptor{outer}, nil, nil)
-	ctx := context.Background()
-	c := client(t, url, procRequired, protocols[0], true)
-	first, err := c.CallUnary(ctx, keyed("r32-replace", "r"))
-	require.NoError(t, err)
-	require.Equal(t, []string{"private, max-age=60"}, first.Header().Values("Cache-Control"))
-	again, err := c.CallUnary(ctx, keyed("r32-replace", "r"))
-	require.NoError(t, err)
-	require.Equal(t, "true", again.Trailer().Get(idempotency.ReplayedTrailer))
-	require.Equal(t, first.Header().Values("Cache-Control"), again.Header().Values("Cache-Control"), "the replay carries the header the first answer carried")
-	require.EqualValues(t, 1, runs.Load())
+	for _, tc := range []struct {
+		name, key  string
+		outer      [2]string // the header the outer interceptor sets, and its value
+		handle     func(ctx context.Context, r *connect.Response[testingv1.Response])
+		protocols  []protocol
+		firstSends []header // the first answer's headers, which the replay must repeat
+	}{
+		// The handler replaces the default (Set) through CallInfo.
+		{
+			name: "the handler's Set replaces it", key: "r32-replace-",
+			outer: [2]string{"Cache-Control", "no-store"},
+			handle: func(ctx context.Context, _ *connect.Response[testingv1.Response]) {
+				info, _ := connect.CallInfoForHandlerContext(ctx)
+				info.ResponseHeader().Set("Cache-Control", "private, max-age=60")
+			},
+			protocols:  protocols[:1],
+			firstSends: []header{{"Cache-Control", []string{"private, max-age=60"}}},
+		},
+		// The handler adds a value of the same header on its
+		// connect.Response: connect merges the two, the first answer
+		// carries both values.
+		{
+			name: "a value on the handler's Response is merged with it", key: "r32b-merge-",
+			outer: [2]string{"X-Vary", "origin"},
+			handle: func(_ context.Context, r *connect.Response[testingv1.Response]) {
+				r.Header().Set("X-Vary", "authorization")
+			},
+			protocols:  protocols,
+			firstSends: []header{{"X-Vary", []string{"origin", "authorization"}}},
+		},
+		// The handler deletes it (the answer must not carry it: a cache
+		// header on a charge) and sets another.
+		{
+			name: "the handler's Del removes it", key: "r32b-del-",
+			outer: [2]string{"X-Cacheable", "yes"},
+			handle: func(ctx context.Context, _ *connect.Response[testingv1.Response]) {
+				info, _ := connect.CallInfoForHandlerContext(ctx)
+				info.ResponseHeader().Del("X-Cacheable")
+				info.ResponseHeader().Set("X-Charged", "1")
+			},
+			protocols:  protocols[1:2],
+			firstSends: []header{{"X-Cacheable", nil}, {"X-Charged", []string{"1"}}},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			e := newEnv(t)
+			var runs atomic.Int64
+			outer := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+				return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+					info, _ := connect.CallInfoForHandlerContext(ctx)
+					info.ResponseHeader().Set(tc.outer[0], tc.outer[1])
+					return next(ctx, req)
+				}
+			})
+			fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
+				runs.Add(1)
+				resp, err := ledger(ctx, req.Msg)
+				if err != nil {
+					return nil, err
+				}
+				r := connect.NewResponse(resp)
+				tc.handle(ctx, r)
+				return r, nil
+			}
+			url := mount(t, e.store, fn, []connect.Interceptor{outer}, nil, nil)
+			for _, p := range tc.protocols {
+				c := client(t, url, procRequired, p, true)
+				key := tc.key + p.name
+				first, err := c.CallUnary(context.Background(), keyed(key, "h"))
+				require.NoError(t, err)
+				for _, h := range tc.firstSends {
+					if h.values == nil {
+						require.Empty(t, first.Header().Values(h.name), "%s: the first answer's %s", p.name, h.name)
+					} else {
+						require.Equal(t, h.values, first.Header().Values(h.name), "%s: the first answer's %s", p.name, h.name)
+					}
+				}
+				again, err := c.CallUnary(context.Background(), keyed(key, "h"))
+				require.NoError(t, err)
+				require.Equal(t, "true", again.Trailer().Get(idempotency.ReplayedTrailer))
+				for _, h := range tc.firstSends {
+					require.Equal(t, first.Header().Values(h.name), again.Header().Values(h.name),
+						"%s: the replay carries the %s the first answer carried", p.name, h.name)
+				}
+			}
+			require.EqualValues(t, len(tc.protocols), runs.Load())
+		})
+	}
 }
 
 // appMD is a metadata's application keys (x-...), sorted, as k=v.
@@ -362,85 +425,6 @@ func TestFinalErrorMetaKeepsItsPlaceInTheConnectProtocol(t *testing.T) {
 	require.Equal(t, st1, st2)
 	require.Equal(t, []string{"x-decline-code=51"}, h1, "the first answer")
 	require.Equal(t, h1, h2, "the replay's headers")
-	require.EqualValues(t, 1, runs.Load())
-}
-
-// An interceptor outside the idempotency interceptor sets a header through
-// CallInfo (Vary, a CORS or cache header); the handler adds a value of the
-// same header on its connect.Response. connect merges the two: the first
-// answer carries both values. The replay must too.
-func TestOuterCallInfoHeaderAndResponseHeaderOfOneNameAreBothReplayed(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	var runs atomic.Int64
-	outer := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
-		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-			info, _ := connect.CallInfoForHandlerContext(ctx)
-			info.ResponseHeader().Set("X-Vary", "origin")
-			return next(ctx, req)
-		}
-	})
-	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
-		runs.Add(1)
-		resp, err := ledger(ctx, req.Msg)
-		if err != nil {
-			return nil, err
-		}
-		r := connect.NewResponse(resp)
-		r.Header().Set("X-Vary", "authorization")
-		return r, nil
-	}
-	url := mount(t, e.store, fn, []connect.Interceptor{outer}, nil, nil)
-	for _, p := range protocols {
-		c := client(t, url, procRequired, p, true)
-		key := "r32b-merge-" + p.name
-		first, err := c.CallUnary(context.Background(), keyed(key, "m"))
-		require.NoError(t, err)
-		require.Equal(t, []string{"origin", "authorization"}, first.Header().Values("X-Vary"), "%s: the first answer", p.name)
-		again, err := c.CallUnary(context.Background(), keyed(key, "m"))
-		require.NoError(t, err)
-		require.Equal(t, "true", again.Trailer().Get(idempotency.ReplayedTrailer))
-		require.Equal(t, first.Header().Values("X-Vary"), again.Header().Values("X-Vary"), "%s: the replay", p.name)
-	}
-	require.EqualValues(t, len(protocols), runs.Load())
-}
-
-// An interceptor outside sets a header through CallInfo; the handler
-// deletes it (the answer must not carry it: a cache header on a charge).
-// The first answer has no such header; the replay must have none either.
-func TestHandlerDeletingAnOuterHeaderStaysDeletedOnReplay(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	var runs atomic.Int64
-	outer := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
-		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
-			info, _ := connect.CallInfoForHandlerContext(ctx)
-			info.ResponseHeader().Set("X-Cacheable", "yes")
-			return next(ctx, req)
-		}
-	})
-	fn := func(ctx context.Context, req *connect.Request[testingv1.Request]) (*connect.Response[testingv1.Response], error) {
-		runs.Add(1)
-		resp, err := ledger(ctx, req.Msg)
-		if err != nil {
-			return nil, err
-		}
-		info, _ := connect.CallInfoForHandlerContext(ctx)
-		info.ResponseHeader().Del("X-Cacheable")
-		info.ResponseHeader().Set("X-Charged", "1")
-		return connect.NewResponse(resp), nil
-	}
-	url := mount(t, e.store, fn, []connect.Interceptor{outer}, nil, nil)
-	c := client(t, url, procRequired, protocols[1], true)
-	first, err := c.CallUnary(context.Background(), keyed("r32b-del", "d"))
-	require.NoError(t, err)
-	require.Empty(t, first.Header().Values("X-Cacheable"), "the first answer")
-	require.Equal(t, "1", first.Header().Get("X-Charged"))
-	again, err := c.CallUnary(context.Background(), keyed("r32b-del", "d"))
-	require.NoError(t, err)
-	require.Equal(t, "true", again.Trailer().Get(idempotency.ReplayedTrailer))
-	require.Equal(t, "1", again.Header().Get("X-Charged"))
-	require.Equal(t, first.Header().Values("X-Cacheable"), again.Header().Values("X-Cacheable"), "the replay")
 	require.EqualValues(t, 1, runs.Load())
 }
 

@@ -17,22 +17,55 @@ import (
 	"github.com/exactlyonce/idempotency/idempotencykafka"
 )
 
-// It failed when a failed offset commit was reported and never tried
-// again: one OffsetCommit refused by the broker left the committed offset
-// at 0 with 3 records applied, and the lag never cleared. A commit is tried
-// again, with backoff, until it succeeds.
-func TestFailedOffsetCommitIsTriedAgain(t *testing.T) {
+// The broker refuses the group's first offset commit; the commit is tried
+// again until the committed offset reaches the 3 records applied.
+func TestRefusedOffsetCommitIsTriedAgain(t *testing.T) {
 	t.Parallel()
-	w := newWorld(t, 1, "credits")
-	var asked atomic.Int64
-	refuseCommits(w.cluster, "commit-group", kerr.OffsetMetadataTooLarge.Code, once(&asked))
-	w.produce(t, "credits", amounts(3)...)
-	m := w.startMember(t, "commit-group", "credits", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
-	waitFor(t, "the offsets committed after the refusal", func() bool { return w.committed(t, "commit-group", "credits") == 3 })
-	m.stop()
-	require.Greater(t, asked.Load(), int64(1), "the refused commit was tried again")
-	rows, _ := w.credits(t)
-	require.Equal(t, 3, rows)
+	for _, tc := range []struct {
+		name, group string
+		refusal     int16
+	}{
+		// It failed when a failed offset commit was reported and never
+		// tried again: one OffsetCommit refused by the broker left the
+		// committed offset at 0 with 3 records applied, and the lag never
+		// cleared. A commit is tried again, with backoff, until it
+		// succeeds.
+		{"OFFSET_METADATA_TOO_LARGE", "commit-group", kerr.OffsetMetadataTooLarge.Code},
+		// REBALANCE_IN_PROGRESS, as Kafka answers a commit that arrives
+		// while the group is completing a rebalance. With franz-go's
+		// default balancer (cooperative-sticky) a member keeps its
+		// partitions across a rebalance, and here no rebalance even
+		// follows: the partition never moved.
+		//
+		// Before the fix: the consumer takes REBALANCE_IN_PROGRESS for
+		// "the partition moved" and drops the commit; the client goes on
+		// fetching from its position, so the records are never delivered
+		// again and their offset is never committed: the group's lag stays
+		// at 3 for as long as no new record arrives (and the records are
+		// read again at every restart).
+		//
+		// Now: a commit refused for a rebalance in progress once the poll's
+		// records are all done is given up, so that the rebalance may go
+		// ahead, and the partition is set back to the records: the member,
+		// which kept the partition, is delivered them again, replays them
+		// and commits their offsets in its next poll.
+		{"REBALANCE_IN_PROGRESS with the partition kept", "rip-group", kerr.RebalanceInProgress.Code},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			w := newWorld(t, 1, "credits")
+			var asked atomic.Int64
+			refuseCommits(w.cluster, tc.group, tc.refusal, once(&asked))
+			w.produce(t, "credits", amounts(3)...)
+			m := w.startMember(t, tc.group, "credits", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
+			waitFor(t, "the three records applied", func() bool { rows, _ := w.credits(t); return rows == 3 })
+			waitFor(t, "the offsets committed after the refusal", func() bool { return w.committed(t, tc.group, "credits") == 3 })
+			m.stop()
+			require.Greater(t, asked.Load(), int64(1), "the refused commit was tried again")
+			rows, _ := w.credits(t)
+			require.Equal(t, 3, rows)
+		})
+	}
 }
 
 // It failed when each partition committed its poll's last offset in a
@@ -78,36 +111,6 @@ func TestDonePartitionsAreCommittedWhileAnotherWaits(t *testing.T) {
 	m.stop()
 	rows, _ := w.credits(t)
 	require.Equal(t, 4, rows)
-}
-
-// The broker answers the group's first offset commit with
-// REBALANCE_IN_PROGRESS, as Kafka does to a commit that arrives while the
-// group is completing a rebalance. With franz-go's default balancer
-// (cooperative-sticky) a member keeps its partitions across a rebalance,
-// and here no rebalance even follows: the partition never moved.
-//
-// Before the fix: the consumer takes REBALANCE_IN_PROGRESS for "the
-// partition moved" and drops the commit; the client goes on fetching from
-// its position, so the records are never delivered again and their offset
-// is never committed: the group's lag stays at 3 for as long as no new
-// record arrives (and the records are read again at every restart).
-//
-// Now: a commit refused for a rebalance in progress once the poll's
-// records are all done is given up, so that the rebalance may go ahead,
-// and the partition is set back to the records: the member, which kept
-// the partition, is delivered them again, replays them and commits their
-// offsets in its next poll. The committed offset reaches 3.
-func TestCommitRefusedDuringARebalanceIsTriedAgain(t *testing.T) {
-	t.Parallel()
-	w := newWorld(t, 1, "credits")
-	var asked atomic.Int64
-	refuseCommits(w.cluster, "rip-group", kerr.RebalanceInProgress.Code, once(&asked))
-	w.produce(t, "credits", amounts(3)...)
-	m := w.startMember(t, "rip-group", "credits", idempotencykafka.WithRetryBackoff(time.Millisecond, 10*time.Millisecond))
-	waitFor(t, "the three records applied", func() bool { rows, _ := w.credits(t); return rows == 3 })
-	waitFor(t, "the offsets are committed after the refusal", func() bool { return w.committed(t, "rip-group", "credits") == 3 })
-	m.stop()
-	require.Greater(t, asked.Load(), int64(1), "the refused commit was tried again")
 }
 
 // A poll of two partitions: partition 0's record is done at once,

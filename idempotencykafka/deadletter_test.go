@@ -2,7 +2,6 @@ package idempotencykafka_test
 
 import (
 	"context"
-	"errors"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -263,24 +262,13 @@ func TestDeadLetterReadBackIsNeverApplied(t *testing.T) {
 func TestAnotherGroupsDeadLetterIsNotAppliedAgain(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
-	ctx := context.Background()
-	_, err := w.db.Pool.Exec(ctx, `CREATE TABLE applied (grp text NOT NULL, msg_id text NOT NULL)`)
-	require.NoError(t, err)
-	handler := func(group string, refuse bool) idempotencykafka.Handler {
-		return func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
-			if refuse {
-				return idempotency.Final(errors.New("group " + group + " refuses it"))
-			}
-			_, err := tx.Exec(ctx, `INSERT INTO applied VALUES ($1, $2)`, group, header(r, idempotencykafka.DefaultIDHeader))
-			return err
-		}
-	}
+	w.createApplied(t)
 	w.produce(t, "payments", rec("r", "acct-1", "100"))
 	regex := []kgo.Opt{kgo.ConsumeRegex()}
 	backoff := idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond)
-	a := w.startCustom(t, w.store, "group-a", "^payments.*", handler("a", true), regex, backoff)
+	a := w.startCustom(t, w.store, "group-a", "^payments.*", applyAs("a", func() bool { return true }), regex, backoff)
 	waitFor(t, "A dead-letters R", func() bool { return w.end(t, "payments.dead-letter") == 1 })
-	b := w.startCustom(t, w.store, "group-b", "^payments.*", handler("b", false), regex, backoff)
+	b := w.startCustom(t, w.store, "group-b", "^payments.*", applyAs("b", nil), regex, backoff)
 	waitFor(t, "B read both topics", func() bool {
 		return w.committed(t, "group-b", "payments") == 1 && w.committed(t, "group-b", "payments.dead-letter") == 1
 	})

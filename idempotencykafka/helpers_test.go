@@ -581,3 +581,55 @@ func runCustomConsumer(t *testing.T, client *kgo.Client, c *idempotencykafka.Con
 	t.Cleanup(stop)
 	return stop
 }
+
+// createApplied creates the table applied: which group applied which
+// record ID, as the handlers of applyAs write it.
+func (w *world) createApplied(t *testing.T) {
+	t.Helper()
+	_, err := w.db.Pool.Exec(context.Background(), `CREATE TABLE applied (grp text NOT NULL, msg_id text NOT NULL)`)
+	require.NoError(t, err)
+}
+
+// applyAs is a handler of group: it writes the record's ID (its
+// DefaultIDHeader) to applied, or, while refuse (nil: never) says so,
+// refuses the record with a final error: the record is dead-lettered.
+func applyAs(group string, refuse func() bool) idempotencykafka.Handler {
+	return func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
+		if refuse != nil && refuse() {
+			return idempotency.Final(errors.New("group " + group + " refuses it"))
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO applied VALUES ($1, $2)`, group, header(r, idempotencykafka.DefaultIDHeader))
+		return err
+	}
+}
+
+// holdID applies r through store as another holder of its ID would (the
+// member that had r's partition before a rebalance, still applying it):
+// it returns once the ID is held, and holds it until release is called;
+// held then gets the holder's error. The ID is released when the test ends
+// at the latest.
+func (w *world) holdID(t *testing.T, store *idempotency.Store, group, topic string, r *kgo.Record) (release func(), held <-chan error) {
+	t.Helper()
+	client, err := kgo.NewClient(consumerOpts(w.brokers, group, topic)...)
+	require.NoError(t, err)
+	probe, err := idempotencykafka.New(store, client, credit)
+	require.NoError(t, err)
+	msg, err := probe.Message(context.Background(), r)
+	require.NoError(t, err)
+	client.Close()
+	holding, releasing := make(chan struct{}), make(chan struct{})
+	result := make(chan error, 1)
+	go func() {
+		_, err := store.ProcessMessage(context.Background(), msg, func(ctx context.Context, tx pgx.Tx) error {
+			close(holding)
+			<-releasing
+			return credit(ctx, tx, r)
+		})
+		result <- err
+	}()
+	<-holding
+	var once sync.Once
+	release = func() { once.Do(func() { close(releasing) }) }
+	t.Cleanup(release)
+	return release, result
+}

@@ -69,31 +69,14 @@ func TestRecordHeldElsewhereIsWaitedForNeverSkipped(t *testing.T) {
 	w.produce(t, "credits", r, rec("m-2", "acct-1", "5"))
 
 	// The other member: holds m-1 until told to commit.
-	client, err := kgo.NewClient(consumerOpts(w.brokers, "held-group", "credits")...)
-	require.NoError(t, err)
-	probe, err := idempotencykafka.New(store, client, credit)
-	require.NoError(t, err)
-	msg, err := probe.Message(context.Background(), r)
-	require.NoError(t, err)
-	client.Close()
-	holding, release := make(chan struct{}), make(chan struct{})
-	held := make(chan error, 1)
-	go func() {
-		_, err := store.ProcessMessage(context.Background(), msg, func(ctx context.Context, tx pgx.Tx) error {
-			close(holding)
-			<-release
-			return credit(ctx, tx, r)
-		})
-		held <- err
-	}()
-	<-holding
+	release, held := w.holdID(t, store, "held-group", "credits", r)
 
 	m := w.startMemberOn(t, store, "held-group", "credits", idempotencykafka.WithRetryBackoff(5*time.Millisecond, 20*time.Millisecond))
 	waitFor(t, "the consumer finds m-1 held", func() bool { return m.inProgress.Load() >= 3 })
 	require.Zero(t, w.committed(t, "held-group", "credits"), "nothing committed past the held record")
 	rows, _ := w.credits(t)
 	require.Zero(t, rows, "m-2 waits behind m-1: a partition keeps its order")
-	close(release)
+	release()
 	require.NoError(t, <-held)
 	waitFor(t, "every offset committed", func() bool { return w.committed(t, "held-group", "credits") == 2 })
 	m.stop()
@@ -171,30 +154,7 @@ func TestRebalanceGoesAheadWhileARecordWaitsForAHeldID(t *testing.T) {
 	r := rec("m-0", "acct-0", "1")
 	w.produce(t, "credits", r, rec("m-1", "acct-1", "2"))
 
-	probeClient, err := kgo.NewClient(consumerOpts(w.brokers, group, "credits")...)
-	require.NoError(t, err)
-	probe, err := idempotencykafka.New(store, probeClient, credit)
-	require.NoError(t, err)
-	msg, err := probe.Message(context.Background(), r)
-	require.NoError(t, err)
-	probeClient.Close()
-	holding, release := make(chan struct{}), make(chan struct{})
-	held := make(chan error, 1)
-	go func() {
-		_, err := store.ProcessMessage(context.Background(), msg, func(ctx context.Context, tx pgx.Tx) error {
-			close(holding)
-			<-release
-			return credit(ctx, tx, r)
-		})
-		held <- err
-	}()
-	<-holding
-	released := false
-	defer func() {
-		if !released {
-			close(release)
-		}
-	}()
+	release, held := w.holdID(t, store, group, "credits", r)
 
 	a := w.startCustom(t, store, group, "credits", credit, []kgo.Opt{kgo.RebalanceTimeout(10 * time.Minute)})
 	waitFor(t, "A applied m-1", func() bool { rows, _ := w.credits(t); return rows == 1 })
@@ -205,8 +165,7 @@ func TestRebalanceGoesAheadWhileARecordWaitsForAHeldID(t *testing.T) {
 	}
 	assert.Positive(t, b.assigned.Load(), "B got a partition while m-0's ID was held (45 s)")
 
-	close(release)
-	released = true
+	release()
 	require.NoError(t, <-held)
 	waitFor(t, "every offset committed", func() bool { return w.committed(t, group, "credits") == 2 })
 	a.stop()

@@ -2,7 +2,6 @@ package idempotencykafka_test
 
 import (
 	"context"
-	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -141,26 +140,16 @@ func TestRedriveOfARecordWithDuplicateRedrivenFromHeadersIsReplayedByEveryGroup(
 	t.Parallel()
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
 	ctx := context.Background()
-	_, err := w.db.Pool.Exec(ctx, `CREATE TABLE applied (grp text NOT NULL, msg_id text NOT NULL)`)
-	require.NoError(t, err)
+	w.createApplied(t)
 	var fixed atomic.Bool
-	handler := func(group string) idempotencykafka.Handler {
-		return func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
-			if group == "a" && !fixed.Load() {
-				return idempotency.Final(errors.New("group a refuses it for now"))
-			}
-			_, err := tx.Exec(ctx, `INSERT INTO applied VALUES ($1, $2)`, group, header(r, idempotencykafka.DefaultIDHeader))
-			return err
-		}
-	}
 	r := rec("r", "acct-1", "100")
 	r.Headers = append(r.Headers,
 		kgo.RecordHeader{Key: idempotencykafka.HeaderRedrivenFrom, Value: []byte("payments/0/77")},
 		kgo.RecordHeader{Key: idempotencykafka.HeaderRedrivenFrom, Value: []byte("not a position")})
 	w.produce(t, "payments", r)
 	backoff := idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond)
-	a := w.startCustom(t, w.store, "dup-a", "payments", handler("a"), nil, backoff)
-	b := w.startCustom(t, w.store, "dup-b", "payments", handler("b"), nil, backoff, idempotencykafka.WithIDHeader("other-id"))
+	a := w.startCustom(t, w.store, "dup-a", "payments", applyAs("a", func() bool { return !fixed.Load() }), nil, backoff)
+	b := w.startCustom(t, w.store, "dup-b", "payments", applyAs("b", nil), nil, backoff, idempotencykafka.WithIDHeader("other-id"))
 	waitFor(t, "A dead-letters R, B applies it", func() bool {
 		return w.end(t, "payments.dead-letter") == 1 && w.committed(t, "dup-a", "payments") == 1 && w.committed(t, "dup-b", "payments") == 1
 	})
@@ -235,27 +224,17 @@ func TestRedrivenCopyReadAfterTheOriginalsTTLIsNeverAppliedAgain(t *testing.T) {
 	t.Parallel()
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
 	ctx := context.Background()
-	_, err := w.db.Pool.Exec(ctx, `CREATE TABLE applied (grp text NOT NULL, msg_id text NOT NULL)`)
-	require.NoError(t, err)
+	w.createApplied(t)
 	var fixed atomic.Bool
-	handler := func(group string) idempotencykafka.Handler {
-		return func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
-			if group == "a" && !fixed.Load() {
-				return idempotency.Final(errors.New("group a cannot apply it yet"))
-			}
-			_, err := tx.Exec(ctx, `INSERT INTO applied VALUES ($1, $2)`, group, header(r, idempotencykafka.DefaultIDHeader))
-			return err
-		}
-	}
 	w.produce(t, "payments", rec("r", "acct-1", "100"))
 	backoff := idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond)
 
 	// Day 0.
-	b := w.startCustom(t, w.store, "group-b", "payments", handler("b"), nil, backoff)
+	b := w.startCustom(t, w.store, "group-b", "payments", applyAs("b", nil), nil, backoff)
 	waitFor(t, "B applied R", func() bool { return w.committed(t, "group-b", "payments") == 1 })
 	b.stop()
 	// Days 5 to 11.
-	a := w.startCustom(t, w.store, "group-a", "payments", handler("a"), nil, backoff)
+	a := w.startCustom(t, w.store, "group-a", "payments", applyAs("a", func() bool { return !fixed.Load() }), nil, backoff)
 	waitFor(t, "A dead-letters R", func() bool { return w.end(t, "payments.dead-letter") == 1 })
 	fixed.Store(true)
 	require.NoError(t, a.consumer.Redrive(ctx, w.readAll(t, "payments.dead-letter", 1)[0]))
@@ -270,11 +249,11 @@ func TestRedrivenCopyReadAfterTheOriginalsTTLIsNeverAppliedAgain(t *testing.T) {
 		_, err := w.db.Pool.Exec(ctx, `UPDATE idempotency_keys SET expires_at = expires_at - make_interval(days => $2), created_at = created_at - make_interval(days => $2) WHERE scope = $1`, scope, days)
 		require.NoError(t, err)
 	}
-	_, err = w.admin.DeleteRecords(ctx, kadm.Offsets{"payments": {0: kadm.Offset{Topic: "payments", Partition: 0, At: 1}}})
+	_, err := w.admin.DeleteRecords(ctx, kadm.Offsets{"payments": {0: kadm.Offset{Topic: "payments", Partition: 0, At: 1}}})
 	require.NoError(t, err, "R deleted from payments by its retention")
 	_, err = w.admin.DeleteGroups(ctx, "group-b")
 	require.NoError(t, err, "B's offsets expired")
-	again := w.startCustom(t, w.store, "group-b", "payments", handler("b"), nil, backoff)
+	again := w.startCustom(t, w.store, "group-b", "payments", applyAs("b", nil), nil, backoff)
 	waitFor(t, "B read the copy", func() bool { return w.committed(t, "group-b", "payments") == 2 })
 	again.stop()
 	require.Equal(t, 1, w.db.Count(t, `SELECT count(*) FROM applied WHERE grp = 'b'`), "group B applies R once, the copy included")

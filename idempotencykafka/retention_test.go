@@ -627,24 +627,14 @@ func TestDeadLetterKeptLongerThanItsOriginalIsNeverAppliedAgain(t *testing.T) {
 	w := newWorld(t, 1, "payments", "payments.dead-letter")
 	w.thirtyDays(t, "payments.dead-letter")
 	ctx := context.Background()
-	_, err := w.db.Pool.Exec(ctx, `CREATE TABLE applied (grp text NOT NULL, msg_id text NOT NULL)`)
-	require.NoError(t, err)
-	handler := func(group string, refuse bool) idempotencykafka.Handler {
-		return func(ctx context.Context, tx pgx.Tx, r *kgo.Record) error {
-			if refuse {
-				return idempotency.Final(errors.New("group " + group + " refuses it"))
-			}
-			_, err := tx.Exec(ctx, `INSERT INTO applied VALUES ($1, $2)`, group, header(r, idempotencykafka.DefaultIDHeader))
-			return err
-		}
-	}
+	w.createApplied(t)
 	w.produce(t, "payments", rec("r", "acct-1", "100"))
 	backoff := idempotencykafka.WithRetryBackoff(time.Millisecond, 5*time.Millisecond)
-	a := w.startCustom(t, w.store, "group-a", "payments", handler("a", true), nil, backoff)
+	a := w.startCustom(t, w.store, "group-a", "payments", applyAs("a", func() bool { return true }), nil, backoff)
 	waitFor(t, "A dead-letters R", func() bool { return w.end(t, "payments.dead-letter") == 1 })
 	a.stop()
 	regex := []kgo.Opt{kgo.ConsumeRegex()}
-	b := w.startCustom(t, w.store, "group-b", "^payments.*", handler("b", false), regex, backoff)
+	b := w.startCustom(t, w.store, "group-b", "^payments.*", applyAs("b", nil), regex, backoff)
 	waitFor(t, "B read R and its dead letter", func() bool {
 		return w.committed(t, "group-b", "payments") == 1 && w.committed(t, "group-b", "payments.dead-letter") == 1
 	})
@@ -654,12 +644,12 @@ func TestDeadLetterKeptLongerThanItsOriginalIsNeverAppliedAgain(t *testing.T) {
 
 	// Fifteen days later.
 	w.passDays(t, 15)
-	_, err = w.admin.DeleteRecords(ctx, kadm.Offsets{"payments": {0: kadm.Offset{Topic: "payments", Partition: 0, At: 1}}})
+	_, err := w.admin.DeleteRecords(ctx, kadm.Offsets{"payments": {0: kadm.Offset{Topic: "payments", Partition: 0, At: 1}}})
 	require.NoError(t, err, "R deleted from payments by its retention")
 	_, err = w.admin.DeleteGroups(ctx, "group-b")
 	require.NoError(t, err, "B's offsets expired")
 
-	again := w.startCustom(t, w.store, "group-b", "^payments.*", handler("b", false), regex, backoff)
+	again := w.startCustom(t, w.store, "group-b", "^payments.*", applyAs("b", nil), regex, backoff)
 	waitFor(t, "B read the dead-letter topic again", func() bool { return w.committed(t, "group-b", "payments.dead-letter") == 1 })
 	again.stop()
 	require.Equal(t, 1, w.db.Count(t, `SELECT count(*) FROM applied WHERE grp = 'b'`), "group B applies R once, whatever record stands for it")
