@@ -63,6 +63,7 @@ func TestWorkerKilledAfterSettleDoesNotChargeAgain(t *testing.T) {
 	startChild(t, cfg).RequireKilled(t, "after the ledger row was settled")
 	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t), "the dead worker charged and settled")
 	require.Equal(t, map[string]int{"running": 1}, w.jobStates(t), "River has not recorded the completion")
+	w.deadWorkerOutlived(t)
 
 	w.expireProviderKeys(t)
 	cfg.KillAfterSettle = 0
@@ -334,7 +335,10 @@ func TestChargeJobWhoseWorkersKeepDyingIsListedAsFailing(t *testing.T) {
 	w := newWorld(t, 0)
 	w.enqueueOnly(t, "order-dying-workers-1", &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 700})
 	cfg := childConfig{Role: "worker", DatabaseURL: w.db.URL(), ProviderURL: w.providerURL, KillAfterProvider: 1}
-	for range 3 {
+	for i := range 3 {
+		if i > 0 {
+			w.deadWorkerOutlived(t)
+		}
 		startChild(t, cfg).RequireKilled(t, "after the provider answered")
 	}
 	ctx := context.Background()

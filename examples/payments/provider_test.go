@@ -215,6 +215,21 @@ func (w *world) waitFor(t *testing.T, what string, done func() bool) {
 	}
 }
 
+// deadWorkerOutlived does to River's tables what time does once a worker
+// died holding a job: the dead worker's leadership lease runs out (River
+// waits up to 15 s for it) and its job has been running longer than
+// RescueAfter. The next worker then leads at once and its rescuer, which
+// runs when it starts leading and every 30 s after, takes the job on its
+// first run: the test waits on what the workers do, not on River's clocks.
+func (w *world) deadWorkerOutlived(t *testing.T) {
+	t.Helper()
+	ctx := context.Background()
+	_, err := w.db.Pool.Exec(ctx, `DELETE FROM river_leader`)
+	require.NoError(t, err)
+	_, err = w.db.Pool.Exec(ctx, `UPDATE river_job SET attempted_at = attempted_at - interval '1 hour' WHERE state = 'running'`)
+	require.NoError(t, err)
+}
+
 func (w *world) jobStates(t *testing.T) map[string]int {
 	t.Helper()
 	rows, err := w.db.Pool.Query(context.Background(), `SELECT state::text, count(*) FROM river_job GROUP BY 1`)
@@ -453,6 +468,7 @@ func TestWorkerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 	cfg := childConfig{Role: "worker", DatabaseURL: w.db.URL(), ProviderURL: w.providerURL, KillAfterProvider: 1}
 	startChild(t, cfg).RequireKilled(t, "after the provider answered")
 	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1}, w.counts(t), "the provider charged; the dead worker settled nothing")
+	w.deadWorkerOutlived(t)
 
 	cfg.KillAfterProvider = 0
 	startChild(t, cfg)
