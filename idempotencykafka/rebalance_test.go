@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -149,7 +150,8 @@ func TestRebalanceGoesAheadWhileARecordWaitsForAHeldID(t *testing.T) {
 	t.Parallel()
 	const group = "held-long"
 	w := newWorld(t, 2, "credits")
-	store, err := idempotency.NewStore(w.db.Pool, idempotency.WithInProgressWait(10*time.Minute))
+	calls := &startCounter{key: "m-0"}
+	store, err := idempotency.NewStore(w.db.Pool, idempotency.WithInProgressWait(10*time.Minute), idempotency.WithTracer(calls))
 	require.NoError(t, err)
 	r := rec("m-0", "acct-0", "1")
 	w.produce(t, "credits", r, rec("m-1", "acct-1", "2"))
@@ -157,7 +159,10 @@ func TestRebalanceGoesAheadWhileARecordWaitsForAHeldID(t *testing.T) {
 	release, held := w.holdID(t, store, group, "credits", r)
 
 	a := w.startCustom(t, store, group, "credits", credit, []kgo.Opt{kgo.RebalanceTimeout(10 * time.Minute)})
-	waitFor(t, "A applied m-1", func() bool { rows, _ := w.credits(t); return rows == 1 })
+	// A's poll may hold m-1 too, or not: a poll's partitions wait for one
+	// another, so m-1 may wait behind m-0 until the ID is released. What
+	// the test needs is A in m-0's call, waiting for its ID, when B joins.
+	waitFor(t, "A began m-0's call", func() bool { return calls.n.Load() >= 2 }) // the holder's, then A's
 	b := w.startMember(t, group, "credits")
 	deadline := time.Now().Add(45 * time.Second)
 	for b.assigned.Load() == 0 && time.Now().Before(deadline) {
@@ -361,3 +366,18 @@ var errTransientish = &handlerErr{"the ledger hiccuped"}
 type handlerErr struct{ s string }
 
 func (e *handlerErr) Error() string { return e.s }
+
+// startCounter is a tracer that counts the calls of a key that began.
+type startCounter struct {
+	key string
+	n   atomic.Int64
+}
+
+func (c *startCounter) TraceCallStart(ctx context.Context, d idempotency.TraceCallStartData) context.Context {
+	if strings.Contains(d.Key, c.key) {
+		c.n.Add(1)
+	}
+	return ctx
+}
+
+func (c *startCounter) TraceCallEnd(context.Context, idempotency.TraceCallEndData) {}
