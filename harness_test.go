@@ -512,6 +512,17 @@ func killBackend(t testing.TB, pid uint32) {
 	}
 }
 
+// executeAsync runs call on store in a goroutine of its own; its error
+// comes on the channel returned.
+func executeAsync(store *idempotency.Store, call idempotency.Call, fn idempotency.Func) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := store.Execute(context.Background(), call, fn)
+		done <- err
+	}()
+	return done
+}
+
 // await receives from ch, failing the test after 10 s instead of hanging the
 // whole binary when what it waits for never happens.
 func await[T any](t testing.TB, ch <-chan T, what string) T {

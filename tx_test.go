@@ -58,17 +58,9 @@ func TestWaysPastTheSQLCheckNeverRunTwice(t *testing.T) {
 				_ = release.wait(ctx) // the handler keeps running
 				return wrapperspb.String("first run"), nil
 			}
-			first := make(chan error, 1)
-			go func() {
-				_, err := store.Execute(context.Background(), call, fn)
-				first <- err
-			}()
+			first := executeAsync(store, call, fn)
 			require.Eventually(t, ended.Load, liveness, time.Millisecond, "the handler to end the transaction")
-			dup := make(chan error, 1)
-			go func() {
-				_, err := store.Execute(context.Background(), call, fn)
-				dup <- err
-			}()
+			dup := executeAsync(store, call, fn)
 			// The duplicate has looked at the key while the first call runs.
 			require.Eventually(t, func() bool { return tries.Load() >= 1 }, liveness, time.Millisecond, "the duplicate to try the key")
 			if tc.settledAtOnce {
@@ -377,17 +369,9 @@ func TestHandlerCommitWithAConcurrentDuplicateRunsOnce(t *testing.T) {
 				}
 				return wrapperspb.String("first run"), nil
 			}
-			first := make(chan error, 1)
-			go func() {
-				_, err := store.Execute(context.Background(), call, fn)
-				first <- err
-			}()
+			first := executeAsync(store, call, fn)
 			require.Eventually(t, committed.Load, liveness, time.Millisecond, "the handler to commit")
-			dup := make(chan error, 1)
-			go func() {
-				_, err := store.Execute(context.Background(), call, fn)
-				dup <- err
-			}()
+			dup := executeAsync(store, call, fn)
 			// The duplicate's claim, then a probe of its wait: it is waiting.
 			require.Eventually(t, func() bool { return tries.Load() >= 2 }, liveness, time.Millisecond, "the duplicate to try the key")
 			close(release)
@@ -624,11 +608,7 @@ func TestConnResetByTheHandler(t *testing.T) {
 				return wrapperspb.String(fmt.Sprintf("run %d", n)), nil
 			}
 			call := idempotency.Call{Key: "k", Method: "m"}
-			first := make(chan error, 1)
-			go func() {
-				_, err := store.Execute(context.Background(), call, fn)
-				first <- err
-			}()
+			first := executeAsync(store, call, fn)
 			await(t, reached, "the first handler")
 			release.open()
 			errFirst := await(t, first, "the first call")
