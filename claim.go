@@ -87,28 +87,9 @@ type attempt struct {
 	// baseline is what the pool made of the session, which the reset after
 	// a commit sets again (see session.go).
 	baseline *sessionBaseline
-	// claimBatch holds the claim's batch, and commitBatch the commit's:
-	// the two every call sends, in storage of the attempt's.
-	claimBatch  claimBatch
-	commitBatch pgx.Batch
-}
-
-// claimBatch is the claim's batch, its three statements (BEGIN, the claim,
-// SAVEPOINT), allocating nothing of its own beyond the claim's arguments.
-type claimBatch struct {
-	b    pgx.Batch
-	q    [3]pgx.QueuedQuery
-	p    [3]*pgx.QueuedQuery
-	args [5]any
-}
-
-// of returns the batch of begin, claim (with args) and savepoint.
-func (c *claimBatch) of(begin, claim string, savepoint string, args ...any) *pgx.Batch {
-	n := copy(c.args[:], args)
-	c.q = [3]pgx.QueuedQuery{{SQL: begin}, {SQL: claim, Arguments: c.args[:n:n]}, {SQL: savepoint}}
-	c.p = [3]*pgx.QueuedQuery{&c.q[0], &c.q[1], &c.q[2]}
-	c.b = pgx.Batch{QueuedQueries: c.p[:]}
-	return &c.b
+	// batch holds the statements of the claim's round trip, and then of
+	// the commit's, in storage of the attempt's.
+	batch stmtBatch
 }
 
 // claim opens the call's transaction with the claim (see
@@ -121,12 +102,15 @@ func (c *claimBatch) of(begin, claim string, savepoint string, args ...any) *pgx
 // transaction, and only then (see rollbackAborted). One round trip.
 // inserted reports that the claim's row is in: the key is this call's.
 func (a *attempt) claim(ctx context.Context) (inserted bool, err error) {
-	b := a.claimBatch.of(a.begin, a.st.claim, a.savepoint.set, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
+	b := a.batch.reset()
+	b.queue(a.begin)
+	b.queue(a.st.claim, a.call.Scope, a.key, a.call.Method, a.call.Fingerprint, a.call.TTL.Microseconds())
+	b.queue(a.savepoint.set)
 	// Until the claim's answer says otherwise, the transaction may be open
 	// and the session may hold the lock (but never behind a pooler: see
 	// renderStatements).
 	a.open, a.session = true, !a.s.pooled.Load()
-	br := a.conn.SendBatch(ctx, b)
+	br := roundTrip(ctx, a.conn, &b.b)
 	var snapshotLevel bool
 	if _, err = br.Exec(); err == nil {
 		err = br.QueryRow().Scan(&a.ctid, &snapshotLevel, &a.claimed.xact, &a.claimed.pid, &a.claimed.at)
@@ -238,16 +222,16 @@ func (a *attempt) end(ctx context.Context) {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), a.s.opts.finishTimeout)
 	defer cancel()
 	if reset == "" {
-		b := &pgx.Batch{}
+		b := a.batch.reset()
 		if err := a.endTx(rctx, b); err != nil {
 			reset = "it could not be cleaned up"
 		} else if a.session {
-			b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
+			b.queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 		}
 		if reset == "" {
-			cleanup := len(b.QueuedQueries)
+			cleanup := b.len()
 			a.queueEndSession(b)
-			br := a.conn.SendBatch(rctx, b)
+			br := roundTrip(rctx, a.conn, &b.b)
 			var err error
 			for range cleanup {
 				if _, err = br.Exec(); err != nil {
@@ -275,11 +259,11 @@ func (a *attempt) end(ctx context.Context) {
 
 // endTx ends the connection's open transaction: it queues the ROLLBACK at
 // the head of b (see rollbackAborted).
-func (a *attempt) endTx(ctx context.Context, b *pgx.Batch) error {
+func (a *attempt) endTx(ctx context.Context, b *stmtBatch) error {
 	if err := a.rollbackAborted(ctx); err != nil || !a.open {
 		return err
 	}
-	b.Queue("ROLLBACK")
+	b.queue("ROLLBACK")
 	a.atClaim = false
 	return nil
 }

@@ -57,7 +57,9 @@ func (a *attempt) finish(ctx context.Context, h handled) (result, attemptNext, e
 		// fn may have deallocated the connection's prepared statements on
 		// it, the commit's among them: pgx and the server agree again once
 		// both have none.
-		if err := a.conn.DeallocateAll(fctx); err != nil {
+		err := a.conn.DeallocateAll(fctx)
+		forgetStatements(a.conn)
+		if err != nil {
 			return a.finishFailed(fctx, err)
 		}
 	}
@@ -85,20 +87,19 @@ func (a *attempt) commit(ctx context.Context, resp proto.Message) (result, attem
 // the key stays the claim's throughout. The caller gets returned once row
 // is committed.
 func (a *attempt) write(ctx context.Context, row *keyRow, resp proto.Message, returned error, undo bool) (result, attemptNext, error) {
-	b := &a.commitBatch
-	b.QueuedQueries = b.QueuedQueries[:0]
+	b := a.batch.reset()
 	if undo {
 		// Tried once: should the round trip fail, the key is settled
 		// outside the claim's transaction.
 		a.atClaim = false
-		b.Queue(a.savepoint.rollbackTo)
+		b.queue(a.savepoint.rollbackTo)
 	}
-	b.Queue(a.st.finish, row.finishArgs(a.ctid)...)
+	b.queue(a.st.finish, row.finishArgs(a.ctid)...)
 	a.queueReleaseHeld(b, true)
-	b.Queue("COMMIT")
+	b.queue("COMMIT")
 	a.queueReset(b)
 	start := time.Now()
-	br := a.conn.SendBatch(ctx, b)
+	br := roundTrip(ctx, a.conn, &b.b)
 	var err error
 	if undo {
 		if _, err = br.Exec(); err != nil {
@@ -174,7 +175,9 @@ func (a *attempt) finishRefused(ctx context.Context, err error) (result, attempt
 		if err := a.rollbackAborted(ctx); err != nil {
 			return a.finishFailed(ctx, err)
 		}
-		if err := a.conn.DeallocateAll(ctx); err != nil {
+		err := a.conn.DeallocateAll(ctx)
+		forgetStatements(a.conn)
+		if err != nil {
 			return a.finishFailed(ctx, err)
 		}
 		return a.settleWith(ctx, grpcstatus.New(codes.Internal, errStatementsVanished))

@@ -136,20 +136,20 @@ func (a *attempt) loadBaseline(ctx context.Context) (*sessionBaseline, error) {
 // queueReleaseHeld queues releaseHeld at the end of b, for a call whose
 // handler ran, and behind a pooler deallocateSQL after it. held: b already
 // holds a statement with releaseHeld's columns (the commit's).
-func (a *attempt) queueReleaseHeld(b *pgx.Batch, held bool) {
+func (a *attempt) queueReleaseHeld(b *stmtBatch, held bool) {
 	if !a.ran {
 		return
 	}
 	if !held {
-		b.Queue(releaseHeld)
+		b.queue(releaseHeld)
 	}
 	if a.s.pooled.Load() {
-		b.Queue(deallocateSQL)
+		b.queue(deallocateSQL)
 	}
 }
 
 // readReleaseHeld reads the results of what queueReleaseHeld queued.
-func (a *attempt) readReleaseHeld(br pgx.BatchResults) error {
+func (a *attempt) readReleaseHeld(br batchReader) error {
 	if !a.ran {
 		return nil
 	}
@@ -163,7 +163,7 @@ func (a *attempt) readReleaseHeld(br pgx.BatchResults) error {
 // readDeallocated reads the result of deallocateSQL behind a pooler;
 // directly connected, statements prepared with SQL's PREPARE cost the
 // connection.
-func (a *attempt) readDeallocated(br pgx.BatchResults, prepared bool) error {
+func (a *attempt) readDeallocated(br batchReader, prepared bool) error {
 	if a.s.pooled.Load() {
 		_, err := br.Exec()
 		return err
@@ -178,7 +178,7 @@ func (a *attempt) readDeallocated(br pgx.BatchResults, prepared bool) error {
 // the call's transaction (its ROLLBACK, or the COMMIT of the settle after
 // it), what resets the session of a call whose handler ran: releaseHeld,
 // then resetSession.
-func (a *attempt) queueEndSession(b *pgx.Batch) {
+func (a *attempt) queueEndSession(b *stmtBatch) {
 	if a.ran {
 		a.queueReleaseHeld(b, false)
 		a.queueReset(b)
@@ -186,7 +186,7 @@ func (a *attempt) queueEndSession(b *pgx.Batch) {
 }
 
 // readEndSession reads the results of what queueEndSession queued.
-func (a *attempt) readEndSession(br pgx.BatchResults) error {
+func (a *attempt) readEndSession(br batchReader) error {
 	if !a.ran {
 		return nil
 	}
@@ -198,18 +198,18 @@ func (a *attempt) readEndSession(br pgx.BatchResults) error {
 
 // queueReset queues resetSession, and the baseline's settings after them,
 // at the end of b.
-func (a *attempt) queueReset(b *pgx.Batch) {
+func (a *attempt) queueReset(b *stmtBatch) {
 	for _, sql := range resetSession {
-		b.Queue(sql)
+		b.queue(sql)
 	}
 	if a.baseline != nil && len(a.baseline.names) > 0 {
-		b.Queue(restoreSettings, a.baseline.names, a.baseline.values)
+		b.queue(restoreSettings, a.baseline.names, a.baseline.values)
 	}
 }
 
 // readReset reads the results of what queueReset queued. A reset that
 // failed leaves the connection to be closed (see resetFailed).
-func (a *attempt) readReset(br pgx.BatchResults) error {
+func (a *attempt) readReset(br batchReader) error {
 	n := len(resetSession)
 	if a.baseline != nil && len(a.baseline.names) > 0 {
 		n++

@@ -36,25 +36,25 @@ type settled struct {
 // lock on the key, after the transaction has taken it. row nil only
 // settles. a, when set, is the attempt whose connection conn is: its
 // session is reset after the COMMIT (see session.go).
-func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *pgx.Batch, row *keyRow, unlock bool, a *attempt) (s settled, err error) {
-	head := len(b.QueuedQueries)
+func (c *callRun) settleOn(ctx context.Context, conn *pgx.Conn, b *stmtBatch, row *keyRow, unlock bool, a *attempt) (s settled, err error) {
+	head := b.len()
 	// READ WRITE: a handler may have made the session's transactions
 	// read-only by default; on a standby this fails, as it must.
-	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE")
-	b.Queue(c.st.deleteExpiredKey, c.call.Scope, c.key)
-	b.Queue(c.st.abandon, c.call.Scope, c.key, abandonedStatus)
+	b.queue("BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE")
+	b.queue(c.st.deleteExpiredKey, c.call.Scope, c.key)
+	b.queue(c.st.abandon, c.call.Scope, c.key, abandonedStatus)
 	if row != nil {
-		b.Queue(c.st.insertFinal, row.args()...)
+		b.queue(c.st.insertFinal, row.args()...)
 	}
-	b.Queue(c.st.lookup, c.call.Scope, c.key)
+	b.queue(c.st.lookup, c.call.Scope, c.key)
 	if unlock {
-		b.Queue(c.st.unlockIfHeld, c.call.Scope, c.key)
+		b.queue(c.st.unlockIfHeld, c.call.Scope, c.key)
 	}
-	b.Queue("COMMIT")
+	b.queue("COMMIT")
 	if a != nil {
 		a.queueEndSession(b)
 	}
-	br := conn.SendBatch(ctx, b)
+	br := conn.SendBatch(ctx, &b.b)
 	exec := func() error { _, err := br.Exec(); return err }
 	for i := 0; i <= head && err == nil; i++ {
 		err = exec() // the ROLLBACK, if any, and the BEGIN
@@ -137,7 +137,7 @@ func (a *attempt) settle(ctx context.Context, row *keyRow, resp proto.Message, r
 		}
 		return a.write(ctx, row, resp, returned, true)
 	}
-	b := &pgx.Batch{}
+	b := new(stmtBatch).reset()
 	if err := a.endTx(ctx, b); err != nil {
 		return a.finishFailed(ctx, err)
 	}
@@ -179,7 +179,7 @@ func (c *callRun) settleElsewhere(ctx context.Context, row *keyRow) (settled, er
 		return settled{}, c.s.finishError("settle the key", err)
 	}
 	defer pc.Release()
-	s, err := c.settleOn(ctx, pc.Conn(), &pgx.Batch{}, row, false, nil)
+	s, err := c.settleOn(ctx, pc.Conn(), new(stmtBatch).reset(), row, false, nil)
 	if err != nil {
 		return s, c.s.finishError("settle the key", err)
 	}
@@ -201,29 +201,29 @@ func (a *attempt) release(ctx context.Context) (res result, settled bool, err er
 	// is still the claim's, which no handler can fake, and only then
 	// releases what the session holds (a session outside any transaction
 	// fails the check too). abandon settles a claim that fn committed.
-	b := &pgx.Batch{}
+	b := new(stmtBatch).reset()
 	check := a.ran && a.open
 	if err := a.rollbackAborted(ctx); err != nil {
 		return result{}, false, err
 	}
 	if check {
-		b.Queue(a.st.releaseCheck, a.claimed.xact)
+		b.queue(a.st.releaseCheck, a.claimed.xact)
 	}
 	if err := a.endTx(ctx, b); err != nil {
 		return result{}, false, err
 	}
-	b.Queue(a.st.abandon, a.call.Scope, a.key, abandonedStatus)
+	b.queue(a.st.abandon, a.call.Scope, a.key, abandonedStatus)
 	if a.session && !check {
-		b.Queue(a.st.unlockIfHeld, a.call.Scope, a.key)
+		b.queue(a.st.unlockIfHeld, a.call.Scope, a.key)
 	}
-	release := len(b.QueuedQueries)
+	release := b.len()
 	a.queueReleaseHeld(b, check)
 	if a.ran {
 		a.queueReset(b)
 	}
 	claims, abandoned, prepared := true, false, false
-	br := a.conn.SendBatch(ctx, b)
-	for _, q := range b.QueuedQueries[:release] {
+	br := a.conn.SendBatch(ctx, &b.b)
+	for _, q := range b.b.QueuedQueries[:release] {
 		switch q.SQL {
 		case a.st.releaseCheck:
 			var unlocked *bool
