@@ -18,6 +18,11 @@
 #   eng_v4_cte     eng_v4 with the claim written as a data-modifying CTE (measured, and not taken)
 #   eng_v5         eng_v4 with what the claim reports, the claim's SAVEPOINT, the release of the session's
 #                  advisory locks in the commit's statement, and the session's reset after the COMMIT
+#   eng_v5_noreset              eng_v5 without the session's reset (what the six reset statements cost)
+#   eng_v5_noreset_noprepared   the same, and without the look for statements prepared with SQL's PREPARE
+#   eng_v5_fnreset              eng_v5 with the reset in one call of a PL/pgSQL function (measured, and not taken)
+#   eng_v5_plaininsert          eng_v5 with the claim a plain INSERT, no ON CONFLICT (measured, and not taken)
+#   eng_v5_noxactlock           eng_v5 without the claim's transaction-level advisory lock (measured, and not taken)
 #
 # Usage: run.sh [rounds] [seconds]   (needs the local PostgreSQL; SCRIPTS="..." to choose)
 set -u
@@ -32,6 +37,9 @@ CREATE TABLE keys_pk (scope text NOT NULL, key text NOT NULL, method text NOT NU
 CREATE TABLE keys_lib (LIKE keys_pk INCLUDING ALL);
 CREATE INDEX ON keys_lib (expires_at);
 ALTER TABLE keys_lib SET (fillfactor = 90); -- as migration 004 sets it
+CREATE SCHEMA idempotency_bench;
+CREATE FUNCTION idempotency_bench.reset_session() RETURNS void LANGUAGE plpgsql AS $$BEGIN
+SET SESSION AUTHORIZATION DEFAULT; RESET ALL; EXECUTE 'CLOSE ALL'; DISCARD TEMP; DISCARD SEQUENCES; UNLISTEN *; END$$;
 SQL
 datadir=$($P -d $db -Atc 'SHOW data_directory')
 postmaster=$(head -n 1 "$datadir/postmaster.pid" 2>/dev/null || sudo -u postgres head -n 1 "$datadir/postmaster.pid")
