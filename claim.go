@@ -190,12 +190,18 @@ func (a *attempt) claimFailed(ctx context.Context, err error) (result, attemptNe
 	case sqlReadOnlyTransaction:
 		return a.readOnly(ctx, "the call's transaction is read-only", false)
 	case sqlInvalidStatementName:
-		// The connection lost the engine's prepared statements (a handler's
-		// DEALLOCATE in a function pgx could not see): pgx prepares them
-		// again on the next use, and the connection, whose other prepared
-		// statements are gone too, is not used again. A pooler that does
+		// The connection lost the engine's prepared statements since its
+		// last call (a DEALLOCATE pgx could not see, or pgx's DeallocateAll
+		// outside the engine): they are prepared again on the next use.
+		// Sent through pgx's own batch, the connection, whose other
+		// statements pgx keeps are gone too, is not used again; sent
+		// through the engine's (see roundTrip), whose record the error
+		// dropped, it is, so that a pool that deallocates everything on
+		// release (AfterRelease) keeps its connections. A pooler that does
 		// not carry prepared statements fails the same way twice.
-		a.reset = "its prepared statements vanished"
+		if !connStatementsOf(a.conn).prepares {
+			a.reset = "its prepared statements vanished"
+		}
 		res, err := a.failed(ctx, "claim", err)
 		return res, attemptRetry, err
 	}

@@ -251,6 +251,10 @@ func (a *attempt) commitFailed(ctx context.Context, err error, atCommit bool) (r
 		return a.finishFailed(ctx, err)
 	}
 	switch code := pgErr.Code; {
+	case code == sqlInvalidStatementName:
+		// The engine's COMMIT statement, deallocated by fn (see
+		// finishRefused): nothing committed.
+		return a.finishRefused(ctx, err)
 	case code == sqlSerializationFailure || code == sqlDeadlockDetected:
 		res, err := a.failed(ctx, "commit", err)
 		res.Outcome = OutcomeReleased

@@ -40,7 +40,7 @@ func roundTrip(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) batchReader {
 	if cs.tracer != nil {
 		ctx = cs.tracer.TraceBatchStart(ctx, conn, pgx.TraceBatchStartData{Batch: b})
 	}
-	r := &batchResults{ctx: ctx, conn: conn, tracer: cs.tracer, b: b}
+	r := &batchResults{ctx: ctx, conn: conn, cs: cs, tracer: cs.tracer, b: b}
 	if err := cs.prepare(ctx, conn, b); err != nil {
 		r.err, r.closed = err, true
 		r.traceEnd()
@@ -103,9 +103,17 @@ func forgetStatements(conn *pgx.Conn) {
 	}
 }
 
-// prepare prepares the statements of b that the connection does not have
-// yet, in one round trip, as pgx does before a batch of statements new to a
-// connection.
+// prepare prepares the statements of b that the engine has no record of on
+// the connection, in one round trip, as pgx does before a batch of
+// statements new to a connection. Each is closed first, which is no error
+// when it does not exist: a record dropped after an error (see fail) may
+// have been of statements that the server still has.
+//
+// The record goes stale when a statement vanishes without the engine
+// seeing it go (pgx's DeallocateAll called by the application, in a pool's
+// AfterRelease say, or a DEALLOCATE in a function): the next round trip
+// fails with invalid_sql_statement_name, drops the record (fail), and the
+// engine claims once more (claimFailed), which prepares them again.
 func (cs *connStatements) prepare(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) error {
 	var missing []string
 	for _, q := range b.QueuedQueries {
@@ -121,6 +129,7 @@ func (cs *connStatements) prepare(ctx context.Context, conn *pgx.Conn, b *pgx.Ba
 	for i, sql := range missing {
 		digest := sha256.Sum256([]byte(sql))
 		names[i] = "idempotency_" + hex.EncodeToString(digest[:24])
+		p.SendDeallocate(names[i])
 		p.SendPrepare(names[i], sql, nil)
 	}
 	err := p.Sync()
@@ -128,6 +137,13 @@ func (cs *connStatements) prepare(ctx context.Context, conn *pgx.Conn, b *pgx.Ba
 	for i := 0; err == nil && i < len(missing); i++ {
 		var res any
 		if res, err = p.GetResults(); err == nil {
+			if _, ok := res.(*pgconn.CloseComplete); !ok {
+				err = fmt.Errorf("idempotency: prepare: expected a close, got %T", res)
+				break
+			}
+			res, err = p.GetResults()
+		}
+		if err == nil {
 			sd, ok := res.(*pgconn.StatementDescription)
 			if !ok {
 				err = fmt.Errorf("idempotency: prepare: expected a statement description, got %T", res)
@@ -170,6 +186,7 @@ func (cs *connStatements) prepare(ctx context.Context, conn *pgx.Conn, b *pgx.Ba
 type batchResults struct {
 	ctx    context.Context
 	conn   *pgx.Conn
+	cs     *connStatements
 	tracer pgx.BatchTracer
 	b      *pgx.Batch
 	mrr    *pgconn.MultiResultReader
@@ -192,7 +209,7 @@ func (r *batchResults) next() (*pgconn.ResultReader, error) {
 		return nil, errors.New("idempotency: batch already closed")
 	}
 	if !r.mrr.NextResult() {
-		r.err = r.mrr.Close()
+		r.fail(r.mrr.Close())
 		if r.err == nil {
 			r.err = errBatchShort
 		}
@@ -207,9 +224,7 @@ func (r *batchResults) Exec() (pgconn.CommandTag, error) {
 	var tag pgconn.CommandTag
 	if err == nil {
 		tag, err = rr.Close()
-		if err != nil {
-			r.err = err
-		}
+		r.fail(err)
 	}
 	r.trace(tag, err)
 	return tag, err
@@ -243,9 +258,7 @@ func (row *batchRow) Scan(dest ...any) error {
 		}
 	}
 	tag, err := rr.Close()
-	if err != nil {
-		r.err = err
-	}
+	r.fail(err)
 	r.trace(tag, err)
 	switch {
 	case err != nil:
@@ -268,11 +281,24 @@ func (r *batchResults) Close() error {
 	if r.mrr != nil {
 		err := r.mrr.Close()
 		if r.err == nil {
-			r.err = err
+			r.fail(err)
 		}
 	}
 	r.traceEnd()
 	return r.err
+}
+
+// fail keeps err as the round trip's error. A statement that the server
+// does not have drops the engine's record of the connection's statements,
+// which the next round trip prepares again (see prepare).
+func (r *batchResults) fail(err error) {
+	if err == nil {
+		return
+	}
+	r.err = err
+	if sqlState(err) == sqlInvalidStatementName {
+		clear(r.cs.bySQL)
+	}
 }
 
 func (r *batchResults) trace(tag pgconn.CommandTag, err error) {
