@@ -15,6 +15,7 @@ type statements struct {
 	deleteExpiredIfHeld, unlockIfHeld string
 	probe, lookup                     string
 	abandon, insertFinal              string
+	recordStep                        string
 	releaseCheck                      string
 	endSession, endSessionWait        string
 	claimStatus                       string
@@ -205,6 +206,16 @@ completed_at = pg_catalog.clock_timestamp() WHERE scope = $1::text AND key = $2:
 SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text, NULLIF($6::text, ''), $7::bytea, $8::bytea, $10::bytea, t.now, t.now, t.now + $9::bigint * interval '1 microsecond'
 FROM (SELECT pg_catalog.clock_timestamp() AS now) t WHERE pg_catalog.pg_try_advisory_xact_lock({{lock_key}})
 ON CONFLICT (scope, key) DO NOTHING`),
+		// A step's outcome (see Step), committed on its own, unless the
+		// step has a live record already (another run of it recorded
+		// first); an expired one is replaced.
+		recordStep: r.Replace(`INSERT INTO {{table}} AS k (scope, key, method, fingerprint, state, response_type, response, status, metadata, created_at, completed_at, expires_at)
+SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text, NULLIF($6::text, ''), $7::bytea, $8::bytea, $10::bytea, t.now, t.now, t.now + $9::bigint * interval '1 microsecond'
+FROM (SELECT pg_catalog.clock_timestamp() AS now) t
+ON CONFLICT (scope, key) DO UPDATE SET method = EXCLUDED.method, fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state,
+response_type = EXCLUDED.response_type, response = EXCLUDED.response, status = EXCLUDED.status, metadata = EXCLUDED.metadata,
+created_at = EXCLUDED.created_at, completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
+WHERE k.expires_at <= pg_catalog.now()`),
 		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = $2::text AND expires_at <= pg_catalog.now()`),
 		// The first of the stored keys $2 (a key in each transport's
 		// namespace) that has a row; times in microseconds since the epoch.
