@@ -1,0 +1,166 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc/codes"
+	grpcstatus "google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+)
+
+// namespaceStep is the namespace of steps' records in the key table (see
+// Step): "step " and the step's key. No client's key has a space, nor does
+// a derived key, so no call's key is ever a step's.
+const namespaceStep = "step "
+
+// ErrStepOutsideCall is returned by [Step] called with a context that no
+// running call is in: a step's record belongs to the call it runs in, and
+// nothing would tell a re-run that the step had run. It is a programming
+// error: retrying cannot help.
+var ErrStepOutsideCall = &Error{code: codes.Internal, reason: "STEP_OUTSIDE_CALL",
+	msg: "idempotency.Step was called outside a running call; call it with the context the handler was given"}
+
+// ErrStepChanged is returned by [Step] when the outcome recorded for the
+// step is not one the handler can take: it asks for another result type
+// than the step recorded (the handler's code changed between a run and its
+// re-run). Nothing is sent: the recorded outcome stands, and only an
+// operator can decide what to do with it (see Store.Inspect).
+var ErrStepChanged = &Error{code: codes.Internal, reason: "STEP_CHANGED",
+	msg: "the step's recorded outcome does not fit what the handler asks for now"}
+
+// Step runs fn, a piece of work that calls another system, once for the
+// call running in ctx, and records its outcome under the step's name.
+// Before running fn it looks for that outcome: a re-run of the call (after
+// a crash, or a retry of a call that failed after the step) gets the
+// recorded response, or the recorded final error, and fn is not called,
+// whatever the other system still remembers of the key.
+//
+// fn gets the step's key, [EffectKey] of name (the same on every run of
+// the same operation; send it to the other system as its idempotency key),
+// and a context naming the effect ([WithEffect]), so that [HTTPClient],
+// [HTTPTransport] and the gRPC client chain send that key too. Its outcome
+// is recorded in a row of its own, committed at once on another connection
+// of the store's pool (so a pool of one cannot run a step), outside the
+// call's transaction: it survives the call's rollback and a crash of the
+// process. The record lives as long as a key's (the call's TTL; the
+// cleaner deletes both), and [Store.Inspect] lists it with the call's key.
+//
+// A response is recorded, and so is an error marked [Final]; any other
+// error is returned as is and recorded nowhere, so that a re-run runs the
+// step again with the same key. Two runs of one step at once (goroutines of
+// one call with the same name) both run fn, and both get the outcome
+// recorded first. Steps of other names are independent.
+//
+// What is left is a crash between the other system's answer and the
+// record's commit: the re-run sends the same key again, and is charged
+// once only if the other system still knows that key. That window is one
+// local commit long, not the other system's memory of keys.
+//
+// A recorded response of another type than T is [ErrStepChanged]. Name
+// each step after what it does, such as "charge " + orderID, and keep the
+// name for that effect on every run.
+func Step[T proto.Message](ctx context.Context, name string, fn func(ctx context.Context, key string) (T, error)) (T, error) {
+	var zero T
+	t, ok := callFrom(ctx)
+	switch {
+	case any(zero) == nil:
+		return zero, errors.New("idempotency: Step's result type must be a message type, such as *examplev1.Charge, not proto.Message")
+	case !ok:
+		return zero, ErrStepOutsideCall.with("step "+name, nil)
+	case t.ended():
+		return zero, ErrCallEnded.with("step "+name, nil)
+	case name == "":
+		return zero, ErrUnnamedEffect.with("a step", nil)
+	}
+	key := t.effectKey(name)
+	s := t.attempt.s
+	rec, err := s.lookupStep(ctx, t.attempt, key)
+	if err != nil {
+		return zero, err
+	}
+	if rec == nil {
+		v, err := fn(WithEffect(ctx, name), key)
+		if err != nil && !IsFinal(err) {
+			return v, err
+		}
+		if rec, err = s.recordStep(ctx, t.attempt, key, name, v, err); err != nil {
+			return zero, err
+		}
+	}
+	return replayStep[T](name, rec)
+}
+
+// lookupStep returns the live record of the step of key, nil when there
+// is none.
+func (s *Store) lookupStep(ctx context.Context, a *attempt, key string) (*record, error) {
+	rec, err := scanRecord(s.db.QueryRow(ctx, a.st.lookup, a.call.Scope, namespaceStep+key))
+	if err != nil {
+		return nil, s.dbError(ctx, "look up step", err)
+	}
+	if rec != nil && rec.expired {
+		return nil, nil
+	}
+	return rec, nil
+}
+
+// recordStep records the outcome of a step that ran (v, or the final error
+// ferr), in a transaction of its own, and returns the step's record: its
+// own, or the one another run of the step recorded first.
+func (s *Store) recordStep(ctx context.Context, a *attempt, key, name string, v proto.Message, ferr error) (*record, error) {
+	row := keyRow{scope: a.call.Scope, key: namespaceStep + key, method: name, fingerprint: []byte{}, state: "succeeded", ttl: a.call.TTL,
+		metadata: []byte(a.key)}
+	if ferr != nil {
+		b, err := marshalStatus(finalStatus(ferr))
+		if err != nil {
+			return nil, fmt.Errorf("idempotency: step %q: marshal status: %w", name, err)
+		}
+		row.state, row.status = "failed", b
+	} else if v.ProtoReflect().IsValid() {
+		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(v)
+		if err != nil {
+			return nil, fmt.Errorf("idempotency: step %q: marshal response: %w", name, err)
+		}
+		row.responseType, row.response = string(v.ProtoReflect().Descriptor().FullName()), b
+	}
+	if _, err := s.db.Exec(ctx, a.st.recordStep, row.args()...); err != nil {
+		return nil, s.dbError(ctx, "record step", err)
+	}
+	rec, err := s.lookupStep(ctx, a, key)
+	if err == nil && rec == nil {
+		err = s.dbError(ctx, "record step", errors.New("the step's record is not there after its commit"))
+	}
+	return rec, err
+}
+
+// replayStep returns the outcome rec records for the step name, as T.
+func replayStep[T proto.Message](name string, rec *record) (T, error) {
+	var zero T
+	if rec.state == "failed" {
+		st := &status.Status{}
+		if err := proto.Unmarshal(rec.status, st); err != nil {
+			return zero, grpcstatus.Errorf(codes.Internal, "idempotency: stored status of step %q: %v", name, err)
+		}
+		return zero, storedFinal(grpcstatus.FromProto(st))
+	}
+	want := zero.ProtoReflect().Descriptor().FullName()
+	got := protoreflect.FullName("")
+	if rec.responseType != nil {
+		got = protoreflect.FullName(*rec.responseType)
+	}
+	if got == "" {
+		// fn returned a nil message.
+		return zero, nil
+	}
+	if got != want {
+		return zero, ErrStepChanged.with(fmt.Sprintf("step %q recorded a %s, and the handler asks for a %s", name, got, want), nil)
+	}
+	m := zero.ProtoReflect().Type().New().Interface()
+	if err := proto.Unmarshal(rec.response, m); err != nil {
+		return zero, grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
+	}
+	return m.(T), nil
+}

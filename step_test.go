@@ -1,0 +1,211 @@
+package idempotency_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/exactlyonce/idempotency"
+	"github.com/exactlyonce/idempotency/internal/testdb"
+)
+
+// forgetfulProvider is another system a step calls: it counts the calls it gets,
+// and, like the payment providers it stands for, remembers the keys it saw
+// until told to forget them.
+type forgetfulProvider struct {
+	mu      sync.Mutex
+	calls   int
+	charges map[string]string
+}
+
+func (p *forgetfulProvider) charge(key, what string) *wrapperspb.StringValue {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.calls++
+	if p.charges == nil {
+		p.charges = map[string]string{}
+	}
+	if _, ok := p.charges[key]; !ok {
+		p.charges[key] = fmt.Sprintf("ch_%d %s", len(p.charges)+1, what)
+	}
+	return wrapperspb.String(p.charges[key])
+}
+
+func (p *forgetfulProvider) forget() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.charges = nil
+}
+
+// stepStore is a store on a pool of 4 (a step records on a connection of
+// its own) with a ledger.
+func stepStore(t *testing.T) (*testdb.DB, *idempotency.Store) {
+	t.Helper()
+	db := testdb.New(t, 4)
+	store := migratedStore(t, db)
+	createLedger(t, db)
+	return db, store
+}
+
+var errAfterStep = errors.New("the handler failed after its step")
+
+// A call whose handler fails after its step ran is run again: the step's
+// recorded outcome comes back, and the provider, which has forgotten the
+// key meanwhile, is not called again.
+func TestStepRunsOnceAcrossRunsOfTheCall(t *testing.T) {
+	t.Parallel()
+	db, store := stepStore(t)
+	p := &forgetfulProvider{}
+	var runs atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		charge, err := idempotency.Step(ctx, "charge order-1", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			return p.charge(key, "order-1"), nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		if _, err := writeLedger(ctx, tx); err != nil {
+			return nil, err
+		}
+		if runs.Add(1) == 1 {
+			return nil, errAfterStep // not final: the key is released
+		}
+		return charge, nil
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err := store.Execute(context.Background(), call, handler)
+	require.ErrorIs(t, err, errAfterStep)
+	p.forget()
+	res, err := store.Execute(context.Background(), call, handler)
+	require.NoError(t, err)
+	require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+	require.Equal(t, "ch_1 order-1", res.Response.(*wrapperspb.StringValue).GetValue())
+	require.Equal(t, 1, p.calls, "the provider was called once")
+	require.Equal(t, 1, db.Count(t, `SELECT count(*) FROM ledger`))
+}
+
+// A step's final error is recorded, and returned to a re-run without
+// calling out; a step's other errors are not recorded.
+func TestStepRecordsAFinalErrorAndNothingElse(t *testing.T) {
+	t.Parallel()
+	_, store := stepStore(t)
+	var calls atomic.Int64
+	declined := status.Error(codes.FailedPrecondition, "card declined")
+	var stepErr error
+	handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		_, stepErr = idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			if calls.Add(1) == 1 {
+				return nil, errors.New("connection reset by peer") // not final: not recorded
+			}
+			return nil, idempotency.Final(declined)
+		})
+		return nil, errAfterStep
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	for range 3 {
+		_, err := store.Execute(context.Background(), call, handler)
+		require.ErrorIs(t, err, errAfterStep)
+	}
+	require.EqualValues(t, 2, calls.Load(), "called until the step had a final outcome")
+	require.True(t, idempotency.IsFinal(stepErr), "%v", stepErr)
+	require.Equal(t, codes.FailedPrecondition, status.Code(stepErr))
+	require.Equal(t, "card declined", status.Convert(stepErr).Message())
+}
+
+// A re-run that asks for a recorded step with another result type fails
+// with ErrStepChanged, and sends nothing.
+func TestStepOfAnotherTypeFailsLoudly(t *testing.T) {
+	t.Parallel()
+	_, store := stepStore(t)
+	var calls atomic.Int64
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err := store.Execute(context.Background(), call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if _, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			calls.Add(1)
+			return wrapperspb.String("ch_1"), nil
+		}); err != nil {
+			return nil, err
+		}
+		return nil, errAfterStep
+	})
+	require.ErrorIs(t, err, errAfterStep)
+	var stepErr error
+	_, err = store.Execute(context.Background(), call, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		_, stepErr = idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.Int64Value, error) {
+			calls.Add(1)
+			return wrapperspb.Int64(1), nil
+		})
+		return nil, stepErr
+	})
+	require.ErrorIs(t, stepErr, idempotency.ErrStepChanged)
+	require.Contains(t, stepErr.Error(), "google.protobuf.StringValue")
+	require.Error(t, err)
+	require.EqualValues(t, 1, calls.Load(), "nothing sent on the re-run")
+}
+
+// Steps of one call run in goroutines at once: each records its own
+// outcome, and a re-run gets each back without calling out.
+func TestConcurrentStepsOfOneCallRecordEachTheirOwn(t *testing.T) {
+	t.Parallel()
+	_, store := stepStore(t)
+	p := &forgetfulProvider{}
+	const steps = 16
+	var runs atomic.Int64
+	got := make([][steps]string, 2)
+	handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		run := runs.Add(1) - 1
+		var wg sync.WaitGroup
+		errs := make([]error, steps)
+		for i := range steps {
+			wg.Go(func() {
+				name := fmt.Sprintf("charge item-%d", i)
+				v, err := idempotency.Step(ctx, name, func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+					return p.charge(key, name), nil
+				})
+				errs[i] = err
+				got[run][i] = v.GetValue()
+			})
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
+			return nil, err
+		}
+		if run == 0 {
+			return nil, errAfterStep
+		}
+		return wrapperspb.String("done"), nil
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err := store.Execute(context.Background(), call, handler)
+	require.ErrorIs(t, err, errAfterStep)
+	p.forget()
+	_, err = store.Execute(context.Background(), call, handler)
+	require.NoError(t, err)
+	require.Equal(t, steps, p.calls, "each step called out once")
+	require.Equal(t, got[0], got[1], "each step's outcome came back to the re-run")
+	for i := range steps {
+		require.Contains(t, got[1][i], fmt.Sprintf("charge item-%d", i))
+	}
+}
+
+// A step needs a running call: outside one it is refused, and nothing runs.
+func TestStepOutsideACallIsRefused(t *testing.T) {
+	t.Parallel()
+	ran := false
+	_, err := idempotency.Step(context.Background(), "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+		ran = true
+		return nil, nil
+	})
+	require.ErrorIs(t, err, idempotency.ErrStepOutsideCall)
+	require.False(t, ran)
+}
