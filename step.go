@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
+	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
@@ -68,7 +70,7 @@ func Step[T proto.Message](ctx context.Context, name string, fn func(ctx context
 	t, ok := callFrom(ctx)
 	switch {
 	case any(zero) == nil:
-		return zero, errors.New("idempotency: Step's result type must be a message type, such as *examplev1.Charge, not proto.Message")
+		return zero, errStepType
 	case !ok:
 		return zero, ErrStepOutsideCall.with("step "+name, nil)
 	case t.ended():
@@ -76,9 +78,46 @@ func Step[T proto.Message](ctx context.Context, name string, fn func(ctx context
 	case name == "":
 		return zero, ErrUnnamedEffect.with("a step", nil)
 	}
-	key := t.effectKey(name)
-	s := t.attempt.s
-	rec, err := s.lookupStep(ctx, t.attempt, key)
+	a := t.attempt
+	return runStep(ctx, a.s, a.st, a.call.Scope, t.effectKey(name), a.key, name, a.call.TTL, fn)
+}
+
+// KeyedStep is [Step] for work that runs outside any idempotent call but
+// has a key of its own: a job of a queue that calls another system with
+// the key the job carries, say. The outcome is recorded under scope and
+// key (the same record as [Step]'s when key is the [EffectKey] a call
+// derived for that step, so that a charge made inline by one run of a call
+// and by a job for another run is one step), for ttl (DefaultTTL when
+// zero), and fn gets key. The key must be valid ([ValidateKey]).
+func KeyedStep[T proto.Message](ctx context.Context, s *Store, scope, key string, ttl time.Duration, fn func(ctx context.Context, key string) (T, error)) (T, error) {
+	var zero T
+	if any(zero) == nil {
+		return zero, errStepType
+	}
+	if err := ValidateKey(key); err != nil {
+		return zero, err
+	}
+	if err := ValidateScope(scope); err != nil {
+		return zero, err
+	}
+	if ttl <= 0 {
+		ttl = DefaultTTL
+	}
+	st, err := s.statements(ctx)
+	if err != nil {
+		return zero, s.dbError(ctx, "step", err)
+	}
+	return runStep(ctx, s, st, scope, key, "", key, ttl, func(ctx context.Context, key string) (T, error) { return fn(ctx, key) })
+}
+
+var errStepType = errors.New("idempotency: a step's result type must be a message type, such as *examplev1.Charge, not proto.Message")
+
+// runStep runs the step of key (see Step) in scope, recorded with the key
+// of the call it belongs to (parent, "" for none) and its name.
+func runStep[T proto.Message](ctx context.Context, s *Store, st *statements, scope, key, parent, name string, ttl time.Duration,
+	fn func(ctx context.Context, key string) (T, error)) (T, error) {
+	var zero T
+	rec, err := s.lookupStep(ctx, st, scope, key)
 	if err != nil {
 		return zero, err
 	}
@@ -87,7 +126,8 @@ func Step[T proto.Message](ctx context.Context, name string, fn func(ctx context
 		if err != nil && !IsFinal(err) {
 			return v, err
 		}
-		if rec, err = s.recordStep(ctx, t.attempt, key, name, v, err); err != nil {
+		row := keyRow{scope: scope, key: namespaceStep + key, method: name, fingerprint: []byte{}, state: "succeeded", ttl: ttl, metadata: []byte(parent)}
+		if rec, err = s.recordStep(ctx, st, &row, v, err); err != nil {
 			return zero, err
 		}
 	}
@@ -96,8 +136,8 @@ func Step[T proto.Message](ctx context.Context, name string, fn func(ctx context
 
 // lookupStep returns the live record of the step of key, nil when there
 // is none.
-func (s *Store) lookupStep(ctx context.Context, a *attempt, key string) (*record, error) {
-	rec, err := scanRecord(s.db.QueryRow(ctx, a.st.lookup, a.call.Scope, namespaceStep+key))
+func (s *Store) lookupStep(ctx context.Context, st *statements, scope, key string) (*record, error) {
+	rec, err := scanRecord(s.db.QueryRow(ctx, st.lookup, scope, namespaceStep+key))
 	if err != nil {
 		return nil, s.dbError(ctx, "look up step", err)
 	}
@@ -107,29 +147,27 @@ func (s *Store) lookupStep(ctx context.Context, a *attempt, key string) (*record
 	return rec, nil
 }
 
-// recordStep records the outcome of a step that ran (v, or the final error
-// ferr), in a transaction of its own, and returns the step's record: its
-// own, or the one another run of the step recorded first.
-func (s *Store) recordStep(ctx context.Context, a *attempt, key, name string, v proto.Message, ferr error) (*record, error) {
-	row := keyRow{scope: a.call.Scope, key: namespaceStep + key, method: name, fingerprint: []byte{}, state: "succeeded", ttl: a.call.TTL,
-		metadata: []byte(a.key)}
+// recordStep records row, the outcome of a step that ran (v, or the final
+// error ferr), in a transaction of its own, and returns the step's record:
+// its own, or the one another run of the step recorded first.
+func (s *Store) recordStep(ctx context.Context, st *statements, row *keyRow, v proto.Message, ferr error) (*record, error) {
 	if ferr != nil {
 		b, err := marshalStatus(finalStatus(ferr))
 		if err != nil {
-			return nil, fmt.Errorf("idempotency: step %q: marshal status: %w", name, err)
+			return nil, fmt.Errorf("idempotency: step %q: marshal status: %w", row.method, err)
 		}
 		row.state, row.status = "failed", b
 	} else if v.ProtoReflect().IsValid() {
 		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(v)
 		if err != nil {
-			return nil, fmt.Errorf("idempotency: step %q: marshal response: %w", name, err)
+			return nil, fmt.Errorf("idempotency: step %q: marshal response: %w", row.method, err)
 		}
 		row.responseType, row.response = string(v.ProtoReflect().Descriptor().FullName()), b
 	}
-	if _, err := s.db.Exec(ctx, a.st.recordStep, row.args()...); err != nil {
+	if _, err := s.db.Exec(ctx, st.recordStep, row.args()...); err != nil {
 		return nil, s.dbError(ctx, "record step", err)
 	}
-	rec, err := s.lookupStep(ctx, a, key)
+	rec, err := s.lookupStep(ctx, st, row.scope, strings.TrimPrefix(row.key, namespaceStep))
 	if err == nil && rec == nil {
 		err = s.dbError(ctx, "record step", errors.New("the step's record is not there after its commit"))
 	}

@@ -209,3 +209,36 @@ func TestStepOutsideACallIsRefused(t *testing.T) {
 	require.ErrorIs(t, err, idempotency.ErrStepOutsideCall)
 	require.False(t, ran)
 }
+
+// A step made inside a call and the same step made by a job outside it,
+// under the key the call derived for it (an outbox's job), are one step:
+// whichever ran first, the other gets its outcome without calling out.
+func TestKeyedStepSharesTheRecordOfTheCallsStep(t *testing.T) {
+	t.Parallel()
+	_, store := stepStore(t)
+	p := &forgetfulProvider{}
+	var jobKey string
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		jobKey, _ = idempotency.EffectKey(ctx, "charge")
+		if _, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			return p.charge(key, "inline"), nil
+		}); err != nil {
+			return nil, err
+		}
+		return nil, errAfterStep
+	})
+	require.ErrorIs(t, err, errAfterStep)
+	p.forget()
+	got, err := idempotency.KeyedStep(context.Background(), store, "", jobKey, 0, func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+		return p.charge(key, "job"), nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, "ch_1 inline", got.GetValue())
+	require.Equal(t, 1, p.calls)
+
+	_, err = idempotency.KeyedStep(context.Background(), store, "", "not a key", 0, func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+		return p.charge(key, "job"), nil
+	})
+	require.ErrorIs(t, err, idempotency.ErrInvalidKey)
+	require.Equal(t, 1, p.calls)
+}
