@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	grpcstatus "google.golang.org/grpc/status"
@@ -164,9 +165,15 @@ func (s *Store) recordStep(ctx context.Context, st *statements, row *keyRow, v p
 		}
 		row.responseType, row.response = string(v.ProtoReflect().Descriptor().FullName()), b
 	}
-	if _, err := s.db.Exec(ctx, st.recordStep, row.args()...); err != nil {
+	var recorded bool
+	switch err := s.db.QueryRow(ctx, st.recordStep, row.args()...).Scan(&recorded); {
+	case err == nil:
+		rt := row.responseType
+		return &record{method: row.method, state: row.state, responseType: &rt, response: row.response, status: row.status}, nil
+	case !errors.Is(err, pgx.ErrNoRows):
 		return nil, s.dbError(ctx, "record step", err)
 	}
+	// Another run of the step recorded first: its outcome is the step's.
 	rec, err := s.lookupStep(ctx, st, row.scope, strings.TrimPrefix(row.key, namespaceStep))
 	if err == nil && rec == nil {
 		err = s.dbError(ctx, "record step", errors.New("the step's record is not there after its commit"))

@@ -242,3 +242,33 @@ func TestKeyedStepSharesTheRecordOfTheCallsStep(t *testing.T) {
 	require.ErrorIs(t, err, idempotency.ErrInvalidKey)
 	require.Equal(t, 1, p.calls)
 }
+
+// Goroutines of one call that run the same step at once all get the
+// outcome recorded first, whichever of them ran fn.
+func TestOneStepRunAtOnceGivesEveryRunTheFirstRecord(t *testing.T) {
+	t.Parallel()
+	_, store := stepStore(t)
+	var n atomic.Int64
+	const runs = 8
+	got := make([]string, runs)
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		var wg sync.WaitGroup
+		for i := range runs {
+			wg.Go(func() {
+				v, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+					return wrapperspb.String(fmt.Sprint("answer ", n.Add(1))), nil
+				})
+				if err == nil {
+					got[i] = v.GetValue()
+				}
+			})
+		}
+		wg.Wait()
+		return wrapperspb.String("done"), nil
+	})
+	require.NoError(t, err)
+	for i := range runs {
+		require.Equal(t, got[0], got[i], "run %d", i)
+	}
+	require.NotEmpty(t, got[0])
+}
