@@ -60,6 +60,11 @@ type Record struct {
 	// trailers), in its
 	// own encoding.
 	Metadata []byte
+	// Steps are the records of the steps (see Step) the key's call ran, in
+	// the order they were recorded, from every run of the call: each with
+	// the step's name as Method and its key, "step " and the key the
+	// step sent, as Key.
+	Steps []Record
 }
 
 // HTTPResponse returns the response an HTTP request's record holds, as a
@@ -121,6 +126,9 @@ var namespaces = []struct {
 // stores it, in the order of namespaces; or key alone when it is one
 // already ("http KEY", "message KEY": no client's key has a space).
 func storedKeys(key string) []string {
+	if strings.HasPrefix(key, namespaceStep) {
+		return []string{key}
+	}
 	for _, ns := range namespaces[1:] {
 		if strings.HasPrefix(key, ns.prefix) {
 			return []string{key}
@@ -135,6 +143,9 @@ func storedKeys(key string) []string {
 
 // transportOf splits a stored key into its transport and the key.
 func transportOf(stored string) (Transport, string) {
+	if strings.HasPrefix(stored, namespaceStep) {
+		return TransportStep, stored
+	}
 	for _, ns := range namespaces[1:] {
 		if key, ok := strings.CutPrefix(stored, ns.prefix); ok {
 			return ns.transport, key
@@ -158,8 +169,12 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 	}
 	keys := storedKeys(key)
 	var raw rawRecord
+	var steps []rawRecord
 	err = s.readCommitted(ctx, func(tx pgx.Tx) error {
 		err := tx.QueryRow(ctx, st.inspect, scope, keys).Scan(raw.targets()...)
+		if err == nil && raw.stored != nil && !strings.HasPrefix(*raw.stored, namespaceStep) {
+			steps, err = readSteps(ctx, tx, st, scope, *raw.stored)
+		}
 		if !errors.Is(err, pgx.ErrNoRows) {
 			return err
 		}
@@ -182,7 +197,35 @@ func (s *Store) Inspect(ctx context.Context, scope, key string) (Record, error) 
 	if err != nil {
 		return rec, fmt.Errorf("idempotency: inspect key: %w", err)
 	}
+	for _, r := range steps {
+		step, err := r.record(scope)
+		if err != nil {
+			return rec, fmt.Errorf("idempotency: inspect key: step: %w", err)
+		}
+		rec.Steps = append(rec.Steps, step)
+	}
 	return rec, nil
+}
+
+// readSteps reads the records of the steps of the call whose stored key is
+// parent (see Step): they are found among the scope's records, by the
+// parent's key they hold, so on a scope of millions of keys it takes a
+// while (Inspect is an operator's tool; calls never read them this way).
+func readSteps(ctx context.Context, tx pgx.Tx, st *statements, scope, parent string) ([]rawRecord, error) {
+	rows, err := tx.Query(ctx, st.inspectSteps, scope, []byte(parent))
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var steps []rawRecord
+	for rows.Next() {
+		var r rawRecord
+		if err := rows.Scan(r.targets()...); err != nil {
+			return nil, err
+		}
+		steps = append(steps, r)
+	}
+	return steps, rows.Err()
 }
 
 // rawRecord is a record as the statements that read one return it (see

@@ -22,6 +22,7 @@ type statements struct {
 	deleteExpiredKey, extend          string
 	deleteExpired                     string
 	inspect, lockForget, forget       string
+	inspectSteps                      string
 	forgetFailed                      string
 	rolePrivileges                    string
 }
@@ -225,6 +226,10 @@ RETURNING true`),
 expires_at <= pg_catalog.now(), response_type, pg_catalog.encode(response, 'base64'), pg_catalog.encode(status, 'base64'),
 pg_catalog.encode(fingerprint, 'base64'), pg_catalog.encode(metadata, 'base64')
 FROM {{table}} WHERE scope = $1::text AND key = ANY($2::text[]) ORDER BY pg_catalog.array_position($2::text[], key) LIMIT 1`),
+		// The records of the steps of the call whose stored key is $2
+		// (see Step and readSteps).
+		inspectSteps: r.Replace(`SELECT ` + strings.Join(recordColumns, ", ") + ` FROM {{table}} w
+WHERE w.scope = $1::text AND pg_catalog.starts_with(w.key, 'step ') AND w.metadata = $2::bytea ORDER BY w.created_at, w.key`),
 		// Forget's: the locks of the stored keys $2 (as Inspect's), all of
 		// them free; then the first that has a row is deleted.
 		lockForget: r.Replace(`SELECT pg_catalog.bool_and(pg_catalog.pg_try_advisory_xact_lock({{lock_key_k}})) FROM pg_catalog.unnest($2::text[]) AS k`),

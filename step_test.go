@@ -272,3 +272,48 @@ func TestOneStepRunAtOnceGivesEveryRunTheFirstRecord(t *testing.T) {
 	}
 	require.NotEmpty(t, got[0])
 }
+
+// Inspect lists the steps a key's call ran, from every run, each with its
+// name, outcome and key; and Inspect of a step's key shows that step.
+func TestInspectShowsTheStepsOfAKey(t *testing.T) {
+	t.Parallel()
+	_, store := stepStore(t)
+	var runs atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		if _, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			return wrapperspb.String("ch_1"), nil
+		}); err != nil {
+			return nil, err
+		}
+		if runs.Add(1) == 1 {
+			return nil, errAfterStep
+		}
+		_, err := idempotency.Step(ctx, "email receipt", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			return nil, idempotency.Final(status.Error(codes.InvalidArgument, "no address"))
+		})
+		if !idempotency.IsFinal(err) {
+			return nil, fmt.Errorf("the receipt's step: %w", err)
+		}
+		return wrapperspb.String("paid"), nil
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err := store.Execute(context.Background(), call, handler)
+	require.ErrorIs(t, err, errAfterStep)
+	_, err = store.Execute(context.Background(), call, handler)
+	require.NoError(t, err)
+	rec, err := store.Inspect(context.Background(), "", "k")
+	require.NoError(t, err)
+	require.Len(t, rec.Steps, 2)
+	charge, receipt := rec.Steps[0], rec.Steps[1]
+	require.Equal(t, "charge", charge.Method)
+	require.Equal(t, idempotency.TransportStep, charge.Transport)
+	require.Equal(t, "succeeded", charge.State)
+	require.Equal(t, "google.protobuf.StringValue", charge.ResponseType)
+	require.Equal(t, "email receipt", receipt.Method)
+	require.Equal(t, "failed", receipt.State)
+	require.Equal(t, codes.InvalidArgument, receipt.Status.Code())
+	step, err := store.Inspect(context.Background(), "", charge.Key)
+	require.NoError(t, err)
+	require.Equal(t, "charge", step.Method)
+	require.Empty(t, step.Steps)
+}

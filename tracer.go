@@ -51,6 +51,9 @@ const (
 	TransportConnect Transport = "connect"
 	TransportHTTP    Transport = "http"
 	TransportMessage Transport = "message"
+	// TransportStep is the kind of a step's record (see Step), in
+	// Record.Steps and from Inspect of "step KEY".
+	TransportStep Transport = "step"
 	// TransportDirect is a call of [Store.Execute] by the application.
 	TransportDirect Transport = "direct"
 )

@@ -349,6 +349,9 @@ type inspected struct {
 	HTTP   *httpJSON       `json:"http,omitempty"`
 	// Fingerprint identifies the request the key was first used with.
 	Fingerprint string `json:"fingerprint"`
+	// Steps are the records of the steps the key's call ran (see
+	// idempotency.Step).
+	Steps []inspected `json:"steps,omitempty"`
 }
 
 // httpJSON is the response an HTTP request's record replays.
@@ -406,6 +409,9 @@ func recordJSON(rec idempotency.Record, types protoTypes) inspected {
 	}
 	if rec.Status != nil {
 		out.Status = statusJSON(rec.Status.Proto(), types)
+	}
+	for _, step := range rec.Steps {
+		out.Steps = append(out.Steps, recordJSON(step, types))
 	}
 	return out
 }
