@@ -92,7 +92,7 @@ func writeLedger(ctx context.Context, q interface {
 // what is measured is the step's lookup and its record's commit. 8 callers
 // at once on a pool of 12; it reports calls/s, to compare within a round:
 //
-//	go test -run '^$' -bench Step -benchtime 3s -count 6 .
+//	for i in 1 2 3 4 5 6; do go test -run '^$' -bench Step -benchtime 3s -count 1 .; done
 func BenchmarkStep(b *testing.B) {
 	db := testdb.New(b, 12)
 	ctx := context.Background()
