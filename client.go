@@ -155,7 +155,8 @@ type clientOptions struct {
 	backoffBase       time.Duration
 	backoffMax        time.Duration
 	perAttemptTimeout time.Duration // 0: none, the call's deadline bounds an attempt
-	err               error         // the first invalid option
+	recordEffects     bool
+	err               error // the first invalid option
 }
 
 // backoffJitter is the relative jitter of every retry delay: ±20%.
@@ -263,7 +264,46 @@ func WithPerAttemptTimeout(d time.Duration) ClientOption {
 
 // interceptor is the key interceptor, with retries, the retry interceptor
 // to run inside it, or nil for the key alone.
+// WithRecordedEffects makes a call inside a running call whose effect is
+// named ([WithEffect]) and whose key is derived from that name a recorded
+// step (see [Step]): its reply, or an error with one of
+// [DefaultFinalCodes], is recorded under the running call and the name,
+// and a re-run of the running call gets it back without sending the call
+// again, even when the server called has forgotten the key. Calls with a
+// key of their own, and calls outside a running call, are sent as without
+// it. Each recorded call costs a lookup and a commit on another connection
+// of the running call's store. Defaults to off.
+func WithRecordedEffects() ClientOption {
+	return func(o *clientOptions) { o.recordEffects = true }
+}
+
 func (o *clientOptions) interceptor(retries grpc.UnaryClientInterceptor) grpc.UnaryClientInterceptor {
+	send := o.send(retries)
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if o.recordEffects {
+			name, _ := ctx.Value(effectName{}).(string)
+			md, _ := metadata.FromOutgoingContext(ctx)
+			_, explicit := ctx.Value(outgoingKey{}).(string)
+			t, live := liveCall(ctx)
+			if m, ok := reply.(proto.Message); ok && live && name != "" && !explicit && len(md.Get(MetadataKey)) == 0 {
+				return stepInto(ctx, t, name, m, func(ctx context.Context, _ string) error {
+					err := send(ctx, method, req, reply, cc, invoker, opts...)
+					if err != nil && defaultFinal[status.Code(err)] {
+						err = Final(err)
+					}
+					return err
+				})
+			}
+		}
+		return send(ctx, method, req, reply, cc, invoker, opts...)
+	}
+}
+
+// defaultFinal are DefaultFinalCodes, as a set.
+var defaultFinal = codeSet(DefaultFinalCodes())
+
+// send is the interceptor without recorded effects.
+func (o *clientOptions) send(retries grpc.UnaryClientInterceptor) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		pol := policyForRequest(method, req)
 		md, _ := metadata.FromOutgoingContext(ctx)

@@ -13,6 +13,7 @@ import (
 	grpcstatus "google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
 // namespaceStep is the namespace of steps' records in the key table (see
@@ -118,21 +119,67 @@ var errStepType = errors.New("idempotency: a step's result type must be a messag
 func runStep[T proto.Message](ctx context.Context, s *Store, st *statements, scope, key, parent, name string, ttl time.Duration,
 	fn func(ctx context.Context, key string) (T, error)) (T, error) {
 	var zero T
-	rec, err := s.lookupStep(ctx, st, scope, key)
+	var ran T
+	rec, err := s.step(ctx, st, scope, key, parent, name, ttl, func(ctx context.Context, key string) (proto.Message, error) {
+		var err error
+		ran, err = fn(ctx, key)
+		return ran, err
+	})
+	if rec == nil {
+		if err != nil {
+			return ran, err // fn's own error, which is not recorded
+		}
+		return zero, err
+	}
 	if err != nil {
 		return zero, err
 	}
-	if rec == nil {
-		v, err := fn(WithEffect(ctx, name), key)
-		if err != nil && !IsFinal(err) {
-			return v, err
-		}
-		row := keyRow{scope: scope, key: namespaceStep + key, method: name, fingerprint: []byte{}, state: "succeeded", ttl: ttl, metadata: []byte(parent)}
-		if rec, err = s.recordStep(ctx, st, &row, v, err); err != nil {
-			return zero, err
-		}
-	}
 	return replayStep[T](name, rec)
+}
+
+// step is runStep without its result's type: the step's record, looked up
+// or made by running fn. An error of fn that is not final comes back with
+// a nil record, and is recorded nowhere.
+func (s *Store) step(ctx context.Context, st *statements, scope, key, parent, name string, ttl time.Duration,
+	fn func(ctx context.Context, key string) (proto.Message, error)) (*record, error) {
+	rec, err := s.lookupStep(ctx, st, scope, key)
+	if err != nil || rec != nil {
+		return rec, err
+	}
+	v, err := fn(WithEffect(ctx, name), key)
+	if err != nil && !IsFinal(err) {
+		return nil, err
+	}
+	row := keyRow{scope: scope, key: namespaceStep + key, method: name, fingerprint: []byte{}, state: "succeeded", ttl: ttl, metadata: []byte(parent)}
+	return s.recordStep(ctx, st, &row, v, err)
+}
+
+// stepInto is Step for a transport's client, whose result is dst (a gRPC
+// call's reply): fn fills dst, and a recorded response is decoded into it.
+func stepInto(ctx context.Context, t *callTx, name string, dst proto.Message, fn func(ctx context.Context, key string) error) error {
+	a := t.attempt
+	rec, err := a.s.step(ctx, a.st, a.call.Scope, t.effectKey(name), a.key, name, a.call.TTL, func(ctx context.Context, key string) (proto.Message, error) {
+		return dst, fn(ctx, key)
+	})
+	if rec == nil || err != nil {
+		return err
+	}
+	if rec.state == "failed" {
+		_, err := replayStep[*wrapperspb.BytesValue](name, rec)
+		return err
+	}
+	got := ""
+	if rec.responseType != nil {
+		got = *rec.responseType
+	}
+	if want := string(dst.ProtoReflect().Descriptor().FullName()); got != want {
+		return ErrStepChanged.with(fmt.Sprintf("step %q recorded a %s, and the call's reply is a %s", name, got, want), nil)
+	}
+	proto.Reset(dst)
+	if err := proto.Unmarshal(rec.response, dst); err != nil {
+		return grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
+	}
+	return nil
 }
 
 // lookupStep returns the live record of the step of key, nil when there

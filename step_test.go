@@ -10,7 +10,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -316,4 +318,87 @@ func TestInspectShowsTheStepsOfAKey(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "charge", step.Method)
 	require.Empty(t, step.Steps)
+}
+
+// A downstream gRPC call through the client chain with recorded effects is
+// a step: a re-run of the running call gets the recorded reply (or the
+// recorded final error) without sending the call again, though the
+// downstream server has forgotten the key; without the option it is sent
+// again.
+func TestClientChainRecordsNamedEffectsAsSteps(t *testing.T) {
+	t.Parallel()
+	p := &forgetfulProvider{}
+	var decline atomic.Bool
+	srv := grpc.NewServer()
+	srv.RegisterService(ledgerDesc(), &ledger{handler: func(ctx context.Context, req *wrapperspb.StringValue) (*wrapperspb.StringValue, error) {
+		if decline.Load() {
+			p.charge("declined", req.GetValue())
+			return nil, status.Error(codes.FailedPrecondition, "card declined")
+		}
+		md, _ := metadata.FromIncomingContext(ctx)
+		return p.charge(md.Get(idempotency.MetadataKey)[0], req.GetValue()), nil
+	}})
+	addr := serve(t, srv)
+	for _, record := range []bool{true, false} {
+		t.Run(fmt.Sprint("recorded=", record), func(t *testing.T) {
+			var opts []idempotency.ClientOption
+			if record {
+				opts = append(opts, idempotency.WithRecordedEffects())
+			}
+			conn := dialKeyed(t, addr, idempotency.UnaryClientInterceptor(opts...))
+			_, store := stepStore(t)
+			p.forget()
+			p.mu.Lock()
+			p.calls = 0
+			p.mu.Unlock()
+			var runs atomic.Int64
+			var got []string
+			var errs []error
+			handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				for _, name := range []string{"charge", "charge again"} {
+					resp := &wrapperspb.StringValue{}
+					err := conn.Invoke(idempotency.WithEffect(ctx, name), methodCharge, wrapperspb.String(name), resp)
+					got, errs = append(got, resp.GetValue()), append(errs, err)
+				}
+				if runs.Add(1) == 1 {
+					return nil, errAfterStep
+				}
+				return wrapperspb.String("done"), nil
+			}
+			call := idempotency.Call{Key: "k", Method: "m"}
+			decline.Store(false)
+			_, err := store.Execute(context.Background(), call, handler)
+			require.ErrorIs(t, err, errAfterStep)
+			p.forget()
+			_, err = store.Execute(context.Background(), call, handler)
+			require.NoError(t, err)
+			require.NoError(t, errors.Join(errs...))
+			if record {
+				require.Equal(t, 2, p.calls, "each effect sent once")
+				require.Equal(t, got[:2], got[2:], "the re-run got the recorded replies")
+			} else {
+				require.Equal(t, 4, p.calls, "sent again: the server forgot the keys")
+			}
+		})
+	}
+	t.Run("a final error", func(t *testing.T) {
+		conn := dialKeyed(t, addr, idempotency.UnaryClientInterceptor(idempotency.WithRecordedEffects(), idempotency.WithMaxAttempts(1)))
+		_, store := stepStore(t)
+		decline.Store(true)
+		defer decline.Store(false)
+		p.mu.Lock()
+		p.calls = 0
+		p.mu.Unlock()
+		var callErr error
+		for range 2 {
+			_, err := store.Execute(context.Background(), idempotency.Call{Key: "d", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				callErr = conn.Invoke(idempotency.WithEffect(ctx, "charge"), methodCharge, wrapperspb.String("x"), &wrapperspb.StringValue{})
+				return nil, errAfterStep
+			})
+			require.ErrorIs(t, err, errAfterStep)
+		}
+		require.Equal(t, codes.FailedPrecondition, status.Code(callErr))
+		require.Equal(t, "card declined", status.Convert(callErr).Message())
+		require.Equal(t, 1, p.calls, "the decline was recorded, and not sent again")
+	})
 }
