@@ -285,6 +285,16 @@ func deriveKeyV1(scope, key, target string, n uint64) string {
 type HTTPTransport struct {
 	// Base sends the requests; nil means [http.DefaultTransport].
 	Base http.RoundTripper
+	// RecordEffects makes a request whose key is derived from the effect
+	// its context names ([WithEffect]) a recorded step (see [Step]): a
+	// response that no other attempt can change (2xx, 4xx but 408, 409,
+	// 425 and 429) is recorded, its status, headers and body, under the
+	// running call and the name, and a re-run of the running call gets a
+	// copy of it without sending the request, even when the server has
+	// forgotten the key. A redirect, an error and any other status are
+	// returned unrecorded. Each recorded request costs a lookup and a
+	// commit on another connection of the running call's store.
+	RecordEffects bool
 }
 
 // RoundTrip implements [http.RoundTripper]. It does not modify req: a
@@ -294,6 +304,15 @@ type HTTPTransport struct {
 // nothing is sent. The response's Request is the copy sent, with the key,
 // also when Base answers without one.
 func (t *HTTPTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if t.RecordEffects {
+		if resp, recorded, err := httpStep(req, t.roundTrip); recorded {
+			return resp, err
+		}
+	}
+	return t.roundTrip(req)
+}
+
+func (t *HTTPTransport) roundTrip(req *http.Request) (*http.Response, error) {
 	base := t.Base
 	if base == nil {
 		base = http.DefaultTransport

@@ -114,6 +114,12 @@ type HTTPClient struct {
 	// (BackoffMax at least BackoffBase); negative, or a BackoffMax set
 	// below BackoffBase, is invalid.
 	BackoffBase, BackoffMax time.Duration
+	// RecordEffects makes a Do whose key is derived from the effect its
+	// request's context names a recorded step, as for
+	// [HTTPTransport.RecordEffects]: the response Do returns, if no other
+	// attempt can change it, is recorded, and a re-run of the running call
+	// gets a copy of it without sending.
+	RecordEffects bool
 
 	// wait replaces the timer of the waits between attempts (tests).
 	wait func(ctx context.Context, d time.Duration) error
@@ -213,6 +219,19 @@ func (c *HTTPClient) settings() (httpClientSettings, error) {
 // is an error before anything is sent. As with http.Client, the caller closes the response's
 // body.
 func (c *HTTPClient) Do(req *http.Request) (*http.Response, error) {
+	if c.RecordEffects {
+		if _, err := c.settings(); err != nil {
+			closeBody(req)
+			return nil, err
+		}
+		if resp, recorded, err := httpStep(req, c.do); recorded {
+			return resp, err
+		}
+	}
+	return c.do(req)
+}
+
+func (c *HTTPClient) do(req *http.Request) (*http.Response, error) {
 	s, err := c.settings()
 	if err != nil {
 		closeBody(req)

@@ -1,9 +1,14 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"maps"
+	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -11,6 +16,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	grpcstatus "google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -255,4 +261,140 @@ func replayStep[T proto.Message](name string, rec *record) (T, error) {
 		return zero, grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
 	}
 	return m.(T), nil
+}
+
+// httpStep returns the recorded step of the HTTP request req, whose effect
+// is named in its context, when recording it applies (the request's key is
+// derived from that name, inside a running call), and nil otherwise: send
+// then sends it as without recording. A response with a status another
+// attempt may change (5xx, 408, 409, 425, 429) or that redirects (3xx;
+// nor is the request of a redirect recorded) is returned unrecorded, as is
+// an error of send; any other (2xx, 4xx) is recorded, its status, headers
+// and body, and a re-run gets a copy of it without sending.
+func httpStep(req *http.Request, send func(*http.Request) (*http.Response, error)) (resp *http.Response, recorded bool, err error) {
+	ctx := req.Context()
+	name, _ := ctx.Value(effectName{}).(string)
+	_, explicit := ctx.Value(outgoingKey{}).(string)
+	t, live := liveCall(ctx)
+	if _, redirect := redirectedKey(req); redirect || name == "" || explicit || !live || req.Header.Get(HeaderKey) != "" || !keyedMethod(req.Method) {
+		return nil, false, nil
+	}
+	dst := &wrapperspb.BytesValue{}
+	a := t.attempt
+	key := t.effectKey(name)
+	var unrecorded *http.Response
+	rec, err := a.s.step(ctx, a.st, a.call.Scope, key, a.key, name, a.call.TTL, func(context.Context, string) (proto.Message, error) {
+		resp, err := send(req)
+		if err != nil {
+			return nil, err
+		}
+		if !recordedStatus(resp.StatusCode) {
+			unrecorded = resp
+			return nil, errUnrecorded
+		}
+		body, err := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		if err != nil {
+			return nil, fmt.Errorf("idempotency: read the response of step %q to record it: %w", name, err)
+		}
+		dst.Value = encodeHTTPStep(resp, body)
+		return dst, nil
+	})
+	switch {
+	case unrecorded != nil:
+		return unrecorded, true, nil
+	case err != nil:
+		return nil, true, err
+	}
+	if rec.state == "failed" || rec.responseType == nil || *rec.responseType != string(dst.ProtoReflect().Descriptor().FullName()) {
+		return nil, true, ErrStepChanged.with(fmt.Sprintf("step %q did not record an HTTP response", name), nil)
+	}
+	if err := proto.Unmarshal(rec.response, dst); err != nil {
+		return nil, true, grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
+	}
+	sent := req.Clone(ctx)
+	sent.Header.Set(HeaderKey, headerValue(key))
+	resp, err = decodeHTTPStep(dst.GetValue(), sent)
+	if err != nil {
+		return nil, true, ErrStepChanged.with(fmt.Sprintf("step %q: %v", name, err), nil)
+	}
+	return resp, true, nil
+}
+
+// errUnrecorded is how httpStep's send leaves a response unrecorded.
+var errUnrecorded = errors.New("idempotency: not recorded")
+
+// recordedStatus reports whether a response with status is recorded: not
+// one another attempt of the same request may change, nor a redirect,
+// whose request the client makes next.
+func recordedStatus(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return status < 300 || (status >= 400 && status < 500)
+}
+
+// httpStepMark is field 15 of a recorded HTTP response, which tells it
+// from any other bytes a step of the same name recorded.
+const httpStepMark = "idempotency http response v1"
+
+// encodeHTTPStep encodes resp and its body for a step's record: field 1
+// the status, field 2 each header (as the HTTP middleware stores them),
+// field 4 the body, field 15 httpStepMark.
+func encodeHTTPStep(resp *http.Response, body []byte) []byte {
+	b := protowire.AppendString(protowire.AppendTag(nil, 15, protowire.BytesType), httpStepMark)
+	b = protowire.AppendVarint(protowire.AppendTag(b, 1, protowire.VarintType), uint64(resp.StatusCode))
+	for _, name := range slices.Sorted(maps.Keys(resp.Header)) {
+		b = appendEntry(b, 2, name, resp.Header[name])
+	}
+	return protowire.AppendBytes(protowire.AppendTag(b, 4, protowire.BytesType), body)
+}
+
+// decodeHTTPStep rebuilds a recorded response, as the answer to req.
+func decodeHTTPStep(b []byte, req *http.Request) (*http.Response, error) {
+	resp := &http.Response{Proto: "HTTP/1.1", ProtoMajor: 1, ProtoMinor: 1, Header: http.Header{}, Request: req}
+	var body []byte
+	marked := false
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return nil, errors.New("the recorded HTTP response is malformed")
+		}
+		b = b[n:]
+		switch {
+		case num == 1 && typ == protowire.VarintType:
+			v, n := protowire.ConsumeVarint(b)
+			if n < 0 || v < 100 || v > 999 {
+				return nil, errors.New("the recorded HTTP status is malformed")
+			}
+			resp.StatusCode, b = int(v), b[n:]
+		case (num == 2 || num == 4 || num == 15) && typ == protowire.BytesType:
+			v, n := protowire.ConsumeBytes(b)
+			if n < 0 {
+				return nil, errors.New("the recorded HTTP response is malformed")
+			}
+			b = b[n:]
+			switch num {
+			case 2:
+				name, values, err := decodeEntry(v)
+				if err != nil {
+					return nil, err
+				}
+				resp.Header[name] = values
+			case 4:
+				body = v
+			case 15:
+				marked = string(v) == httpStepMark
+			}
+		default:
+			return nil, errors.New("the recorded HTTP response is malformed")
+		}
+	}
+	if !marked || resp.StatusCode == 0 {
+		return nil, errors.New("the record is not an HTTP response")
+	}
+	resp.Status = fmt.Sprintf("%d %s", resp.StatusCode, http.StatusText(resp.StatusCode))
+	resp.Body, resp.ContentLength = io.NopCloser(bytes.NewReader(body)), int64(len(body))
+	return resp, nil
 }

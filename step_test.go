@@ -4,6 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -401,4 +405,76 @@ func TestClientChainRecordsNamedEffectsAsSteps(t *testing.T) {
 		require.Equal(t, "card declined", status.Convert(callErr).Message())
 		require.Equal(t, 1, p.calls, "the decline was recorded, and not sent again")
 	})
+}
+
+// HTTPClient and HTTPTransport with RecordEffects: a named request's
+// response is recorded, and a re-run of the running call gets it (status,
+// headers, body) without sending, though the server forgot the key; a
+// response another attempt may change (503) is not recorded.
+func TestHTTPClientsRecordNamedEffectsAsSteps(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	sent, charges := 0, map[string]string{}
+	unavailable := 0
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		sent++
+		if unavailable > 0 {
+			unavailable--
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return
+		}
+		key := r.Header.Get(idempotency.HeaderKey)
+		if _, ok := charges[key]; !ok {
+			charges[key] = fmt.Sprintf(`{"id":"ch_%d"}`, len(charges)+1)
+		}
+		w.Header().Set("X-Charge", "yes")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, charges[key])
+	}))
+	t.Cleanup(srv.Close)
+	clients := map[string]func(*http.Request) (*http.Response, error){
+		"HTTPClient":    (&idempotency.HTTPClient{RecordEffects: true, MaxAttempts: 1}).Do,
+		"HTTPTransport": (&http.Client{Transport: &idempotency.HTTPTransport{RecordEffects: true}}).Do,
+	}
+	for name, do := range clients {
+		t.Run(name, func(t *testing.T) {
+			_, store := stepStore(t)
+			mu.Lock()
+			sent, charges, unavailable = 0, map[string]string{}, 1
+			mu.Unlock()
+			var runs atomic.Int64
+			var bodies []string
+			handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				req, err := http.NewRequestWithContext(idempotency.WithEffect(ctx, "charge"), http.MethodPost, srv.URL+"/v1/charges", strings.NewReader(`{"cents":100}`))
+				if err != nil {
+					return nil, err
+				}
+				resp, err := do(req)
+				if err != nil {
+					return nil, err
+				}
+				body, _ := io.ReadAll(resp.Body)
+				_ = resp.Body.Close()
+				bodies = append(bodies, fmt.Sprint(resp.StatusCode, " ", resp.Header.Get("X-Charge"), " ", string(body)))
+				if runs.Add(1) <= 2 {
+					return nil, errAfterStep
+				}
+				return wrapperspb.String("done"), nil
+			}
+			call := idempotency.Call{Key: "k", Method: "m"}
+			for range 2 {
+				_, err := store.Execute(context.Background(), call, handler)
+				require.ErrorIs(t, err, errAfterStep)
+				mu.Lock()
+				charges = map[string]string{} // the server forgets every key
+				mu.Unlock()
+			}
+			_, err := store.Execute(context.Background(), call, handler)
+			require.NoError(t, err)
+			require.Equal(t, []string{"503  ", `201 yes {"id":"ch_1"}`, `201 yes {"id":"ch_1"}`}, bodies)
+			require.Equal(t, 2, sent, "sent again after the 503, not after the 201")
+		})
+	}
 }
