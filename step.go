@@ -218,13 +218,24 @@ func (s *Store) recordStep(ctx context.Context, st *statements, row *keyRow, v p
 		}
 		row.responseType, row.response = string(v.ProtoReflect().Descriptor().FullName()), b
 	}
+	// Whatever happens to the caller from here (it leaves, its deadline
+	// passes), the other system has answered: the answer is recorded on a
+	// context of its own, as a call's result is (WithFinishTimeout). A
+	// serialization failure (a database whose default isolation is
+	// SERIALIZABLE) is tried again.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
+	defer cancel()
 	var recorded bool
-	switch err := s.db.QueryRow(ctx, st.recordStep, row.args()...).Scan(&recorded); {
+	err := s.db.QueryRow(ctx, st.recordStep, row.args()...).Scan(&recorded)
+	for try := 1; try < 5 && sqlState(err) == sqlSerializationFailure; try++ {
+		err = s.db.QueryRow(ctx, st.recordStep, row.args()...).Scan(&recorded)
+	}
+	switch {
 	case err == nil:
 		rt := row.responseType
 		return &record{method: row.method, state: row.state, responseType: &rt, response: row.response, status: row.status}, nil
 	case !errors.Is(err, pgx.ErrNoRows):
-		return nil, s.dbError(ctx, "record step", err)
+		return nil, s.finishError("record step", err)
 	}
 	// Another run of the step recorded first: its outcome is the step's.
 	rec, err := s.lookupStep(ctx, st, row.scope, strings.TrimPrefix(row.key, namespaceStep))

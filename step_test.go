@@ -478,3 +478,33 @@ func TestHTTPClientsRecordNamedEffectsAsSteps(t *testing.T) {
 		})
 	}
 }
+
+// A caller that leaves while the step's work runs (its context cancelled
+// after the provider answered) does not lose the answer: it is recorded on
+// a context of its own, and a re-run gets it without calling out.
+func TestStepRecordsTheAnswerOfACallerThatLeft(t *testing.T) {
+	t.Parallel()
+	_, store := stepStore(t)
+	p := &forgetfulProvider{}
+	ctx, cancel := context.WithCancel(context.Background())
+	var runs atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		charge, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			charge := p.charge(key, "order-1")
+			cancel() // the caller leaves as the provider answers
+			return charge, nil
+		})
+		if runs.Add(1) == 1 {
+			return nil, errors.Join(errAfterStep, err) // the first run fails, whatever the step said
+		}
+		return charge, err
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err := store.Execute(ctx, call, handler)
+	require.ErrorIs(t, err, errAfterStep)
+	p.forget()
+	res, err := store.Execute(context.Background(), call, handler)
+	require.NoError(t, err)
+	require.Equal(t, "ch_1 order-1", res.Response.(*wrapperspb.StringValue).GetValue())
+	require.Equal(t, 1, p.calls)
+}
