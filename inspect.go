@@ -665,7 +665,9 @@ WHERE s.scope IS NOT NULL ORDER BY s.n, w.key`
 
 // Forget deletes the record of one key, so that the next call with it runs
 // again. It deletes the record [Store.Inspect] shows: name a transport's
-// key with its namespace, as for Inspect.
+// key with its namespace, as for Inspect. The records of the steps its
+// call ran ([Step]) go with it, so that they run again too (with the same
+// keys: a provider that still has a key answers as it did).
 //
 // With state "", whatever the record holds: for an operator who knows the
 // stored result must not be replayed (a customer's charge that was
@@ -720,11 +722,15 @@ func (s *Store) forget(ctx context.Context, scope, key string, onlyFailed bool) 
 			case state != "failed":
 				return fmt.Errorf("%w (state %s)", ErrNotFailed, state)
 			}
-			return nil
+			_, err := tx.Exec(ctx, st.forgetSteps, scope, keys)
+			return err
 		}
 		tag, err := tx.Exec(ctx, st.forget, scope, keys)
 		if err == nil && tag.RowsAffected() == 0 {
 			err = ErrKeyNotFound
+		}
+		if err == nil {
+			_, err = tx.Exec(ctx, st.forgetSteps, scope, keys)
 		}
 		return err
 	})

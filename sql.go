@@ -15,14 +15,14 @@ type statements struct {
 	deleteExpiredIfHeld, unlockIfHeld string
 	probe, lookup                     string
 	abandon, insertFinal              string
-	recordStep                        string
+	recordStep, stepLock              string
 	releaseCheck                      string
 	endSession, endSessionWait        string
 	claimStatus                       string
 	deleteExpiredKey, extend          string
 	deleteExpired                     string
 	inspect, lockForget, forget       string
-	inspectSteps                      string
+	inspectSteps, forgetSteps         string
 	forgetFailed                      string
 	rolePrivileges                    string
 }
@@ -210,6 +210,11 @@ ON CONFLICT (scope, key) DO NOTHING`),
 		// A step's outcome (see Step), committed on its own, unless the
 		// step has a live record already (another run of it recorded
 		// first); an expired one is replaced.
+		// The lock of a step (its stored key, "step KEY"), held while the
+		// step runs, by the transaction that then records it (see
+		// Store.step): the keys' locks space, where no call's key is a
+		// step's.
+		stepLock: r.Replace(`SELECT pg_catalog.pg_advisory_xact_lock({{lock_key}})`),
 		recordStep: r.Replace(`INSERT INTO {{table}} AS k (scope, key, method, fingerprint, state, response_type, response, status, metadata, created_at, completed_at, expires_at)
 SELECT $1::text, $2::text, $3::text, $4::bytea, $5::text, NULLIF($6::text, ''), $7::bytea, $8::bytea, $10::bytea, t.now, t.now, t.now + $9::bigint * interval '1 microsecond'
 FROM (SELECT pg_catalog.clock_timestamp() AS now) t
@@ -230,6 +235,10 @@ FROM {{table}} WHERE scope = $1::text AND key = ANY($2::text[]) ORDER BY pg_cata
 		// (see Step and readSteps).
 		inspectSteps: r.Replace(`SELECT ` + strings.Join(recordColumns, ", ") + ` FROM {{table}} w
 WHERE w.scope = $1::text AND pg_catalog.starts_with(w.key, 'step ') AND w.metadata = $2::bytea ORDER BY w.created_at, w.key`),
+		// Forget's, once it deleted a key's record: the records of the
+		// steps of the call, whose stored key is one of $2.
+		forgetSteps: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND pg_catalog.starts_with(key, 'step ')
+AND metadata = ANY (SELECT pg_catalog.convert_to(k, 'UTF8') FROM pg_catalog.unnest($2::text[]) AS k)`),
 		// Forget's: the locks of the stored keys $2 (as Inspect's), all of
 		// them free; then the first that has a row is deleted.
 		lockForget: r.Replace(`SELECT pg_catalog.bool_and(pg_catalog.pg_try_advisory_xact_lock({{lock_key_k}})) FROM pg_catalog.unnest($2::text[]) AS k`),

@@ -9,10 +9,10 @@ import (
 	"maps"
 	"net/http"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	grpcstatus "google.golang.org/grpc/status"
@@ -34,6 +34,12 @@ const namespaceStep = "step "
 var ErrStepOutsideCall = &Error{code: codes.Internal, reason: "STEP_OUTSIDE_CALL",
 	msg: "idempotency.Step was called outside a running call; call it with the context the handler was given"}
 
+// ErrStepPool is returned by [Step] on a store whose pool cannot hold two
+// connections: a step holds one of its own while the call holds another.
+// It is a configuration error: raise the pool's MaxConns.
+var ErrStepPool = &Error{code: codes.Internal, reason: "STEP_POOL",
+	msg: "a step needs a second connection of the store's pool; raise the pool's MaxConns"}
+
 // ErrStepChanged is returned by [Step] when the outcome recorded for the
 // step is not one the handler can take: it asks for another result type
 // than the step recorded (the handler's code changed between a run and its
@@ -53,17 +59,26 @@ var ErrStepChanged = &Error{code: codes.Internal, reason: "STEP_CHANGED",
 // the same operation; send it to the other system as its idempotency key),
 // and a context naming the effect ([WithEffect]), so that [HTTPClient],
 // [HTTPTransport] and the gRPC client chain send that key too. Its outcome
-// is recorded in a row of its own, committed at once on another connection
-// of the store's pool (so a pool of one cannot run a step), outside the
-// call's transaction: it survives the call's rollback and a crash of the
-// process. The record lives as long as a key's (the call's TTL; the
-// cleaner deletes both), and [Store.Inspect] lists it with the call's key.
+// is recorded in a row of its own, in a transaction of its own (see below)
+// that commits as soon as fn returns, outside the call's transaction: it
+// survives the call's rollback and a crash of the process. The record
+// lives as long as a key's (the call's TTL; the cleaner deletes both),
+// [Store.Inspect] lists it with the call's key, and [Store.Forget] of the
+// call's key deletes it.
 //
 // A response is recorded, and so is an error marked [Final]; any other
 // error is returned as is and recorded nowhere, so that a re-run runs the
-// step again with the same key. Two runs of one step at once (goroutines of
-// one call with the same name) both run fn, and both get the outcome
-// recorded first. Steps of other names are independent.
+// step again with the same key. A run of the same step at once (a
+// goroutine of the call with the same name, or a run of the call that
+// outlived it) waits for the first to record, and gets its outcome: fn
+// runs once. Steps of other names are independent.
+//
+// The step holds a connection of its own from the store's pool, in a
+// transaction, from its lookup to its record, fn's work included: size the
+// pool for two connections per call that runs a step at once. A pool of
+// one connection is refused with [ErrStepPool]; a step that gets no
+// connection within the store's finish timeout fails with
+// [ErrStoreUnavailable] before sending anything.
 //
 // What is left is a crash between the other system's answer and the
 // record's commit: the re-run sends the same key again, and is charged
@@ -146,18 +161,110 @@ func runStep[T proto.Message](ctx context.Context, s *Store, st *statements, sco
 // step is runStep without its result's type: the step's record, looked up
 // or made by running fn. An error of fn that is not final comes back with
 // a nil record, and is recorded nowhere.
+//
+// The step holds a connection of its own from the store's pool (the call
+// holds another), in a READ COMMITTED transaction that takes the step's
+// lock, looks for its record, and, when there is none, stays open while fn
+// runs, then writes the record and commits, which releases the lock: a run
+// of the same step at once (a goroutine of the call, a run of the call
+// that outlived it on another process) waits for the lock and finds the
+// record, so fn runs once. A crash while fn runs ends the transaction, and
+// with it the lock: what is left is a crash between fn's answer and that
+// commit, after which the next run sends the same key again.
 func (s *Store) step(ctx context.Context, st *statements, scope, key, parent, name string, ttl time.Duration,
 	fn func(ctx context.Context, key string) (proto.Message, error)) (*record, error) {
-	rec, err := s.lookupStep(ctx, st, scope, key)
-	if err != nil || rec != nil {
-		return rec, err
+	if p, ok := s.db.(*pgxpool.Pool); ok && p.Stat().MaxConns() < 2 {
+		return nil, ErrStepPool.with(fmt.Sprintf("step %q: the store's pool has %d connection", name, p.Stat().MaxConns()), nil)
+	}
+	actx, cancel := context.WithTimeout(ctx, s.opts.finishTimeout)
+	pc, err := s.db.Acquire(actx)
+	cancel()
+	if err != nil {
+		if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+			return nil, ErrStoreUnavailable.with(fmt.Sprintf("step %q: no connection of the store's pool was free for %v; nothing was sent. "+
+				"A call that runs a step holds two connections: size the pool for the calls that run steps at once", name, s.opts.finishTimeout), err)
+		}
+		return nil, s.dbError(ctx, "step "+name, err)
+	}
+	defer pc.Release() // a connection still in a transaction is closed by the pool
+	conn := pc.Conn()
+	stored := namespaceStep + key
+	b := &pgx.Batch{}
+	b.Queue("BEGIN ISOLATION LEVEL READ COMMITTED READ WRITE")
+	b.Queue(st.stepLock, scope, stored)
+	b.Queue(st.lookup, scope, stored)
+	br := conn.SendBatch(ctx, b)
+	_, err = br.Exec()
+	if err == nil {
+		_, err = br.Exec()
+	}
+	var rec *record
+	if err == nil {
+		rec, err = scanRecord(br.QueryRow())
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		s.endStep(ctx, conn)
+		return nil, s.dbError(ctx, "step "+name, err)
+	}
+	if rec != nil && !rec.expired {
+		s.endStep(ctx, conn)
+		return rec, nil
 	}
 	v, err := fn(WithEffect(ctx, name), key)
 	if err != nil && !IsFinal(err) {
+		s.endStep(ctx, conn)
 		return nil, err
 	}
-	row := keyRow{scope: scope, key: namespaceStep + key, method: name, fingerprint: []byte{}, state: "succeeded", ttl: ttl, metadata: []byte(parent)}
-	return s.recordStep(ctx, st, &row, v, err)
+	row := keyRow{scope: scope, key: stored, method: name, fingerprint: []byte{}, state: "succeeded", ttl: ttl, metadata: []byte(parent)}
+	return s.recordStep(ctx, conn, st, &row, v, err)
+}
+
+// endStep ends a step's transaction that records nothing.
+func (s *Store) endStep(ctx context.Context, conn *pgx.Conn) {
+	if conn.PgConn().TxStatus() != 'I' {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
+		defer cancel()
+		if _, err := conn.Exec(rctx, "ROLLBACK"); err != nil {
+			_ = conn.Close(rctx)
+		}
+	}
+}
+
+// recordStep writes row, the outcome of a step that ran (v, or the final
+// error ferr), in the step's transaction on conn, and commits it.
+func (s *Store) recordStep(ctx context.Context, conn *pgx.Conn, st *statements, row *keyRow, v proto.Message, ferr error) (*record, error) {
+	// Whatever happens to the caller from here (it leaves, its deadline
+	// passes), the other system has answered: the answer is recorded on a
+	// context of its own, as a call's result is (WithFinishTimeout).
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
+	defer cancel()
+	if ferr != nil {
+		b, err := marshalStatus(finalStatus(ferr))
+		if err != nil {
+			s.endStep(ctx, conn)
+			return nil, fmt.Errorf("idempotency: step %q: marshal status: %w", row.method, err)
+		}
+		row.state, row.status = "failed", b
+	} else if v.ProtoReflect().IsValid() {
+		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(v)
+		if err != nil {
+			s.endStep(ctx, conn)
+			return nil, fmt.Errorf("idempotency: step %q: marshal response: %w", row.method, err)
+		}
+		row.responseType, row.response = string(v.ProtoReflect().Descriptor().FullName()), b
+	}
+	b := &pgx.Batch{}
+	b.Queue(st.recordStep, row.args()...)
+	b.Queue("COMMIT")
+	if _, err := sendAll(ctx, conn, b); err != nil {
+		s.endStep(ctx, conn)
+		return nil, s.finishError("record step "+row.method, err)
+	}
+	rt := row.responseType
+	return &record{method: row.method, state: row.state, responseType: &rt, response: row.response, status: row.status}, nil
 }
 
 // stepInto is Step for a transport's client, whose result is dst (a gRPC
@@ -186,63 +293,6 @@ func stepInto(ctx context.Context, t *callTx, name string, dst proto.Message, fn
 		return grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
 	}
 	return nil
-}
-
-// lookupStep returns the live record of the step of key, nil when there
-// is none.
-func (s *Store) lookupStep(ctx context.Context, st *statements, scope, key string) (*record, error) {
-	rec, err := scanRecord(s.db.QueryRow(ctx, st.lookup, scope, namespaceStep+key))
-	if err != nil {
-		return nil, s.dbError(ctx, "look up step", err)
-	}
-	if rec != nil && rec.expired {
-		return nil, nil
-	}
-	return rec, nil
-}
-
-// recordStep records row, the outcome of a step that ran (v, or the final
-// error ferr), in a transaction of its own, and returns the step's record:
-// its own, or the one another run of the step recorded first.
-func (s *Store) recordStep(ctx context.Context, st *statements, row *keyRow, v proto.Message, ferr error) (*record, error) {
-	if ferr != nil {
-		b, err := marshalStatus(finalStatus(ferr))
-		if err != nil {
-			return nil, fmt.Errorf("idempotency: step %q: marshal status: %w", row.method, err)
-		}
-		row.state, row.status = "failed", b
-	} else if v.ProtoReflect().IsValid() {
-		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(v)
-		if err != nil {
-			return nil, fmt.Errorf("idempotency: step %q: marshal response: %w", row.method, err)
-		}
-		row.responseType, row.response = string(v.ProtoReflect().Descriptor().FullName()), b
-	}
-	// Whatever happens to the caller from here (it leaves, its deadline
-	// passes), the other system has answered: the answer is recorded on a
-	// context of its own, as a call's result is (WithFinishTimeout). A
-	// serialization failure (a database whose default isolation is
-	// SERIALIZABLE) is tried again.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.finishTimeout)
-	defer cancel()
-	var recorded bool
-	err := s.db.QueryRow(ctx, st.recordStep, row.args()...).Scan(&recorded)
-	for try := 1; try < 5 && sqlState(err) == sqlSerializationFailure; try++ {
-		err = s.db.QueryRow(ctx, st.recordStep, row.args()...).Scan(&recorded)
-	}
-	switch {
-	case err == nil:
-		rt := row.responseType
-		return &record{method: row.method, state: row.state, responseType: &rt, response: row.response, status: row.status}, nil
-	case !errors.Is(err, pgx.ErrNoRows):
-		return nil, s.finishError("record step", err)
-	}
-	// Another run of the step recorded first: its outcome is the step's.
-	rec, err := s.lookupStep(ctx, st, row.scope, strings.TrimPrefix(row.key, namespaceStep))
-	if err == nil && rec == nil {
-		err = s.dbError(ctx, "record step", errors.New("the step's record is not there after its commit"))
-	}
-	return rec, err
 }
 
 // replayStep returns the outcome rec records for the step name, as T.
@@ -294,7 +344,14 @@ func httpStep(req *http.Request, send func(*http.Request) (*http.Response, error
 	a := t.attempt
 	key := t.effectKey(name)
 	var unrecorded *http.Response
+	sent := false
+	defer func() {
+		if !sent {
+			closeBody(req) // a RoundTripper closes the request's body, sent or not
+		}
+	}()
 	rec, err := a.s.step(ctx, a.st, a.call.Scope, key, a.key, name, a.call.TTL, func(context.Context, string) (proto.Message, error) {
+		sent = true
 		resp, err := send(req)
 		if err != nil {
 			return nil, err
@@ -323,9 +380,9 @@ func httpStep(req *http.Request, send func(*http.Request) (*http.Response, error
 	if err := proto.Unmarshal(rec.response, dst); err != nil {
 		return nil, true, grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
 	}
-	sent := req.Clone(ctx)
-	sent.Header.Set(HeaderKey, headerValue(key))
-	resp, err = decodeHTTPStep(dst.GetValue(), sent)
+	asSent := req.Clone(ctx)
+	asSent.Header.Set(HeaderKey, headerValue(key))
+	resp, err = decodeHTTPStep(dst.GetValue(), asSent)
 	if err != nil {
 		return nil, true, ErrStepChanged.with(fmt.Sprintf("step %q: %v", name, err), nil)
 	}

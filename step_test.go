@@ -11,8 +11,10 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -277,6 +279,7 @@ func TestOneStepRunAtOnceGivesEveryRunTheFirstRecord(t *testing.T) {
 		require.Equal(t, got[0], got[i], "run %d", i)
 	}
 	require.NotEmpty(t, got[0])
+	require.EqualValues(t, 1, n.Load(), "the work ran once: the others waited for its record")
 }
 
 // Inspect lists the steps a key's call ran, from every run, each with its
@@ -507,4 +510,171 @@ func TestStepRecordsTheAnswerOfACallerThatLeft(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "ch_1 order-1", res.Response.(*wrapperspb.StringValue).GetValue())
 	require.Equal(t, 1, p.calls)
+}
+
+// A step needs a second connection: on a pool of one it is refused at
+// once, and on a pool whose every connection is held by calls waiting for
+// one it fails Unavailable within the finish timeout, nothing sent.
+func TestStepWithoutASecondConnectionFailsBeforeSending(t *testing.T) {
+	t.Parallel()
+	var sent atomic.Int64
+	step := func(ctx context.Context) error {
+		_, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+			sent.Add(1)
+			return wrapperspb.String("x"), nil
+		})
+		return err
+	}
+	t.Run("a pool of one", func(t *testing.T) {
+		db, store := onePool(t)
+		_ = db
+		var stepErr error
+		_, _ = store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+			stepErr = step(ctx)
+			return nil, stepErr
+		})
+		require.ErrorIs(t, stepErr, idempotency.ErrStepPool)
+		require.Equal(t, codes.Internal, status.Code(stepErr))
+	})
+	t.Run("a saturated pool", func(t *testing.T) {
+		db := testdb.New(t, 2)
+		store := migratedStore(t, db, idempotency.WithFinishTimeout(300*time.Millisecond))
+		var wg sync.WaitGroup
+		var in sync.WaitGroup
+		in.Add(2)
+		errs := make([]error, 2)
+		for i := range 2 {
+			wg.Go(func() {
+				_, _ = store.Execute(context.Background(), idempotency.Call{Key: fmt.Sprint("k", i), Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+					in.Done()
+					in.Wait() // both calls hold their connection: none is left
+					errs[i] = step(ctx)
+					return nil, errs[i]
+				})
+			})
+		}
+		wg.Wait()
+		for _, err := range errs {
+			require.ErrorIs(t, err, idempotency.ErrStoreUnavailable)
+			require.Equal(t, codes.Unavailable, status.Code(err))
+		}
+	})
+	require.Zero(t, sent.Load(), "nothing was sent")
+}
+
+// Where sessions default to SERIALIZABLE or REPEATABLE READ, 16 runs of one
+// step at once all get the one outcome, the work done once.
+func TestStepUnderASerializableDefault(t *testing.T) {
+	t.Parallel()
+	for _, level := range []string{"serializable", "repeatable read"} {
+		t.Run(level, func(t *testing.T) {
+			t.Parallel()
+			db := testdb.NewConfigured(t, func(cfg *pgxpool.Config) {
+				cfg.MaxConns = 20
+				cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = level
+			})
+			store := migratedStore(t, db)
+			var n atomic.Int64
+			got := make([]string, 16)
+			_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				var wg sync.WaitGroup
+				errs := make([]error, len(got))
+				for i := range got {
+					wg.Go(func() {
+						v, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+							return wrapperspb.String(fmt.Sprint("answer ", n.Add(1))), nil
+						})
+						got[i], errs[i] = v.GetValue(), err
+					})
+				}
+				wg.Wait()
+				return wrapperspb.String("done"), errors.Join(errs...)
+			})
+			require.NoError(t, err)
+			require.EqualValues(t, 1, n.Load())
+			for i := range got {
+				require.Equal(t, "answer 1", got[i])
+			}
+		})
+	}
+}
+
+// Forget of a key deletes its steps' records: a redrive of a call whose
+// step recorded a decline (Forget of a failure, once the card is fixed)
+// runs the step again, as does a run after Forget of a charge refunded by
+// hand.
+func TestForgetDeletesTheStepsOfTheKey(t *testing.T) {
+	t.Parallel()
+	for _, state := range []string{"failed", ""} {
+		t.Run(fmt.Sprintf("state %q", state), func(t *testing.T) {
+			t.Parallel()
+			_, store := stepStore(t)
+			var calls atomic.Int64
+			declined := state == "failed"
+			handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+				return idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+					calls.Add(1)
+					if declined {
+						return nil, idempotency.Final(status.Error(codes.FailedPrecondition, "card declined"))
+					}
+					return wrapperspb.String("ch_1"), nil
+				})
+			}
+			call := idempotency.Call{Key: "k", Method: "m"}
+			_, _ = store.Execute(context.Background(), call, handler)
+			declined = false // the card is fixed, or the charge refunded by hand
+			require.NoError(t, store.Forget(context.Background(), "", "k", state))
+			res, err := store.Execute(context.Background(), call, handler)
+			require.NoError(t, err)
+			require.Equal(t, idempotency.OutcomeExecuted, res.Outcome)
+			require.EqualValues(t, 2, calls.Load(), "the step ran again")
+			rec, err := store.Inspect(context.Background(), "", "k")
+			require.NoError(t, err)
+			require.Len(t, rec.Steps, 1)
+		})
+	}
+}
+
+// closeTracker is a request body that records its Close.
+type closeTracker struct {
+	io.Reader
+	closed atomic.Bool
+}
+
+func (c *closeTracker) Close() error { c.closed.Store(true); return nil }
+
+// A request answered from its step's record is not sent, and its body is
+// closed all the same, as a RoundTripper must.
+func TestARecordedRequestsBodyIsClosedWhenItIsNotSent(t *testing.T) {
+	t.Parallel()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }))
+	t.Cleanup(srv.Close)
+	_, store := stepStore(t)
+	client := &http.Client{Transport: &idempotency.HTTPTransport{RecordEffects: true}}
+	var bodies []*closeTracker
+	var runs atomic.Int64
+	handler := func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+		body := &closeTracker{Reader: strings.NewReader("{}")}
+		bodies = append(bodies, body)
+		req, err := http.NewRequestWithContext(idempotency.WithEffect(ctx, "charge"), http.MethodPost, srv.URL, body)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			return nil, err
+		}
+		_ = resp.Body.Close()
+		if runs.Add(1) == 1 {
+			return nil, errAfterStep
+		}
+		return wrapperspb.String("done"), nil
+	}
+	call := idempotency.Call{Key: "k", Method: "m"}
+	_, err := store.Execute(context.Background(), call, handler)
+	require.ErrorIs(t, err, errAfterStep)
+	_, err = store.Execute(context.Background(), call, handler)
+	require.NoError(t, err)
+	require.Len(t, bodies, 2)
+	require.True(t, bodies[1].closed.Load(), "the body of the request answered from the record is closed")
 }
