@@ -82,6 +82,7 @@ func TestWorkerKilledAfterSettleDoesNotChargeAgain(t *testing.T) {
 func (w *world) startOutboxWith(t *testing.T, cfg outbox.Config) *outbox.Outbox {
 	t.Helper()
 	cfg.Provider = w.providerClient(t)
+	cfg.Store = w.store
 	ob, err := outbox.New(w.db.Pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, ob.Start(context.Background()))

@@ -87,8 +87,12 @@ func runChild() int {
 		}
 		defer pool.Close()
 		client := &provider.Client{BaseURL: c.ProviderURL, Merchant: "test"} // the merchant of world.providerClient: one scope at the provider
+		store, err := idempotency.NewStore(pool)
+		if err != nil {
+			return err
+		}
 		if c.Role == "worker" {
-			ob, err := outbox.New(pool, outbox.Config{Provider: client, RescueAfter: 2 * time.Second, RetryDelay: 100 * time.Millisecond, AfterProvider: afterProvider, AfterSettle: afterSettle})
+			ob, err := outbox.New(pool, outbox.Config{Provider: client, Store: store, RescueAfter: 2 * time.Second, RetryDelay: 100 * time.Millisecond, AfterProvider: afterProvider, AfterSettle: afterSettle})
 			if err == nil {
 				err = ob.Start(ctx)
 			}
@@ -97,10 +101,6 @@ func runChild() int {
 			}
 			crashproc.Ready()
 			select {}
-		}
-		store, err := idempotency.NewStore(pool)
-		if err != nil {
-			return err
 		}
 		lis, err := crashproc.Listener()
 		if err != nil {

@@ -211,7 +211,7 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 	}()
 	defer func() { <-cleaned }()
 
-	svc, providerHandler, stopCharges, err := chargePath(ctx, pool, cfg, lis, logger)
+	svc, providerHandler, stopCharges, err := chargePath(ctx, pool, store, cfg, lis, logger)
 	defer stopCharges()
 	if err != nil {
 		return err
@@ -302,7 +302,7 @@ func openPool(ctx context.Context, databaseURL string, maxConns int32) (*pgxpool
 // provider's own handler when this process serves it, and the outbox's
 // worker when -outbox; stop stops the worker and closes the provider's
 // pool.
-func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listeners, logger *slog.Logger) (svc *payments.Server, providerHandler http.Handler, stop func(), err error) {
+func chargePath(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store, cfg config, lis listeners, logger *slog.Logger) (svc *payments.Server, providerHandler http.Handler, stop func(), err error) {
 	stop = func() {}
 	url := cfg.providerURL
 	if lis.provider != nil {
@@ -337,7 +337,7 @@ func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listene
 	if err := outbox.Migrate(ctx, pool); err != nil {
 		return nil, nil, stop, fmt.Errorf("outbox: %w", err)
 	}
-	ob, err := outbox.New(pool, outbox.Config{Provider: client, Logger: logger.With("service", "outbox")})
+	ob, err := outbox.New(pool, outbox.Config{Provider: client, Store: store, Logger: logger.With("service", "outbox")})
 	if err == nil {
 		err = ob.Start(context.WithoutCancel(ctx))
 	}
