@@ -2,7 +2,9 @@
 // interceptor on PostgreSQL, over gRPC and, on the same store and business
 // code, as JSON over HTTP, with its metrics for Prometheus. Each charge is
 // charged at the example's payment provider too: inside the call, or with
-// -outbox by a River worker after the call committed.
+// -outbox by a River worker after the call committed, either way as a step
+// whose record keeps the provider's answer, so that a re-run or a retried
+// job does not depend on the provider still knowing the key.
 //
 //	go -C examples/payments run ./server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -metrics-addr 127.0.0.1:9464 -database-url "$DATABASE_URL"
 //
