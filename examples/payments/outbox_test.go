@@ -82,6 +82,7 @@ func TestWorkerKilledAfterSettleDoesNotChargeAgain(t *testing.T) {
 func (w *world) startOutboxWith(t *testing.T, cfg outbox.Config) *outbox.Outbox {
 	t.Helper()
 	cfg.Provider = w.providerClient(t)
+	cfg.Store = w.store
 	ob, err := outbox.New(w.db.Pool, cfg)
 	require.NoError(t, err)
 	require.NoError(t, ob.Start(context.Background()))
@@ -181,7 +182,8 @@ func TestOutboxOutageLongerThanRiversAttemptsChargesOnce(t *testing.T) {
 // (card_declined): the client's error is ErrDeclined with gRPC code
 // InvalidArgument, the same key declines again, and no money moves. A
 // call that charges inside itself and is declined releases its key: the
-// retry runs again and reaches the provider, which repeats its decline.
+// retry runs again, and gets the decline its step recorded without
+// reaching the provider.
 func TestProviderDeclinesAboveItsLimit(t *testing.T) {
 	w := newWorld(t, 0)
 	ctx := context.Background()
@@ -200,19 +202,60 @@ func TestProviderDeclinesAboveItsLimit(t *testing.T) {
 
 	client := w.serve(t, payments.NewServer(w.db.Pool, payments.WithProvider(pc)), 0)
 	req := &paymentsv1.ChargeRequest{AccountId: "acct-2", AmountCents: provider.DefaultDeclineAbove + 1}
-	for range 2 {
+	for run := range 2 {
 		reached := w.provider.executed.Load() + w.provider.replayed.Load()
 		_, err := chargeUntilDone(ctx, client, "order-declined-in-call", req)
 		require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
 		require.Contains(t, err.Error(), provider.ErrDeclined.Error())
-		require.Equal(t, reached+1, w.provider.executed.Load()+w.provider.replayed.Load(), "the call ran and reached the provider")
+		if run == 0 {
+			require.Equal(t, reached+1, w.provider.executed.Load()+w.provider.replayed.Load(), "the call ran and reached the provider")
+		} else {
+			require.Equal(t, reached, w.provider.executed.Load()+w.provider.replayed.Load(), "the re-run got the step's recorded decline, and did not reach the provider")
+		}
 	}
-	require.EqualValues(t, 2, w.provider.replayed.Load(), "the second run got the provider's stored decline")
+	require.EqualValues(t, 1, w.provider.replayed.Load(), "only the direct decline was sent again")
 	require.Equal(t, counts{providerCharges: 1}, w.counts(t), "only the charge at the limit")
 	bal, n, err := payments.Balance(ctx, w.db.Pool, "acct-2")
 	require.NoError(t, err)
 	require.Zero(t, bal)
 	require.Zero(t, n)
+}
+
+// The provider declines a charge made inside the call, and the call's step
+// records the decline as final. The provider then forgets its keys, and
+// the client sends the same charge again under its key (a decline releases
+// it): the re-run gets the recorded decline, InvalidArgument with the
+// provider's answer, without calling the provider, which would have taken
+// the key as new and answered again. A corrected charge under the same
+// key is another request, so another step: the provider is asked, and
+// charges it.
+func TestRecordedDeclineIsReturnedWithoutCallingTheProvider(t *testing.T) {
+	w := newWorld(t, 0)
+	ctx := context.Background()
+	client := w.serve(t, payments.NewServer(w.db.Pool, payments.WithProvider(w.providerClient(t))), 0)
+	const key = "order-recorded-decline-1"
+	req := &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: provider.DefaultDeclineAbove + 1}
+	_, err := chargeUntilDone(ctx, client, key, req)
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	first := status.Convert(err).Message()
+	require.Contains(t, first, provider.DeclineCode)
+	require.EqualValues(t, 1, w.provider.executed.Load(), "the provider declined once")
+
+	w.expireProviderKeys(t)
+	for range 2 {
+		_, err = chargeUntilDone(ctx, client, key, req)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+		require.Equal(t, first, status.Convert(err).Message(), "the recorded decline, word for word")
+	}
+	require.EqualValues(t, 1, w.provider.executed.Load(), "the re-runs did not call the provider")
+	require.Zero(t, w.provider.replayed.Load())
+	require.Equal(t, counts{}, w.counts(t), "no charge, no ledger row")
+
+	resp, err := chargeUntilDone(ctx, client, key, &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 900})
+	require.NoError(t, err, "the corrected charge is another step")
+	require.EqualValues(t, 900, resp.GetBalanceCents())
+	require.EqualValues(t, 2, w.provider.executed.Load())
+	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
 }
 
 // A charge through the outbox above the provider's limit: the call

@@ -3,6 +3,18 @@
 // its ledger row and balance update committed in the same transaction as
 // the stored response.
 //
+// The provider's charge of a call is a step of the call
+// ([idempotency.Step], named [ProviderChargeEffect]): the provider's answer
+// (its charge ID, or its decline) is recorded in a commit of its own the
+// moment it arrives, outside the call's transaction, and a re-run of the
+// call, or the outbox's job of it, takes that record instead of asking the
+// provider again. So a charge is made once even when the provider has
+// forgotten the key by the time the re-run comes (a crash before the
+// call's commit, a job rescued hours later). What is left is a crash
+// between the provider's answer and the step's commit: the re-run sends the
+// same key again, and is charged once only if the provider still knows it.
+// That window is one local commit long, not the provider's memory of keys.
+//
 // The binaries beside it: server (a standalone gRPC server), client (one
 // charge through the retrying client interceptor) and demo (two replicas behind a
 // faulty network, hundreds of charges, a verdict).
@@ -19,6 +31,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/exactlyonce/idempotency"
 	paymentsv1 "github.com/exactlyonce/idempotency/examples/payments/proto/payments/v1"
@@ -39,10 +52,13 @@ type Option func(*Server)
 
 // WithProvider makes Charge charge the payment provider through p, inside
 // the call and before it writes the ledger row: the row names the
-// provider's charge. The request to the provider carries the key of the
-// call's named effect ([ProviderChargeEffect]), derived from the call's,
-// so a re-run of the call (after a crash before its commit, or a released
-// key) gets the provider's first charge back instead of making a second.
+// provider's charge. The charge is the call's step [ProviderChargeEffect]
+// ([ProviderChargeStep]): its request carries the step's key, derived from
+// the call's, and the provider's answer is recorded as the step's outcome,
+// committed at once on a connection of its own. A re-run of the call
+// (after a crash before its commit, or a released key) takes the recorded
+// charge and does not call the provider: one charge, even when the
+// provider has forgotten the key by then.
 func WithProvider(p *provider.Client) Option { return func(s *Server) { s.provider = p } }
 
 // WithOutbox makes Charge leave the provider's charge to a worker: it
@@ -51,17 +67,67 @@ func WithProvider(p *provider.Client) Option { return func(s *Server) { s.provid
 // under.
 func WithOutbox(o Outbox) Option { return func(s *Server) { s.outbox = o } }
 
-// WithAfterProvider runs hook after the provider answered and before the
-// ledger row is written and the call commits: the moment at which a crash
-// would lose the provider's answer. The demo and the crash tests die there.
+// WithAfterProvider runs hook after the provider answered and its answer
+// was recorded as the call's step, and before the ledger row is written
+// and the call commits: the moment at which a crash loses the call's work
+// but no longer the provider's answer. The demo and the crash tests die
+// there.
 func WithAfterProvider(hook func(context.Context)) Option {
 	return func(s *Server) { s.afterProvider = hook }
 }
 
 // ProviderChargeEffect names the provider's charge of a call, for
-// [idempotency.EffectKey]: one name, so one key, for the one charge a call
-// makes, whichever way it is made and whatever else the handler calls.
+// [idempotency.EffectKey] and [idempotency.Step]: one name, so one key and
+// one step record, for the one charge a call makes, whichever way it is
+// made and whatever else the handler calls.
 const ProviderChargeEffect = "provider charge"
+
+// ProviderChargeStep is the step that charges account amountCents at the
+// provider p under the step's key, for [idempotency.Step] (inside a call)
+// and [idempotency.KeyedStep] (the outbox's worker, under the job's key):
+// one step, recorded under one key, whichever way it runs. Its outcome is
+// the provider's charge ID; a decline ([provider.ErrDeclined]) is final,
+// recorded like a charge, so a re-run gets the decline without asking the
+// provider again. Other errors are recorded nowhere: the next try sends
+// the same key. Read the outcome with [ProviderChargeOutcome].
+func ProviderChargeStep(p *provider.Client, account string, amountCents int64) func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+	return func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+		ch, err := p.Charge(idempotency.WithOutgoingKey(ctx, key), account, amountCents)
+		switch {
+		case errors.Is(err, provider.ErrDeclined):
+			return nil, idempotency.Final(err)
+		case err != nil:
+			return nil, err
+		}
+		return wrapperspb.String(ch.ID), nil
+	}
+}
+
+// ProviderChargeOutcome reads the outcome of a [ProviderChargeStep]: the
+// provider's charge ID, or the step's error. A recorded decline comes back
+// as an error that matches [provider.ErrDeclined] with the decline's
+// status (InvalidArgument) and is no longer marked final, so that a call
+// returning it releases its key, as a decline always did: the client may
+// correct the charge and send it again under its key (another request,
+// so another step).
+func ProviderChargeOutcome(v *wrapperspb.StringValue, err error) (string, error) {
+	switch {
+	case idempotency.IsFinal(err):
+		return "", &recordedDecline{st: status.Convert(err)}
+	case err != nil:
+		return "", err
+	case v.GetValue() == "":
+		return "", status.Error(codes.Internal, "payments: the provider charge step recorded no charge ID")
+	}
+	return v.GetValue(), nil
+}
+
+// recordedDecline is a decline the provider charge step recorded.
+type recordedDecline struct{ st *status.Status }
+
+func (e *recordedDecline) Error() string              { return e.st.Message() }
+func (e *recordedDecline) Is(target error) bool       { return target == provider.ErrDeclined }
+func (e *recordedDecline) GRPCStatus() *status.Status { return e.st }
 
 // Outbox takes charges for the provider in a call's transaction.
 type Outbox interface {
@@ -76,7 +142,28 @@ type ChargeJob struct {
 	AmountCents int64  `json:"amount_cents"`
 	// ProviderKey is the idempotency key to charge the provider with, derived
 	// from the call that enqueued the job; the worker sends it on every try.
+	// It is also the key of the provider charge's step
+	// ([idempotency.KeyedStep]): the record a run of the call that charged
+	// inside itself made under [ProviderChargeEffect], or the worker's own.
 	ProviderKey string `json:"provider_key"`
+	// Scope is the idempotency scope of the call that enqueued the job
+	// ([CallScope]), the step's scope. Jobs enqueued before it was added
+	// have none, which is the gRPC API's scope.
+	Scope string `json:"scope,omitempty"`
+}
+
+// CallScope is the idempotency scope of the call running in ctx, as this
+// example's transports set it: the caller the HTTP API or connect
+// authenticated ([CallerFromContext]), and for gRPC, where [NewGRPCServer]
+// is given no idempotency.WithScope, the one scope "" its callers share.
+// The outbox's job records it, so that the worker's step is the call's
+// step. (The library does not tell a handler its call's scope; a server
+// that sets another scope must record that one instead.)
+func CallScope(ctx context.Context) string {
+	if caller, err := CallerFromContext(ctx); err == nil {
+		return caller
+	}
+	return ""
 }
 
 // NewServer returns a PaymentService on pool. Run [Migrate] first. Without
@@ -137,11 +224,15 @@ func (s *Server) Charge(ctx context.Context, req *paymentsv1.ChargeRequest) (*pa
 	}
 	var providerCharge *string
 	if s.provider != nil {
-		ch, err := s.provider.Charge(idempotency.WithOutgoingKey(ctx, providerKey), req.GetAccountId(), req.GetAmountCents())
+		// The step's key is providerKey (EffectKey of the same name). A
+		// decline returns InvalidArgument, not final: the call's key is
+		// released, and the step keeps the decline for a re-run of the same
+		// request.
+		id, err := ProviderChargeOutcome(idempotency.Step(ctx, ProviderChargeEffect, ProviderChargeStep(s.provider, req.GetAccountId(), req.GetAmountCents())))
 		if err != nil {
 			return nil, err
 		}
-		providerCharge = &ch.ID
+		providerCharge = &id
 		if s.afterProvider != nil {
 			s.afterProvider(ctx)
 		}
@@ -166,7 +257,7 @@ SELECT balance_cents FROM account`, req.GetAccountId(), req.GetAmountCents(), re
 		return nil, fmt.Errorf("charge %s: %w", req.GetAccountId(), err)
 	}
 	if s.outbox != nil {
-		job := ChargeJob{ChargeID: resp.GetChargeId(), AccountID: req.GetAccountId(), AmountCents: req.GetAmountCents(), ProviderKey: providerKey}
+		job := ChargeJob{ChargeID: resp.GetChargeId(), AccountID: req.GetAccountId(), AmountCents: req.GetAmountCents(), ProviderKey: providerKey, Scope: CallScope(ctx)}
 		if err := s.outbox.EnqueueCharge(ctx, tx, job); err != nil {
 			return nil, fmt.Errorf("enqueue the provider's charge: %w", err)
 		}

@@ -87,8 +87,12 @@ func runChild() int {
 		}
 		defer pool.Close()
 		client := &provider.Client{BaseURL: c.ProviderURL, Merchant: "test"} // the merchant of world.providerClient: one scope at the provider
+		store, err := idempotency.NewStore(pool)
+		if err != nil {
+			return err
+		}
 		if c.Role == "worker" {
-			ob, err := outbox.New(pool, outbox.Config{Provider: client, RescueAfter: 2 * time.Second, RetryDelay: 100 * time.Millisecond, AfterProvider: afterProvider, AfterSettle: afterSettle})
+			ob, err := outbox.New(pool, outbox.Config{Provider: client, Store: store, RescueAfter: 2 * time.Second, RetryDelay: 100 * time.Millisecond, AfterProvider: afterProvider, AfterSettle: afterSettle})
 			if err == nil {
 				err = ob.Start(ctx)
 			}
@@ -97,10 +101,6 @@ func runChild() int {
 			}
 			crashproc.Ready()
 			select {}
-		}
-		store, err := idempotency.NewStore(pool)
-		if err != nil {
-			return err
 		}
 		lis, err := crashproc.Listener()
 		if err != nil {
@@ -126,7 +126,11 @@ type world struct {
 func newWorld(t *testing.T, providerDrop float64) *world {
 	t.Helper()
 	ctx := context.Background()
-	w := &world{db: testdb.New(t, 8)}
+	// 8 connections for the charges of 8 clients at once, and a few for
+	// their steps, which commit the provider's answers on a connection of
+	// their own while the call holds its: a pool that the calls hold whole
+	// leaves the steps none.
+	w := &world{db: testdb.New(t, 12)}
 	var err error
 	w.store, err = idempotency.NewStore(w.db.Pool)
 	require.NoError(t, err)
@@ -303,13 +307,16 @@ func listenerFile(t *testing.T) (*os.File, string) {
 	return f, lis.Addr().String()
 }
 
-// The PaymentService is killed (SIGKILL) after the provider charged and
-// before the call committed; the client sends the charge again with its
-// key to the restarted service. The re-run sends the provider the same
-// derived key and gets its first charge back: one provider charge, one
-// ledger row, naming each other. The same when the restarted service
-// charges through the outbox instead (a rolling switch to -outbox): the
-// job carries the key the first run sent.
+// The PaymentService is killed (SIGKILL) after the provider charged (and
+// its answer was recorded as the call's step) and before the call
+// committed; the provider then forgets its keys, and the client sends the
+// charge again with its key to the restarted service. The re-run takes the
+// step's record and does not ask the provider, which would have taken the
+// key as new and charged again: one provider charge, one ledger row,
+// naming each other. The same when the restarted service charges through
+// the outbox instead (a rolling switch to -outbox): the job carries the
+// key and the scope of the first run's step, and its worker's step is that
+// record.
 func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 	// Not parallel: with its provider and child processes it needs about 30
 	// of the server's connections, and the suite stays under its budget.
@@ -334,6 +341,7 @@ func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 			}()
 			first.RequireKilled(t, "after the provider answered")
 			require.Equal(t, counts{providerCharges: 1}, w.counts(t), "the provider charged; the dead service committed nothing")
+			w.expireProviderKeys(t)
 
 			if restart == "outbox" {
 				w.serveOutboxOn(t, lisFile)
@@ -351,7 +359,7 @@ func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 			w.waitSettled(t, 1)
 			require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
 			require.EqualValues(t, 1, w.provider.executed.Load(), "the provider executed one charge")
-			require.Positive(t, w.provider.replayed.Load(), "the re-run got the provider's first charge back")
+			require.Zero(t, w.provider.replayed.Load(), "the re-run took the step's record and did not ask the provider")
 			bal, n, err := payments.Balance(context.Background(), w.db.Pool, "acct-1")
 			require.NoError(t, err)
 			require.EqualValues(t, 700, bal)
@@ -368,7 +376,10 @@ func TestServerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 // the call answers Internal and keeps no answer under its key, and once
 // the change is undone the charge sent again gets the provider's first
 // charge. Before, the refusal was FailedPrecondition, which the key kept
-// as its answer for good: a failure, for money that had moved.
+// as its answer for good: a failure, for money that had moved. The first
+// run loses the provider's answer before its step records it (the window
+// a step leaves): a recorded answer would serve the re-runs without
+// asking the provider.
 func TestChangedProviderRequestLeavesTheKeyFree(t *testing.T) {
 	w := newWorld(t, 0)
 	redeploy := &redeployedTransport{base: http.DefaultTransport}
@@ -379,30 +390,23 @@ func TestChangedProviderRequestLeavesTheKeyFree(t *testing.T) {
 	const key = "order-redeploy"
 	req := &paymentsv1.ChargeRequest{AccountId: "acct-1", AmountCents: 700}
 
-	// The first run: the provider charges; the call is cancelled while its
-	// ledger row waits for a lock, and rolls back.
-	hold, err := w.db.Pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = hold.Rollback(ctx) }()
-	_, err = hold.Exec(ctx, `LOCK TABLE ledger IN SHARE MODE`)
-	require.NoError(t, err)
-	waiting := func() int {
-		return w.db.Count(t, `SELECT count(*) FROM pg_locks WHERE relation = 'ledger'::regclass AND NOT granted`)
-	}
+	// The first run: the provider charges, and its answer never comes
+	// back; the call is cancelled while it waits, and rolls back, its step
+	// unrecorded.
+	redeploy.hang.Store(true)
 	callCtx, cancel := context.WithCancel(idempotency.WithOutgoingKey(ctx, key))
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { _, err := client.Charge(callCtx, req); done <- err }()
-	w.waitFor(t, "the call waits for the ledger", func() bool { return waiting() == 1 })
+	w.waitFor(t, "the provider charged", func() bool { return redeploy.hung.Load() == 1 })
 	require.Equal(t, counts{providerCharges: 1}, w.counts(t), "the provider charged; the call has committed nothing")
 	cancel()
 	require.Equal(t, codes.Canceled.String(), status.Code(<-done).String())
-	w.waitFor(t, "the cancelled call stops waiting", func() bool { return waiting() == 0 })
-	require.NoError(t, hold.Rollback(ctx))
+	redeploy.hang.Store(false)
 
 	redeploy.changed.Store(true)
 	for range 2 {
-		_, err = chargeUntilDone(ctx, client, key, req)
+		_, err := chargeUntilDone(ctx, client, key, req)
 		require.Equal(t, codes.Internal.String(), status.Code(err).String(), "the service's fault, not the customer's: %v", err)
 		require.Contains(t, status.Convert(err).Message(), "look the key up at the provider")
 	}
@@ -418,10 +422,13 @@ func TestChangedProviderRequestLeavesTheKeyFree(t *testing.T) {
 
 // redeployedTransport sends the provider's requests, once changed, as a
 // deploy that changed their encoding would: the same charge, with another
-// Content-Type.
+// Content-Type. While hang is set it loses the provider's answers: it
+// waits, once the provider answered, until the request is cancelled
+// (hung counts those answers).
 type redeployedTransport struct {
-	base    http.RoundTripper
-	changed atomic.Bool
+	base          http.RoundTripper
+	changed, hang atomic.Bool
+	hung          atomic.Int64
 }
 
 func (t *redeployedTransport) RoundTrip(r *http.Request) (*http.Response, error) {
@@ -429,7 +436,14 @@ func (t *redeployedTransport) RoundTrip(r *http.Request) (*http.Response, error)
 		r = r.Clone(r.Context())
 		r.Header.Set("Content-Type", "application/json; charset=utf-8")
 	}
-	return t.base.RoundTrip(r)
+	resp, err := t.base.RoundTrip(r)
+	if err != nil || !t.hang.Load() {
+		return resp, err
+	}
+	_ = resp.Body.Close()
+	t.hung.Add(1)
+	<-r.Context().Done()
+	return nil, r.Context().Err()
 }
 
 // serveOutboxOn serves, in this process, a PaymentService that charges
@@ -450,10 +464,12 @@ func (w *world) startOutbox(t *testing.T) *outbox.Outbox {
 	return w.startOutboxWith(t, outbox.Config{RetryDelay: 20 * time.Millisecond})
 }
 
-// The outbox's worker is killed (SIGKILL) after the provider charged and
-// before it settled the ledger row. River finds the job stuck, runs it on
-// the next worker, and the provider answers the job's key with its first
-// charge: one provider charge, one settled ledger row.
+// The outbox's worker is killed (SIGKILL) after the provider charged (and
+// its answer was recorded as the job's step) and before it settled the
+// ledger row. The provider then forgets its keys, and River finds the job
+// stuck and runs it on the next worker, which takes the step's record and
+// does not ask the provider (that would have taken the key as new and
+// charged again): one provider charge, one settled ledger row.
 func TestWorkerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 	// Not parallel: with its provider and child processes it needs about 30
 	// of the server's connections, and the suite stays under its budget.
@@ -469,13 +485,17 @@ func TestWorkerKilledAfterProviderAnsweredChargesOnce(t *testing.T) {
 	startChild(t, cfg).RequireKilled(t, "after the provider answered")
 	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1}, w.counts(t), "the provider charged; the dead worker settled nothing")
 	w.deadWorkerOutlived(t)
+	w.expireProviderKeys(t)
 
 	cfg.KillAfterProvider = 0
 	startChild(t, cfg)
-	w.waitSettled(t, 1)
+	w.waitFor(t, "the rescued job settled its row, or charged again", func() bool {
+		c := w.counts(t)
+		return c.settled >= 1 || c.providerCharges > 1
+	})
 	require.Equal(t, counts{providerCharges: 1, ledgerRows: 1, settled: 1}, w.counts(t))
 	require.EqualValues(t, 1, w.provider.executed.Load())
-	require.Positive(t, w.provider.replayed.Load(), "the rescued job got the provider's first charge back")
+	require.Zero(t, w.provider.replayed.Load(), "the rescued job took the step's record and did not ask the provider")
 }
 
 // 200 charges from 8 clients, both ways to the provider, while the network

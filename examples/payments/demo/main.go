@@ -9,11 +9,16 @@
 // committed, and spreads hundreds of charges from concurrent clients over
 // them. Each charge first charges the example's payment provider (its own
 // HTTP service and tables, behind its own faulty network), with a key
-// derived from the call's. Some charges are sent twice at once with the
-// same key, one replica is restarted midway, and twice a replica crashes
-// right after the provider answered, before its commit. At the end it
-// compares every account's balance and the provider's charges with what
-// was requested and exits non-zero on any difference.
+// derived from the call's, as a step of the call (idempotency.Step: the
+// provider's answer is recorded in a commit of its own). The provider
+// forgets every key a few seconds after it saw it (-provider-forget). Some
+// charges are sent twice at once with the same key, one replica is
+// restarted midway, and twice a replica crashes right after the provider
+// answered, before its commit, once the provider has forgotten the key:
+// the re-run takes the step's record, where asking the provider again
+// would charge twice. At the end it compares every account's balance and
+// the provider's charges with what was requested and exits non-zero on
+// any difference.
 package main
 
 import (
@@ -61,9 +66,12 @@ type config struct {
 	dropRate     float64
 	providerDrop float64
 	dupEvery     int
-	seed         int64
-	keep         bool
-	progress     time.Duration // 0: no progress lines
+	// providerForget is how long the provider keeps a key (0: the
+	// library's default, 24 hours).
+	providerForget time.Duration
+	seed           int64
+	keep           bool
+	progress       time.Duration // 0: no progress lines
 }
 
 func main() {
@@ -75,6 +83,7 @@ func main() {
 	flag.Float64Var(&c.dropRate, "drop", 0.25, "share of responses the network loses after the server committed")
 	flag.Float64Var(&c.providerDrop, "provider-drop", 0.1, "share of the provider's responses the network loses after the provider committed")
 	flag.IntVar(&c.dupEvery, "dup-every", 10, "send every n-th charge twice at once with the same key (0: never)")
+	flag.DurationVar(&c.providerForget, "provider-forget", 3*time.Second, "how long the provider keeps each key; a crashed replica dies only once its charge's key is forgotten (0: the provider keeps keys 24 hours)")
 	flag.Int64Var(&c.seed, "seed", 1, "seed of the network faults: which charges are sent twice, and the drop draws (which attempts they hit depends on timing)")
 	flag.BoolVar(&c.keep, "keep", false, "keep the demo's database schema for inspection")
 	flag.DurationVar(&c.progress, "progress", 500*time.Millisecond, "interval of progress lines (0: none)")
@@ -95,6 +104,7 @@ func main() {
 
 // report is what the demo observed.
 type report struct {
+	providerForget                                time.Duration
 	charges, duplicatesSent, restarts             int
 	attempts, retries, appRetries                 int64
 	executed, replayed, inProgress, mismatch      int64
@@ -157,15 +167,15 @@ func (r *replica) stop() {
 }
 
 func run(ctx context.Context, c config, out io.Writer) (*report, error) {
-	if c.charges <= 0 || c.clients <= 0 || c.accounts <= 0 || c.dropRate < 0 || c.dropRate >= 1 || c.providerDrop < 0 || c.providerDrop >= 1 {
-		return nil, errors.New("need -charges, -clients, -accounts > 0, 0 <= -drop < 1 and 0 <= -provider-drop < 1")
+	if c.charges <= 0 || c.clients <= 0 || c.accounts <= 0 || c.dropRate < 0 || c.dropRate >= 1 || c.providerDrop < 0 || c.providerDrop >= 1 || c.providerForget < 0 {
+		return nil, errors.New("need -charges, -clients, -accounts > 0, 0 <= -drop < 1, 0 <= -provider-drop < 1 and -provider-forget >= 0")
 	}
 	pool, providerPool, cleanup, err := openDemoDB(ctx, c, out)
 	if err != nil {
 		return nil, err
 	}
 	defer cleanup()
-	rep := &report{charges: c.charges}
+	rep := &report{charges: c.charges, providerForget: c.providerForget}
 	var attempts, executed, replayed, inProgress, mismatch atomic.Int64
 	count := endTracer(func(_ context.Context, data idempotency.TraceCallEndData) {
 		switch data.Outcome {
@@ -200,8 +210,11 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	}
 
 	// Two replicas on one database, each behind its own faulty network.
-	// Twice, a replica crashes right after the provider answered, before
-	// the call commits.
+	// Twice, a replica crashes right after the provider answered (and the
+	// call's step recorded the answer), before the call commits, and only
+	// once the provider has forgotten the charge's key: the re-run finds
+	// the answer in the step's record, as it must when it comes hours
+	// later.
 	var failMu sync.Mutex
 	fail := func(format string, args ...any) {
 		failMu.Lock()
@@ -217,7 +230,10 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 				return
 			}
 			crashes.Add(1)
-			fmt.Fprintf(out, "  -- replica %d crashes after the provider answered, before its commit --\n", r)
+			if c.providerForget > 0 {
+				time.Sleep(c.providerForget + 500*time.Millisecond)
+			}
+			fmt.Fprintf(out, "  -- replica %d crashes after the provider answered, before its commit, the provider having forgotten the key --\n", r)
 			// What a dead process leaves: its database session gone, with the
 			// transaction that held the ledger row, the key and the provider's
 			// answer; its calls in flight cut.
@@ -289,8 +305,8 @@ func run(ctx context.Context, c config, out io.Writer) (*report, error) {
 	defer conn.Close()
 	client := paymentsv1.NewPaymentServiceClient(conn)
 
-	fmt.Fprintf(out, "demo: %d charges from %d clients over %d accounts; 2 replicas on one database, each charging a payment provider first; the network drops %.0f%% of responses after commit (%.0f%% of the provider's); every %d-th charge is sent twice at once; replica 1 restarts halfway; twice a replica crashes between the provider's answer and its commit\n\n",
-		c.charges, c.clients, c.accounts, c.dropRate*100, c.providerDrop*100, c.dupEvery)
+	fmt.Fprintf(out, "demo: %d charges from %d clients over %d accounts; 2 replicas on one database, each charging a payment provider first, as a step of the call; the provider forgets each key after %v; the network drops %.0f%% of responses after commit (%.0f%% of the provider's); every %d-th charge is sent twice at once; replica 1 restarts halfway; twice a replica crashes between the provider's answer and its commit\n\n",
+		c.charges, c.clients, c.accounts, forgetText(c.providerForget), c.dropRate*100, c.providerDrop*100, c.dupEvery)
 
 	expected := map[string]*accountResult{}
 	for a := 0; a < c.accounts; a++ {
@@ -455,7 +471,11 @@ func startProvider(ctx context.Context, pool *pgxpool.Pool, c config, rep *repor
 	if err != nil {
 		return nil, err
 	}
-	p.http = &http.Server{Handler: provider.NewHandler(store), ReadHeaderTimeout: 10 * time.Second, Protocols: new(http.Protocols)}
+	var opts []provider.HandlerOption
+	if c.providerForget > 0 {
+		opts = append(opts, provider.WithKeyTTL(c.providerForget))
+	}
+	p.http = &http.Server{Handler: provider.NewHandler(store, opts...), ReadHeaderTimeout: 10 * time.Second, Protocols: new(http.Protocols)}
 	p.http.Protocols.SetHTTP1(true)
 	p.http.Protocols.SetUnencryptedHTTP2(true)
 	go func() { _ = p.http.Serve(lis) }()
@@ -485,6 +505,14 @@ func (p *demoProvider) close() {
 	_ = p.proxy.Close()
 	_ = p.http.Close()
 	p.idle()
+}
+
+// forgetText is how long the provider keeps a key, as the report says it.
+func forgetText(d time.Duration) string {
+	if d <= 0 {
+		return "24h (the default)"
+	}
+	return d.String()
 }
 
 func retryable(err error) bool {
@@ -529,6 +557,7 @@ func (r *report) print(out io.Writer) {
 	row("responses dropped after commit", r.dropped)
 	row("replica restarts", r.restarts)
 	row("crashes after the provider answered", r.crashes)
+	row("provider forgets each key after", forgetText(r.providerForget))
 	row("provider responses dropped", r.providerDropped)
 	row("provider replays (same derived key)", r.providerReplays)
 	row("provider charges", r.providerCharges)
@@ -555,8 +584,8 @@ func (r *report) print(out io.Writer) {
 		fmt.Fprintln(out, "failed:", f)
 	}
 	if r.ok() {
-		fmt.Fprintf(out, "verdict: PASS - %d charges, each executed exactly once despite %d lost responses, %d retries, a replica restart and %d crashes between the provider's answer and the commit; %d provider charges for %d ledger rows; every account charged exactly what was requested\n",
-			r.charges, r.dropped+r.providerDropped, r.retries+r.appRetries, r.crashes, r.providerCharges, r.settled)
+		fmt.Fprintf(out, "verdict: PASS - %d charges, each executed exactly once despite %d lost responses, %d retries, a replica restart and %d crashes between the provider's answer and the commit, with a provider that forgets each key after %v; %d provider charges for %d ledger rows, one provider charge per charge; every account charged exactly what was requested\n",
+			r.charges, r.dropped+r.providerDropped, r.retries+r.appRetries, r.crashes, forgetText(r.providerForget), r.providerCharges, r.settled)
 		return
 	}
 	var why []string
@@ -617,10 +646,13 @@ start the local server. At the repository's root:
 		return nil, nil, nil, err
 	}
 	// The service and the provider each have a pool of their own: a call
-	// holds its connection while it waits for the provider.
+	// holds its connection while it waits for the provider. Duplicates
+	// sent at once double the calls in flight, and each call's step
+	// commits the provider's answer on a connection of its own, for a
+	// moment, while the call holds its.
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	pcfg := cfg.Copy()
-	cfg.MaxConns, pcfg.MaxConns = int32(2*c.clients), int32(c.clients+4) // duplicates sent at once double the calls in flight
+	cfg.MaxConns, pcfg.MaxConns = int32(2*c.clients+4), int32(c.clients+4)
 	if pool, err = pgxpool.NewWithConfig(ctx, cfg); err == nil {
 		if providerPool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
 			pool.Close()

@@ -7,12 +7,22 @@
 // try sends the same key, and the worker reads the ledger row before it
 // calls the provider, so the provider charges once.
 //
-// Two things it cannot do for you. The provider deduplicates by key only
-// while it keeps the key: a job whose answer was lost (its worker died
-// after the provider answered, a response dropped) and that is tried again
-// after the provider forgot the key is charged again, so the provider's
-// key lifetime (24 hours for Stripe, the library's default) must exceed
-// how long a job can wait; FailingCharges shows the jobs that approach it.
+// The worker charges as a step ([idempotency.KeyedStep], under the job's
+// key and its call's scope): the provider's answer is recorded in a commit
+// of its own as soon as it arrives, before the ledger row is settled. A job
+// whose answer was lost (its worker died after the provider answered) and
+// that is tried again takes the recorded answer and does not call the
+// provider, however long it waited and whatever the provider still
+// remembers of the key. It is the same record as the call's own step
+// ([payments.ProviderChargeEffect]), so a charge made inside one run of a
+// call and enqueued by another is made once.
+//
+// Two things it cannot do for you. A worker that dies between the
+// provider's answer and the step's commit (one local commit) leaves no
+// record: the job's next try sends the same key again, and is charged once
+// only if the provider still knows the key, so its key lifetime (24 hours
+// for Stripe, the library's default) must still exceed how long a job can
+// wait for its next try; FailingCharges shows the jobs that approach it.
 // And River's stuck-job rescuer runs on the client that leads in the
 // database: a River client of another service on the same River tables,
 // without this worker, discards a rescued charge job as a kind it does not
@@ -72,6 +82,16 @@ type Config struct {
 	// Provider charges the jobs. Nil makes an outbox that only enqueues: the
 	// workers run elsewhere.
 	Provider *provider.Client
+	// Store records the provider's answers as steps
+	// ([idempotency.KeyedStep]); required with a Provider. It must be the
+	// store the PaymentService's calls run on (its table), so that a job's
+	// step is the one the call's charge recorded.
+	Store *idempotency.Store
+	// StepTTL is how long the record of a job's provider charge is kept,
+	// when the job's call did not record it first (its own is the call's
+	// TTL). Defaults to idempotency.DefaultTTL. A job tried again after
+	// its record expired asks the provider again.
+	StepTTL time.Duration
 	// Workers is how many jobs run at once. Defaults to 4.
 	Workers int
 	// RetryBase is the wait before a job whose try failed is tried again,
@@ -103,9 +123,10 @@ type Config struct {
 	// client that leads (a dead leader is replaced within 15 seconds).
 	// Defaults to 1 minute.
 	RescueAfter time.Duration
-	// AfterProvider, when set, runs after the provider answered and before
-	// the ledger row is settled: the point at which a dying worker loses
-	// the provider's answer. The crash tests die there.
+	// AfterProvider, when set, runs after the provider answered and its
+	// answer was recorded as the job's step, and before the ledger row is
+	// settled: the point at which a dying worker leaves an unsettled row
+	// whose charge is recorded. The crash tests die there.
 	AfterProvider func(ctx context.Context)
 	// AfterSettle, when set, runs after the ledger row is settled and
 	// before River records the job's completion: the point at which a
@@ -127,6 +148,9 @@ func New(pool *pgxpool.Pool, cfg Config) (*Outbox, error) {
 	rc := &river.Config{Logger: cfg.Logger}
 	o := &Outbox{works: cfg.Provider != nil}
 	if o.works {
+		if cfg.Store == nil {
+			return nil, errors.New("outbox: Config.Store is required with a Provider: the worker records the provider's answers in it")
+		}
 		workers := river.NewWorkers()
 		w := &worker{pool: pool, cfg: cfg}
 		if w.cfg.RetryDelay > 0 {
@@ -203,16 +227,18 @@ type worker struct {
 }
 
 // Work reads the job's ledger row, and unless it is already decided
-// (settled or declined), charges the provider under the job's key, then
-// settles the row, or, when the provider declined the charge, marks the
-// row declined and takes its amount out of the balance ([payments.Decline]).
+// (settled or declined), charges the provider under the job's key as a
+// step (or takes the answer the step recorded: see the package comment),
+// then settles the row, or, when the provider declined the charge, marks
+// the row declined and takes its amount out of the balance
+// ([payments.Decline]).
 //
 // The row comes first because a job runs again after its row was settled:
 // a worker that dies after settling and before River records the
-// completion leaves the job running, and River rescues it. The provider's
-// key may have expired by then (River rescues after RescueAfter, and a
-// job can wait for a worker much longer), and the provider would take
-// the key as new and charge a second time.
+// completion leaves the job running, and River rescues it. The step's
+// record would answer it, but only while it is kept (StepTTL, or the
+// call's TTL), and a job can wait for a worker much longer; a settled row
+// answers it for good.
 //
 // A try that fails, whatever the failure, is tried again later (see
 // [worker.failed]): the call that enqueued the job told its client the
@@ -260,7 +286,10 @@ func (w *worker) charge(ctx context.Context, job *river.Job[ChargeArgs]) error {
 		return needsOperator{fmt.Errorf("outbox: job %d charges %d cents to %s, but its ledger row %s is %d cents to %s; not charging the provider until they agree",
 			job.ID, a.AmountCents, a.AccountID, a.ChargeID, row.AmountCents, row.AccountID)}
 	}
-	ch, err := w.cfg.Provider.Charge(idempotency.WithOutgoingKey(ctx, a.ProviderKey), a.AccountID, a.AmountCents)
+	// The step's record, when there is one (an earlier try's, or the
+	// call's own inside its run), answers without the provider.
+	providerCharge, err := payments.ProviderChargeOutcome(idempotency.KeyedStep(ctx, w.cfg.Store, a.Scope, a.ProviderKey, w.cfg.StepTTL,
+		payments.ProviderChargeStep(w.cfg.Provider, a.AccountID, a.AmountCents)))
 	if errors.Is(err, provider.ErrDeclined) {
 		// The call that enqueued the job raised the balance; the decline
 		// takes the amount out again, with the row marked, in one
@@ -286,7 +315,7 @@ func (w *worker) charge(ctx context.Context, job *river.Job[ChargeArgs]) error {
 	if w.cfg.AfterProvider != nil {
 		w.cfg.AfterProvider(ctx)
 	}
-	if err := payments.Settle(ctx, w.pool, a.ChargeID, ch.ID); err != nil {
+	if err := payments.Settle(ctx, w.pool, a.ChargeID, providerCharge); err != nil {
 		return ledgerError(err)
 	}
 	if w.cfg.AfterSettle != nil {

@@ -86,11 +86,22 @@ func WithDeclineAbove(cents int64) HandlerOption {
 	return func(h *handler) { h.declineAbove = cents }
 }
 
+// WithKeyTTL makes the provider forget each key ttl after it first saw
+// it: a request sent again with the key later is a new one, and charges
+// again. Real providers forget keys too (Stripe after 24 hours, the
+// library's default here); the demo makes it a few seconds, to show that
+// the PaymentService charges once all the same, as it keeps the provider's
+// answers itself (idempotency.Step).
+func WithKeyTTL(ttl time.Duration) HandlerOption {
+	return func(h *handler) { h.keyTTL = ttl }
+}
+
 // DeclineCode is the error of a declined charge's answer.
 const DeclineCode = "card_declined"
 
 type handler struct {
 	declineAbove int64
+	keyTTL       time.Duration // 0: the library's default
 }
 
 // NewHandler serves the provider's API, its charges deduplicated by store.
@@ -106,7 +117,11 @@ func NewHandler(store *idempotency.Store, opts ...HandlerOption) http.Handler {
 		}
 		return "", status.Errorf(codes.Unauthenticated, "the %s header is required", MerchantHeader)
 	})
-	mux.Handle("POST /v1/charges", anyHost(idempotency.HTTPMiddleware(store, scope)(http.HandlerFunc(h.charge))))
+	mwOpts := []idempotency.HTTPOption{scope}
+	if h.keyTTL > 0 {
+		mwOpts = append(mwOpts, idempotency.WithHTTPTTL(h.keyTTL))
+	}
+	mux.Handle("POST /v1/charges", anyHost(idempotency.HTTPMiddleware(store, mwOpts...)(http.HandlerFunc(h.charge))))
 	return mux
 }
 

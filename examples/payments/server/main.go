@@ -2,7 +2,9 @@
 // interceptor on PostgreSQL, over gRPC and, on the same store and business
 // code, as JSON over HTTP, with its metrics for Prometheus. Each charge is
 // charged at the example's payment provider too: inside the call, or with
-// -outbox by a River worker after the call committed.
+// -outbox by a River worker after the call committed, either way as a step
+// whose record keeps the provider's answer, so that a re-run or a retried
+// job does not depend on the provider still knowing the key.
 //
 //	go -C examples/payments run ./server -addr 127.0.0.1:50051 -http-addr 127.0.0.1:8080 -metrics-addr 127.0.0.1:9464 -database-url "$DATABASE_URL"
 //
@@ -211,7 +213,7 @@ func run(ctx context.Context, lis listeners, cfg config, logger *slog.Logger) er
 	}()
 	defer func() { <-cleaned }()
 
-	svc, providerHandler, stopCharges, err := chargePath(ctx, pool, cfg, lis, logger)
+	svc, providerHandler, stopCharges, err := chargePath(ctx, pool, store, cfg, lis, logger)
 	defer stopCharges()
 	if err != nil {
 		return err
@@ -302,7 +304,7 @@ func openPool(ctx context.Context, databaseURL string, maxConns int32) (*pgxpool
 // provider's own handler when this process serves it, and the outbox's
 // worker when -outbox; stop stops the worker and closes the provider's
 // pool.
-func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listeners, logger *slog.Logger) (svc *payments.Server, providerHandler http.Handler, stop func(), err error) {
+func chargePath(ctx context.Context, pool *pgxpool.Pool, store *idempotency.Store, cfg config, lis listeners, logger *slog.Logger) (svc *payments.Server, providerHandler http.Handler, stop func(), err error) {
 	stop = func() {}
 	url := cfg.providerURL
 	if lis.provider != nil {
@@ -337,7 +339,7 @@ func chargePath(ctx context.Context, pool *pgxpool.Pool, cfg config, lis listene
 	if err := outbox.Migrate(ctx, pool); err != nil {
 		return nil, nil, stop, fmt.Errorf("outbox: %w", err)
 	}
-	ob, err := outbox.New(pool, outbox.Config{Provider: client, Logger: logger.With("service", "outbox")})
+	ob, err := outbox.New(pool, outbox.Config{Provider: client, Store: store, Logger: logger.With("service", "outbox")})
 	if err == nil {
 		err = ob.Start(context.WithoutCancel(ctx))
 	}
