@@ -74,3 +74,15 @@ func IncomingKey(ctx context.Context) (string, bool) {
 	}
 	return t.attempt.call.Key, true
 }
+
+// IncomingScope returns the scope of the call running in ctx, as its
+// transport set it (WithScope, WithHTTPScope, a consumer's scope): what a
+// job enqueued by the call needs to record its work under the call's
+// scope, with [KeyedStep].
+func IncomingScope(ctx context.Context) (string, bool) {
+	t, ok := callFrom(ctx)
+	if !ok {
+		return "", false
+	}
+	return t.attempt.call.Scope, true
+}

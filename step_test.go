@@ -225,9 +225,10 @@ func TestKeyedStepSharesTheRecordOfTheCallsStep(t *testing.T) {
 	t.Parallel()
 	_, store := stepStore(t)
 	p := &forgetfulProvider{}
-	var jobKey string
-	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
+	var jobKey, jobScope string
+	_, err := store.Execute(context.Background(), idempotency.Call{Key: "k", Method: "m", Scope: "tenant-1"}, func(ctx context.Context, tx pgx.Tx) (proto.Message, error) {
 		jobKey, _ = idempotency.EffectKey(ctx, "charge")
+		jobScope, _ = idempotency.IncomingScope(ctx) // what the call's job records
 		if _, err := idempotency.Step(ctx, "charge", func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
 			return p.charge(key, "inline"), nil
 		}); err != nil {
@@ -237,7 +238,8 @@ func TestKeyedStepSharesTheRecordOfTheCallsStep(t *testing.T) {
 	})
 	require.ErrorIs(t, err, errAfterStep)
 	p.forget()
-	got, err := idempotency.KeyedStep(context.Background(), store, "", jobKey, 0, func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
+	require.Equal(t, "tenant-1", jobScope)
+	got, err := idempotency.KeyedStep(context.Background(), store, jobScope, jobKey, 0, func(ctx context.Context, key string) (*wrapperspb.StringValue, error) {
 		return p.charge(key, "job"), nil
 	})
 	require.NoError(t, err)

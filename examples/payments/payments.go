@@ -147,23 +147,9 @@ type ChargeJob struct {
 	// inside itself made under [ProviderChargeEffect], or the worker's own.
 	ProviderKey string `json:"provider_key"`
 	// Scope is the idempotency scope of the call that enqueued the job
-	// ([CallScope]), the step's scope. Jobs enqueued before it was added
+	// (idempotency.IncomingScope), the step's scope. Jobs enqueued before it was added
 	// have none, which is the gRPC API's scope.
 	Scope string `json:"scope,omitempty"`
-}
-
-// CallScope is the idempotency scope of the call running in ctx, as this
-// example's transports set it: the caller the HTTP API or connect
-// authenticated ([CallerFromContext]), and for gRPC, where [NewGRPCServer]
-// is given no idempotency.WithScope, the one scope "" its callers share.
-// The outbox's job records it, so that the worker's step is the call's
-// step. (The library does not tell a handler its call's scope; a server
-// that sets another scope must record that one instead.)
-func CallScope(ctx context.Context) string {
-	if caller, err := CallerFromContext(ctx); err == nil {
-		return caller
-	}
-	return ""
 }
 
 // NewServer returns a PaymentService on pool. Run [Migrate] first. Without
@@ -257,7 +243,7 @@ SELECT balance_cents FROM account`, req.GetAccountId(), req.GetAmountCents(), re
 		return nil, fmt.Errorf("charge %s: %w", req.GetAccountId(), err)
 	}
 	if s.outbox != nil {
-		job := ChargeJob{ChargeID: resp.GetChargeId(), AccountID: req.GetAccountId(), AmountCents: req.GetAmountCents(), ProviderKey: providerKey, Scope: CallScope(ctx)}
+		job := ChargeJob{ChargeID: resp.GetChargeId(), AccountID: req.GetAccountId(), AmountCents: req.GetAmountCents(), ProviderKey: providerKey, Scope: callScope(ctx)}
 		if err := s.outbox.EnqueueCharge(ctx, tx, job); err != nil {
 			return nil, fmt.Errorf("enqueue the provider's charge: %w", err)
 		}
@@ -450,4 +436,10 @@ SELECT coalesce((SELECT balance_cents FROM accounts WHERE account_id = $1), 0),
        count(*) FILTER (WHERE status = 'declined')
 FROM ledger WHERE account_id = $1`, account).Scan(&t.BalanceCents, &t.Charges, &t.DeclinedCharges)
 	return t, err
+}
+
+// callScope is the idempotency scope of the call running in ctx.
+func callScope(ctx context.Context) string {
+	scope, _ := idempotency.IncomingScope(ctx)
+	return scope
 }
