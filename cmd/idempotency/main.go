@@ -11,6 +11,8 @@
 //	                                         print the records that match, as JSON (Store.List)
 //	idempotency [flags] forget SCOPE KEY     delete one key's record (refused while in progress)
 //	idempotency [flags] cleanup [-batch N]   delete every expired key now, paced as the cleaner
+//	idempotency [flags] verify [-http URL | -grpc ADDR -method M] ...
+//	                                         check a running service against the promise (verify -h)
 //
 // Flags: -database-url (default $DATABASE_URL, else the local test
 // database postgres://postgres:postgres@127.0.0.1:5432/test, like every
@@ -76,6 +78,9 @@ commands:
   forget SCOPE KEY     delete the record of one key, so that it runs again
   cleanup              delete every expired key now, in batches paced as the
                        library's cleaner paces them (-batch N: their size)
+  verify               check that a running service keeps the promise: lost
+                       replies, duplicates, a key reused, no key, and with
+                       -effect-sql the effect once (idempotency verify -h)
 
 flags:
 `
@@ -129,6 +134,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 	if cmd == "sql" { // needs no database
 		return sqlCommand(rest, *schema, *table, stdout, stderr)
+	}
+	if cmd == "verify" { // a database only for -effect-sql
+		return verifyCommand(ctx, rest, verifyConfig{descriptorFiles: descriptorFiles, dbURL: *dbURL, schema: *schema, table: *table}, stdout, stderr)
 	}
 	var list idempotency.ListFilter
 	batch := 10000

@@ -39,28 +39,47 @@ func loadProtoTypes(paths []string) (protoTypes, error) {
 	if len(paths) == 0 {
 		return protoTypes{}, nil
 	}
-	files := new(protoregistry.Files)
+	files, err := loadProtoFiles(paths)
+	if err != nil {
+		return protoTypes{}, err
+	}
+	return protoTypes{sets: dynamicpb.NewTypes(files)}, nil
+}
+
+// loadProtoFiles reads the descriptor sets at paths (see loadProtoTypes).
+func loadProtoFiles(paths []string) (*protoregistry.Files, error) {
 	var pending []*descriptorpb.FileDescriptorProto
 	for _, path := range paths {
 		b, err := os.ReadFile(path)
 		if err != nil {
-			return protoTypes{}, fmt.Errorf("-proto-descriptors: %w", err)
+			return nil, fmt.Errorf("-proto-descriptors: %w", err)
 		}
 		set := &descriptorpb.FileDescriptorSet{}
 		if err := proto.Unmarshal(b, set); err != nil || len(set.GetFile()) == 0 {
-			return protoTypes{}, fmt.Errorf("-proto-descriptors: %s is not a binary FileDescriptorSet or buf image (make one with %s)", path, descriptorsHelp)
+			return nil, fmt.Errorf("-proto-descriptors: %s is not a binary FileDescriptorSet or buf image (make one with %s)", path, descriptorsHelp)
 		}
 		pending = append(pending, set.GetFile()...)
 	}
-	// A set need not list a file after its imports: files whose imports
-	// are not registered yet wait for the next pass.
+	files, err := registerFiles(pending)
+	if err != nil {
+		return nil, fmt.Errorf("-proto-descriptors: %w (a set lacking its imports was made without --include_imports: make it with %s)", err, descriptorsHelp)
+	}
+	return files, nil
+}
+
+// registerFiles builds a registry of the files pending. A set need not
+// list a file after its imports: files whose imports are not registered
+// yet wait for the next pass. An import none of them is is looked for
+// among the files linked into the command.
+func registerFiles(pending []*descriptorpb.FileDescriptorProto) (*protoregistry.Files, error) {
+	files := new(protoregistry.Files)
 	resolver := fileResolver{files}
 	for len(pending) > 0 {
 		var next []*descriptorpb.FileDescriptorProto
 		var lastErr error
 		for _, fdp := range pending {
 			if _, err := files.FindFileByPath(fdp.GetName()); err == nil {
-				continue // in two sets
+				continue // listed twice
 			}
 			fd, err := protodesc.NewFile(fdp, resolver)
 			if err == nil {
@@ -71,11 +90,11 @@ func loadProtoTypes(paths []string) (protoTypes, error) {
 			}
 		}
 		if len(next) == len(pending) {
-			return protoTypes{}, fmt.Errorf("-proto-descriptors: %w (a set lacking its imports was made without --include_imports: make it with %s)", lastErr, descriptorsHelp)
+			return nil, lastErr
 		}
 		pending = next
 	}
-	return protoTypes{sets: dynamicpb.NewTypes(files)}, nil
+	return files, nil
 }
 
 // fileResolver resolves imports among the sets' files, then among the
