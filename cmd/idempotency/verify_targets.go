@@ -82,7 +82,33 @@ func (t *httpTarget) send(ctx context.Context, key string, other, caller2 bool) 
 	if err != nil {
 		return answer{err: err}
 	}
-	a := answer{code: strconv.Itoa(resp.StatusCode), body: b, replay: resp.Header.Get(idempotency.ReplayedHeader) == "true"}
+	// This library's marker: a header of its HTTP middleware, the
+	// trailer of connect-go's handler (a Trailer- header in the Connect
+	// protocol's unary calls, a real trailer otherwise).
+	a := answer{code: strconv.Itoa(resp.StatusCode), body: b, replay: resp.Header.Get(idempotency.ReplayedHeader) == "true" ||
+		resp.Header.Get("Trailer-"+idempotency.ReplayedTrailer) == "true" || resp.Trailer.Get(idempotency.ReplayedTrailer) == "true"}
+	// The Connect protocol sends an error as JSON with its code, on an
+	// HTTP status that codes share (failed_precondition is a 400).
+	var connectErr struct {
+		Code string `json:"code"`
+	}
+	if resp.StatusCode >= 400 && strings.HasPrefix(resp.Header.Get("Content-Type"), "application/json") &&
+		json.Unmarshal(b, &connectErr) == nil && connectErr.Code != "" {
+		a.code = strconv.Itoa(resp.StatusCode) + " " + connectErr.Code
+		switch connectErr.Code {
+		case "aborted":
+			a.class = inProgress
+		case "failed_precondition":
+			a.class = keyReused
+		case "invalid_argument":
+			if key == "" {
+				a.class = keyRefused
+			}
+		case "unavailable", "internal", "unknown", "deadline_exceeded", "resource_exhausted":
+			a.class = failed
+		}
+		return a
+	}
 	switch s := resp.StatusCode; {
 	case s == http.StatusConflict:
 		a.class = inProgress
