@@ -31,10 +31,10 @@ the IETF Idempotency-Key header or the gRPC metadata key idempotency-key),
 prints a table of them, and exits 1 if any failed.
 
 What it sends: the request you give (-d, or -request), under fresh random
-keys (verify-<random>), about 4 + n times; once without a key; and once the
+keys (verify-<random>), about 6 + n times; once without a key; and once the
 request changed (-other-body or -other-request; by default a JSON member
 "verify_other" added to the JSON body), under a key already used. The
-service executes about 4 operations, so point it at a test deployment or
+service executes four or five operations, so point it at a test deployment or
 use requests whose effect is harmless. It refuses a target that is not on
 loopback or a private network unless given -allow-remote.
 
@@ -48,12 +48,16 @@ Checks:
   in flight        a duplicate sent while the first is running is answered "in
                    progress" (409, Aborted) or gets the first's answer
   key reused       the key with another request is refused (422, FailedPrecondition)
+  callers apart    with -H2 (a second caller's headers): the first check's key sent as
+                   that caller does not get the first caller's answer (scopes per caller)
   no key           a request without a key is refused (-key-policy required) or
                    served (optional); without -key-policy, what came back is shown
   effect once      with -effect-sql (and the global -database-url): the effect happened
                    once for each operation the checks executed, and never became
                    visible before its key's record (a handler that writes outside the
-                   call's transaction); the key table is read from -schema and -table
+                   call's transaction; caught when the handler takes a moment after
+                   its write); the key table is read from -schema and -table. Run it
+                   where nothing else changes what -effect-sql counts meanwhile
 
 verify flags:
 `
