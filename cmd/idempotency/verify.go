@@ -146,7 +146,7 @@ func verifyCommand(ctx context.Context, args []string, g verifyConfig, stdout, s
 		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 			return misuse("-http needs an http:// or https:// URL, got %q", cfg.httpURL)
 		}
-		host = u.Host
+		host = u.Hostname()
 	}
 	if !cfg.allowRemote {
 		if err := localTarget(ctx, host); err != nil {
@@ -180,9 +180,20 @@ func verifyCommand(ctx context.Context, args []string, g verifyConfig, stdout, s
 		if cfg.schema != "" {
 			table = pgx.Identifier{cfg.schema, cfg.table}
 		}
-		effect = &effectProbe{pool: pool, sql: cfg.effectSQL, table: table.Sanitize()}
+		effect = &effectProbe{pool: pool, sql: cfg.effectSQL, table: table.Sanitize(), timeout: cfg.timeout}
+		pctx, cancel := context.WithTimeout(ctx, cfg.timeout)
+		err = pool.Ping(pctx)
+		cancel()
+		if err != nil {
+			fmt.Fprintf(stderr, "idempotency verify: the database of -effect-sql (-database-url) cannot be reached: %s\n", dburl.Scrub(err.Error(), cfg.dbURL))
+			return 1
+		}
 		if _, _, err := effect.read(ctx, nil); err != nil {
 			return misuse("-effect-sql: %s", dburl.Scrub(err.Error(), cfg.dbURL))
+		}
+		if _, _, err := effect.read(ctx, []string{newKey()}); err != nil {
+			return misuse("the key table %s, where the effect check looks for the keys' records: %s (give -schema and -table as the service's store has them)",
+				effect.table, dburl.Scrub(err.Error(), cfg.dbURL))
 		}
 	}
 	checks := runChecks(ctx, cfg, tg, effect)
@@ -244,13 +255,16 @@ type answer struct {
 	class  answerClass
 	body   []byte // the HTTP body, or the gRPC response or status, encoded
 	replay bool   // marked as a replay (this library's marker)
+	reason string // this library's reason for its own answers (KEY_REUSED, ...)
+	ok     bool   // a success (2xx, OK): the only answers whose effect commits
 	err    error  // no answer at all
 }
 
 type answerClass int
 
 const (
-	answered   answerClass = iota // an answer of the service's
+	noAnswer   answerClass = iota // no answer at all (err)
+	answered                      // an answer of the service's
 	inProgress                    // 409, Aborted: the key's first request is running
 	keyReused                     // 422, FailedPrecondition KEY_REUSED
 	keyRefused                    // 400, InvalidArgument: the key is missing or invalid
@@ -297,37 +311,51 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 	if effect != nil {
 		before, _, _ = effect.read(ctx, nil)
 	}
+	// own is an answer to a key of the checks' own request: "key reused"
+	// cannot be (the key was never used with another request), so such an
+	// answer is the service's own (a handler's FailedPrecondition).
+	own := func(a answer) answer {
+		if a.class == keyReused {
+			a.class = answered
+		}
+		return a
+	}
 	// answerOf sends until the key is not in progress (the timeout bounds it).
-	answerOf := func(key string, other bool) answer {
+	answerOf := func(key string) answer {
 		deadline := time.Now().Add(cfg.timeout)
 		for {
-			a := tg.send(ctx, key, other, false)
+			a := own(tg.send(ctx, key, false, false))
 			if a.class != inProgress || time.Now().After(deadline) {
 				return a
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
 	}
+	same := func(a, b answer) bool {
+		return a.class == answered && b.class == answered && a.code == b.code && bytes.Equal(a.body, b.body)
+	}
 
 	// lost reply, with the effect's visibility watched while it runs.
 	k1 := newKey()
 	watch := effect.watch(ctx, before, []string{k1})
-	first := answerOf(k1, false)
+	first := answerOf(k1)
 	early := watch()
-	retry := answerOf(k1, false)
+	retry := answerOf(k1)
+	markers := retry.replay // the service marks replays (this library's marker)
 	c := checkResult{Check: "lost reply", Sent: "key " + k1 + ", then the same again", Got: first.String() + ", then " + retry.String()}
 	switch {
-	case first.err != nil || first.class != answered:
+	case first.class != answered:
 		c.Result, c.Why = "FAIL", "the first request got no answer of the service's ("+first.String()+"); the other checks need one"
-	case retry.class != answered || retry.code != first.code || !bytes.Equal(retry.body, first.body):
+	case !same(first, retry):
 		c.Result, c.Why = "FAIL", "the retry did not get the first answer back byte for byte: the service ran the request again, or answered otherwise"
 	case !retry.replay:
-		c.Result, c.Why = "PASS", "the retry got the first answer, without this library's replay marker (Idempotency-Replayed, idempotency-replayed): another server?"
+		c.Result, c.Why = "PASS", "the retry got the first answer, without this library's replay marker (Idempotency-Replayed, idempotency-replayed): "+
+			"another server, or one that answers every request alike? -effect-sql tells"
 	default:
 		c.Result = "PASS"
 	}
 	results = append(results, c)
-	if first.class == answered {
+	if first.ok {
 		executed++
 	}
 
@@ -336,11 +364,11 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 	answers := make([]answer, cfg.n)
 	var wg sync.WaitGroup
 	for i := range answers {
-		wg.Go(func() { answers[i] = answerOf(k2, false) })
+		wg.Go(func() { answers[i] = answerOf(k2) })
 	}
 	wg.Wait()
 	c = checkResult{Check: "duplicates", Sent: fmt.Sprintf("%d requests with key %s at once", cfg.n, k2)}
-	ran, marked, same := 0, 0, true
+	ran, marked, all := 0, 0, true
 	for _, a := range answers {
 		if a.class == answered && !a.replay {
 			ran++
@@ -348,11 +376,11 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 		if a.replay {
 			marked++
 		}
-		same = same && a.class == answered && a.code == answers[0].code && bytes.Equal(a.body, answers[0].body)
+		all = all && same(a, answers[0])
 	}
 	c.Got = fmt.Sprintf("%d answers, %d of them not marked as replays", len(answers), ran)
 	switch {
-	case !same:
+	case !all:
 		c.Result, c.Why = "FAIL", "the duplicates did not all get one answer: "+describeAnswers(answers)
 	case marked == 0:
 		c.Result, c.Why = "PASS", "one answer for all; no answer carried this library's replay marker, so how many ran is for the effect check (-effect-sql) to say"
@@ -362,7 +390,7 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 		c.Result = "PASS"
 	}
 	results = append(results, c)
-	if same {
+	if all && answers[0].ok {
 		executed++
 	}
 
@@ -370,52 +398,70 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 	k3 := newKey()
 	pair := make([]answer, 2)
 	for i := range pair {
-		wg.Go(func() { pair[i] = tg.send(ctx, k3, false, false) })
+		wg.Go(func() { pair[i] = own(tg.send(ctx, k3, false, false)) })
 	}
 	wg.Wait()
 	c = checkResult{Check: "in flight", Sent: "2 requests with key " + k3 + " at once, not sent again", Got: pair[0].String() + ", " + pair[1].String()}
-	okPair := func(a, b answer) bool {
-		return a.class == answered && (b.class == inProgress || (b.class == answered && b.code == a.code && bytes.Equal(a.body, b.body)))
-	}
+	okPair := func(a, b answer) bool { return a.class == answered && (b.class == inProgress || same(a, b)) }
 	if okPair(pair[0], pair[1]) || okPair(pair[1], pair[0]) {
 		c.Result = "PASS"
-		executed++
+		if pair[0].ok || pair[1].ok {
+			executed++
+		}
 	} else {
 		c.Result, c.Why = "FAIL", "a duplicate of a running request must be answered in progress (409, Aborted) or get the first's answer"
 	}
 	results = append(results, c)
 
-	// the key with another request.
+	// the key with another request, which the service must serve under a
+	// key of its own.
 	other := tg.send(ctx, k1, true, false)
 	c = checkResult{Check: "key reused", Sent: "key " + k1 + " with another request", Got: other.String()}
-	if other.class == keyReused {
-		c.Result = "PASS"
-	} else {
-		c.Result, c.Why = "FAIL", "the key of another request must be refused (422, FailedPrecondition): the service "+
-			map[bool]string{true: "replayed the first answer to another request", false: "answered otherwise"}[other.class == answered && bytes.Equal(other.body, first.body)]
-		if other.class == answered && !other.replay && !bytes.Equal(other.body, first.body) {
+	switch {
+	case other.class == keyReused:
+		// Under a new key, sent alone, nothing is in progress; a refusal
+		// there is the request's own, unless the service is this library
+		// (it marked the lost reply's retry), whose key refusals say so.
+		fresh := tg.send(ctx, newKey(), true, false)
+		c.Got += "; under a new key, " + fresh.String()
+		if fresh.class == answered || fresh.class == inProgress || (fresh.class == keyReused && markers && fresh.reason != "KEY_REUSED") {
+			c.Result = "PASS"
+			if fresh.ok {
+				executed++
+			}
+		} else {
+			c.Result, c.Why = "FAIL", "the other request is refused under a new key too, so the refusal says nothing of the key: give -other-body (-other-request) a request the service accepts"
+		}
+	case other.class == answered && same(other, first):
+		c.Result, c.Why = "FAIL", "the key of another request must be refused (422, FailedPrecondition): the service gave the first answer to another request"
+	default:
+		c.Result, c.Why = "FAIL", "the key of another request must be refused (422, FailedPrecondition): the service answered otherwise"
+		if other.ok && !other.replay {
 			executed++
 		}
 	}
 	results = append(results, c)
 
 	// callers apart.
-	if len(cfg.caller2) > 0 {
-		b := tg.send(ctx, k1, false, true)
-		c = checkResult{Check: "callers apart", Sent: "key " + k1 + " as the second caller (-H2)", Got: b.String()}
+	c = checkResult{Check: "callers apart", Sent: "key " + k1 + " as a second caller"}
+	if len(cfg.caller2) == 0 {
+		c.Result, c.Got, c.Why = "SKIP", "-", "not checked: give -H2 with a second caller's headers (its Authorization, say)"
+	} else {
+		b := own(tg.send(ctx, k1, false, true))
+		c.Sent, c.Got = "key "+k1+" as the second caller (-H2)", b.String()
 		switch {
-		case b.class == answered && bytes.Equal(b.body, first.body) && (b.replay || b.code == first.code):
+		case b.class == answered && (b.replay || (!markers && same(b, first))):
 			c.Result, c.Why = "FAIL", "the second caller got the first caller's answer: the two share one scope of keys, so one caller's key replays another's result (scope keys per caller: WithScope, WithHTTPScope)"
 		case b.class == answered:
 			c.Result = "PASS"
-			executed++
-		case b.class == keyReused:
-			c.Result, c.Why = "FAIL", "the second caller's request was refused as the first caller's key reused: the two callers share one scope of keys"
+			if b.ok {
+				executed++
+			}
 		default:
 			c.Result, c.Why = "FAIL", "the second caller got no answer of the service's"
 		}
-		results = append(results, c)
 	}
+	results = append(results, c)
 
 	// no key.
 	none := tg.send(ctx, "", false, false)
@@ -428,7 +474,7 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 			c.Result, c.Why = "FAIL", "-key-policy required: a request without a key must be refused (400, InvalidArgument)"
 		}
 	case "optional":
-		if none.class == answered {
+		if own(none).class == answered {
 			c.Result = "PASS"
 		} else {
 			c.Result, c.Why = "FAIL", "-key-policy optional: a request without a key must be served"
@@ -436,14 +482,16 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 	default:
 		c.Result = "INFO"
 	}
-	if none.class == answered {
+	if none.ok {
 		executed++
 	}
 	results = append(results, c)
 
-	if effect != nil {
+	c = checkResult{Check: "effect once", Sent: "-effect-sql before and after, and while the first request ran"}
+	if effect == nil {
+		c.Result, c.Got, c.Why = "SKIP", "-", "not checked: give -effect-sql, a query that counts the effect (and -database-url)"
+	} else {
 		after, _, err := effect.read(ctx, nil)
-		c = checkResult{Check: "effect once", Sent: "-effect-sql before and after, and while the first request ran"}
 		switch {
 		case err != nil:
 			c.Result, c.Got, c.Why = "FAIL", "error", err.Error()
@@ -456,8 +504,8 @@ func runChecks(ctx context.Context, cfg verifyConfig, tg target, effect *effectP
 		default:
 			c.Result, c.Got = "PASS", fmt.Sprintf("%d more, once per operation executed", after-before)
 		}
-		results = append(results, c)
 	}
+	results = append(results, c)
 	return results
 }
 
@@ -490,9 +538,10 @@ func truncate(b []byte, n int) string {
 
 // effectProbe reads the effect's count, and whether keys have a record.
 type effectProbe struct {
-	pool  *pgxpool.Pool
-	sql   string
-	table string
+	pool    *pgxpool.Pool
+	sql     string
+	table   string
+	timeout time.Duration
 }
 
 // read returns the effect's count, and whether any of keys (as stored by
@@ -510,6 +559,8 @@ func (e *effectProbe) read(ctx context.Context, keys []string) (int64, bool, err
 		q = `SELECT (` + e.sql + `)::bigint, EXISTS (SELECT FROM ` + e.table + ` WHERE key = ANY($1::text[]))`
 		args = append(args, stored)
 	}
+	ctx, cancel := context.WithTimeout(ctx, e.timeout)
+	defer cancel()
 	err := e.pool.QueryRow(ctx, q, args...).Scan(&n, &recorded)
 	return n, recorded, err
 }

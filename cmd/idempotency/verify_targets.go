@@ -7,9 +7,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
+	"syscall"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
@@ -36,7 +39,14 @@ type httpTarget struct {
 }
 
 func newHTTPTarget(cfg verifyConfig) (*httpTarget, error) {
-	t := &httpTarget{cfg: cfg, client: &http.Client{Timeout: cfg.timeout}, body: []byte(cfg.body), other: []byte(cfg.otherBody)}
+	transport := http.DefaultTransport.(*http.Transport).Clone()
+	transport.DialContext = (&net.Dialer{Timeout: cfg.timeout, Control: dialControl(cfg.allowRemote)}).DialContext
+	t := &httpTarget{cfg: cfg, body: []byte(cfg.body), other: []byte(cfg.otherBody), client: &http.Client{
+		Timeout: cfg.timeout, Transport: transport,
+		// A redirect is an answer: following it could leave the hosts
+		// the target was checked for, and resend the key elsewhere.
+		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
+	}}
 	if cfg.otherBody == "" {
 		var m map[string]any
 		if err := json.Unmarshal([]byte(cfg.body), &m); err != nil {
@@ -51,7 +61,12 @@ func newHTTPTarget(cfg verifyConfig) (*httpTarget, error) {
 	return t, nil
 }
 
-func (t *httpTarget) describe() string { return t.cfg.httpMethod + " " + t.cfg.httpURL }
+func (t *httpTarget) describe() string {
+	if u, err := url.Parse(t.cfg.httpURL); err == nil {
+		return t.cfg.httpMethod + " " + u.Redacted()
+	}
+	return t.cfg.httpMethod + " (the URL given)"
+}
 
 func (t *httpTarget) close() { t.client.CloseIdleConnections() }
 
@@ -62,7 +77,7 @@ func (t *httpTarget) send(ctx context.Context, key string, other, caller2 bool) 
 	}
 	req, err := http.NewRequestWithContext(ctx, t.cfg.httpMethod, t.cfg.httpURL, strings.NewReader(string(body)))
 	if err != nil {
-		return answer{err: err}
+		return answer{class: noAnswer, err: err}
 	}
 	req.Header = t.cfg.headers.Clone()
 	if caller2 {
@@ -75,18 +90,26 @@ func (t *httpTarget) send(ctx context.Context, key string, other, caller2 bool) 
 	}
 	resp, err := t.client.Do(req)
 	if err != nil {
-		return answer{err: err}
+		return answer{class: noAnswer, err: err}
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		return answer{err: err}
+		return answer{class: noAnswer, err: err}
 	}
 	// This library's marker: a header of its HTTP middleware, the
 	// trailer of connect-go's handler (a Trailer- header in the Connect
 	// protocol's unary calls, a real trailer otherwise).
-	a := answer{code: strconv.Itoa(resp.StatusCode), body: b, replay: resp.Header.Get(idempotency.ReplayedHeader) == "true" ||
+	a := answer{code: strconv.Itoa(resp.StatusCode), class: answered, ok: resp.StatusCode/100 == 2, body: b, replay: resp.Header.Get(idempotency.ReplayedHeader) == "true" ||
 		resp.Header.Get("Trailer-"+idempotency.ReplayedTrailer) == "true" || resp.Trailer.Get(idempotency.ReplayedTrailer) == "true"}
+	// This library's own answers say which they are (problem+json's
+	// "reason"); a stored answer is marked as a replay. Without either, a
+	// 409 and a 422 are the IETF draft's.
+	var problem struct {
+		Reason string `json:"reason"`
+	}
+	_ = json.Unmarshal(b, &problem)
+	a.reason = problem.Reason
 	// The Connect protocol sends an error as JSON with its code, on an
 	// HTTP status that codes share (failed_precondition is a 400).
 	var connectErr struct {
@@ -97,9 +120,13 @@ func (t *httpTarget) send(ctx context.Context, key string, other, caller2 bool) 
 		a.code = strconv.Itoa(resp.StatusCode) + " " + connectErr.Code
 		switch connectErr.Code {
 		case "aborted":
-			a.class = inProgress
+			if !a.replay {
+				a.class = inProgress
+			}
 		case "failed_precondition":
-			a.class = keyReused
+			if !a.replay {
+				a.class = keyReused
+			}
 		case "invalid_argument":
 			if key == "" {
 				a.class = keyRefused
@@ -110,6 +137,8 @@ func (t *httpTarget) send(ctx context.Context, key string, other, caller2 bool) 
 		return a
 	}
 	switch s := resp.StatusCode; {
+	case (s == http.StatusConflict || s == http.StatusUnprocessableEntity) && (a.replay || (problem.Reason != "" && !strings.HasPrefix(problem.Reason, "KEY_"))):
+		// the service's own answer, stored
 	case s == http.StatusConflict:
 		a.class = inProgress
 	case s == http.StatusUnprocessableEntity:
@@ -132,7 +161,9 @@ type grpcTarget struct {
 }
 
 func newGRPCTarget(ctx context.Context, cfg verifyConfig) (*grpcTarget, error) {
-	conn, err := grpc.NewClient("passthrough:///"+cfg.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	dialer := &net.Dialer{Timeout: cfg.timeout, Control: dialControl(cfg.allowRemote)}
+	conn, err := grpc.NewClient("passthrough:///"+cfg.grpcAddr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) { return dialer.DialContext(ctx, "tcp", addr) }))
 	if err != nil {
 		return nil, err
 	}
@@ -267,15 +298,15 @@ func (t *grpcTarget) send(ctx context.Context, key string, other, caller2 bool) 
 	resp := dynamicpb.NewMessage(t.method.Output())
 	var trailer metadata.MD
 	err := t.conn.Invoke(ctx, t.cfg.grpcMethod, req, resp, grpc.Trailer(&trailer))
-	a := answer{replay: len(trailer.Get(idempotency.ReplayedTrailer)) > 0 && trailer.Get(idempotency.ReplayedTrailer)[0] == "true"}
+	a := answer{class: answered, replay: len(trailer.Get(idempotency.ReplayedTrailer)) > 0 && trailer.Get(idempotency.ReplayedTrailer)[0] == "true"}
 	st, isStatus := status.FromError(err)
 	switch {
 	case err == nil:
-		a.code = "OK"
+		a.code, a.ok = "OK", true
 		a.body, _ = proto.MarshalOptions{Deterministic: true}.Marshal(resp)
 		return a
 	case !isStatus:
-		a.err = err
+		a.class, a.err = noAnswer, err
 		return a
 	}
 	a.code = st.Code().String()
@@ -286,10 +317,15 @@ func (t *grpcTarget) send(ctx context.Context, key string, other, caller2 bool) 
 			reason = info.GetReason()
 		}
 	}
+	// This library's own answers carry an ErrorInfo reason, and a stored
+	// answer is marked as a replay; without either, Aborted and
+	// FailedPrecondition are taken as a key's.
+	a.reason = reason
+	ours := a.replay || (reason != "" && !strings.HasPrefix(reason, "KEY_"))
 	switch c := st.Code(); {
-	case c == codes.Aborted:
+	case c == codes.Aborted && !ours:
 		a.class = inProgress
-	case reason == "KEY_REUSED" || (c == codes.FailedPrecondition && reason == ""):
+	case reason == "KEY_REUSED" || (c == codes.FailedPrecondition && !ours):
 		a.class = keyReused
 	case c == codes.InvalidArgument && (key == "" || strings.HasPrefix(reason, "KEY_")):
 		a.class = keyRefused
@@ -297,4 +333,24 @@ func (t *grpcTarget) send(ctx context.Context, key string, other, caller2 bool) 
 		a.class = failed
 	}
 	return a
+}
+
+// dialControl refuses, unless remote targets are allowed, a connection to
+// an address off loopback and private networks, whatever the name it was
+// made for resolved to when the target was checked.
+func dialControl(allowRemote bool) func(network, address string, _ syscall.RawConn) error {
+	return func(network, address string, _ syscall.RawConn) error {
+		if allowRemote {
+			return nil
+		}
+		host, _, err := net.SplitHostPort(address)
+		if err != nil {
+			return err
+		}
+		ip := net.ParseIP(host)
+		if ip == nil || (!ip.IsLoopback() && !ip.IsPrivate()) {
+			return fmt.Errorf("refused to connect to %s, which is not on loopback or a private network (-allow-remote)", address)
+		}
+		return nil
+	}
 }
