@@ -48,6 +48,7 @@ func verifyService(t *testing.T, db *testdb.DB, variant string) string {
 			return
 		}
 		var id int64
+		var err error
 		if tx, ok := idempotency.TxFromContext(r.Context()); ok && variant != "pool" {
 			err = tx.QueryRow(r.Context(), `INSERT INTO transfers (amount) VALUES ($1) RETURNING id`, req.Amount).Scan(&id)
 		} else {
