@@ -53,7 +53,7 @@ func verifyService(t *testing.T, db *testdb.DB, variant string) string {
 			err = tx.QueryRow(r.Context(), `INSERT INTO transfers (amount) VALUES ($1) RETURNING id`, req.Amount).Scan(&id)
 		} else {
 			err = db.Pool.QueryRow(r.Context(), `INSERT INTO transfers (amount) VALUES ($1) RETURNING id`, req.Amount).Scan(&id)
-			time.Sleep(200 * time.Millisecond) // the handler goes on working after its write
+			time.Sleep(500 * time.Millisecond) // the handler goes on working after its write
 		}
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
