@@ -167,6 +167,9 @@ func (r *replica) stop() {
 }
 
 func run(ctx context.Context, c config, out io.Writer) (*report, error) {
+	// The crashing replicas print from their calls' goroutines, while the
+	// demo prints its own progress.
+	out = &lockedWriter{w: out}
 	if c.charges <= 0 || c.clients <= 0 || c.accounts <= 0 || c.dropRate < 0 || c.dropRate >= 1 || c.providerDrop < 0 || c.providerDrop >= 1 || c.providerForget < 0 {
 		return nil, errors.New("need -charges, -clients, -accounts > 0, 0 <= -drop < 1, 0 <= -provider-drop < 1 and -provider-forget >= 0")
 	}
@@ -678,3 +681,15 @@ func (f endTracer) TraceCallStart(ctx context.Context, _ idempotency.TraceCallSt
 }
 
 func (f endTracer) TraceCallEnd(ctx context.Context, data idempotency.TraceCallEndData) { f(ctx, data) }
+
+// lockedWriter serializes the writes of goroutines to one writer.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (l *lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(b)
+}
