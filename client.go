@@ -281,11 +281,9 @@ func (o *clientOptions) interceptor(retries grpc.UnaryClientInterceptor) grpc.Un
 	send := o.send(retries)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		if o.recordEffects {
-			name, _ := ctx.Value(effectName{}).(string)
 			md, _ := metadata.FromOutgoingContext(ctx)
-			_, explicit := ctx.Value(outgoingKey{}).(string)
-			t, live := liveCall(ctx)
-			if m, ok := reply.(proto.Message); ok && live && name != "" && !explicit && len(md.Get(MetadataKey)) == 0 {
+			t, name, derived := recordedEffect(ctx)
+			if m, ok := reply.(proto.Message); ok && derived && len(md.Get(MetadataKey)) == 0 {
 				return stepInto(ctx, t, name, m, func(ctx context.Context, _ string) error {
 					err := send(ctx, method, req, reply, cc, invoker, opts...)
 					if err != nil && defaultFinal[status.Code(err)] {

@@ -41,15 +41,16 @@ func roundTrip(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) batchReader {
 		ctx = cs.tracer.TraceBatchStart(ctx, conn, pgx.TraceBatchStartData{Batch: b})
 	}
 	r := &batchResults{ctx: ctx, conn: conn, cs: cs, tracer: cs.tracer, b: b}
-	if err := cs.prepare(ctx, conn, b); err != nil {
+	sts, err := cs.statementsOf(ctx, conn, b)
+	if err != nil {
 		r.err, r.closed = err, true
 		r.traceEnd()
 		return r
 	}
 	var batch pgconn.Batch
 	eqb := &cs.eqb
-	for _, q := range b.QueuedQueries {
-		st := cs.bySQL[q.SQL]
+	for i, q := range b.QueuedQueries {
+		st := sts[i]
 		if err := eqb.Build(conn.TypeMap(), st.sd, q.Arguments); err != nil {
 			r.err, r.closed = fmt.Errorf("idempotency: encode the arguments of %q: %w", q.SQL, err), true
 			r.traceEnd()
@@ -70,8 +71,10 @@ type connStatements struct {
 	tracer   pgx.BatchTracer
 	bySQL    map[string]preparedStatement
 	// eqb encodes the arguments of the connection's round trips, into
-	// buffers it keeps from one to the next.
-	eqb pgx.ExtendedQueryBuilder
+	// buffers it keeps from one to the next, and scratch holds a round
+	// trip's statements.
+	eqb     pgx.ExtendedQueryBuilder
+	scratch []preparedStatement
 }
 
 type preparedStatement struct {
@@ -103,8 +106,33 @@ func forgetStatements(conn *pgx.Conn) {
 	}
 }
 
-// prepare prepares the statements of b that the engine has no record of on
-// the connection, in one round trip, as pgx does before a batch of
+// statementsOf returns the prepared statements of b's queries, in order,
+// preparing those the connection does not have yet (see prepare).
+func (cs *connStatements) statementsOf(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) ([]preparedStatement, error) {
+	sts := cs.scratch[:0]
+	var missing []string
+	for _, q := range b.QueuedQueries {
+		st, ok := cs.bySQL[q.SQL]
+		if !ok {
+			missing = append(missing, q.SQL)
+		}
+		sts = append(sts, st)
+	}
+	cs.scratch = sts
+	if len(missing) == 0 {
+		return sts, nil
+	}
+	if err := cs.prepare(ctx, conn, missing); err != nil {
+		return nil, err
+	}
+	for i, q := range b.QueuedQueries {
+		sts[i] = cs.bySQL[q.SQL]
+	}
+	return sts, nil
+}
+
+// prepare prepares the statements of SQL missing, of which the engine has
+// no record on the connection, in one round trip, as pgx does before a batch of
 // statements new to a connection. Each is closed first, which is no error
 // when it does not exist: a record dropped after an error (see fail) may
 // have been of statements that the server still has.
@@ -114,16 +142,7 @@ func forgetStatements(conn *pgx.Conn) {
 // AfterRelease say, or a DEALLOCATE in a function): the next round trip
 // fails with invalid_sql_statement_name, drops the record (fail), and the
 // engine claims once more (claimFailed), which prepares them again.
-func (cs *connStatements) prepare(ctx context.Context, conn *pgx.Conn, b *pgx.Batch) error {
-	var missing []string
-	for _, q := range b.QueuedQueries {
-		if _, ok := cs.bySQL[q.SQL]; !ok {
-			missing = append(missing, q.SQL)
-		}
-	}
-	if len(missing) == 0 {
-		return nil
-	}
+func (cs *connStatements) prepare(ctx context.Context, conn *pgx.Conn, missing []string) error {
 	p := conn.PgConn().StartPipeline(ctx)
 	names := make([]string, len(missing))
 	for i, sql := range missing {

@@ -221,8 +221,7 @@ FROM (SELECT pg_catalog.clock_timestamp() AS now) t
 ON CONFLICT (scope, key) DO UPDATE SET method = EXCLUDED.method, fingerprint = EXCLUDED.fingerprint, state = EXCLUDED.state,
 response_type = EXCLUDED.response_type, response = EXCLUDED.response, status = EXCLUDED.status, metadata = EXCLUDED.metadata,
 created_at = EXCLUDED.created_at, completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
-WHERE k.expires_at <= pg_catalog.now()
-RETURNING true`),
+WHERE k.expires_at <= pg_catalog.now()`),
 		deleteExpiredKey: r.Replace(`DELETE FROM {{table}} WHERE scope = $1::text AND key = $2::text AND expires_at <= pg_catalog.now()`),
 		// The first of the stored keys $2 (a key in each transport's
 		// namespace) that has a row; times in microseconds since the epoch.

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -256,15 +257,32 @@ func (s *Store) recordStep(ctx context.Context, conn *pgx.Conn, st *statements, 
 		}
 		row.responseType, row.response = string(v.ProtoReflect().Descriptor().FullName()), b
 	}
+	// The step's answer is what its row holds once written: the record
+	// is read back before the COMMIT, in the same round trip.
 	b := &pgx.Batch{}
 	b.Queue(st.recordStep, row.args()...)
+	b.Queue(st.lookup, row.scope, row.key)
 	b.Queue("COMMIT")
-	if _, err := sendAll(ctx, conn, b); err != nil {
+	br := conn.SendBatch(ctx, b)
+	_, err := br.Exec()
+	var rec *record
+	if err == nil {
+		rec, err = scanRecord(br.QueryRow())
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && rec == nil {
+		err = errors.New("the step's record is not there after it was written")
+	}
+	if err != nil {
 		s.endStep(ctx, conn)
 		return nil, s.finishError("record step "+row.method, err)
 	}
-	rt := row.responseType
-	return &record{method: row.method, state: row.state, responseType: &rt, response: row.response, status: row.status}, nil
+	return rec, nil
 }
 
 // stepInto is Step for a transport's client, whose result is dst (a gRPC
@@ -277,51 +295,58 @@ func stepInto(ctx context.Context, t *callTx, name string, dst proto.Message, fn
 	if rec == nil || err != nil {
 		return err
 	}
-	if rec.state == "failed" {
-		_, err := replayStep[*wrapperspb.BytesValue](name, rec)
+	if ok, err := decodeStep(name, rec, dst); err != nil || ok {
 		return err
 	}
-	got := ""
-	if rec.responseType != nil {
-		got = *rec.responseType
-	}
-	if want := string(dst.ProtoReflect().Descriptor().FullName()); got != want {
-		return ErrStepChanged.with(fmt.Sprintf("step %q recorded a %s, and the call's reply is a %s", name, got, want), nil)
-	}
-	proto.Reset(dst)
-	if err := proto.Unmarshal(rec.response, dst); err != nil {
-		return grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
-	}
-	return nil
+	return ErrStepChanged.with(fmt.Sprintf("step %q recorded no reply", name), nil)
 }
 
 // replayStep returns the outcome rec records for the step name, as T.
 func replayStep[T proto.Message](name string, rec *record) (T, error) {
 	var zero T
+	m := zero.ProtoReflect().Type().New().Interface()
+	if ok, err := decodeStep(name, rec, m); err != nil || !ok {
+		return zero, err // a final error, or a nil message that fn returned
+	}
+	return m.(T), nil
+}
+
+// decodeStep decodes the outcome rec records for the step name into dst:
+// its final error, or its response (ok: there is one; fn may have returned
+// a nil message). A response of another type than dst's is ErrStepChanged.
+func decodeStep(name string, rec *record, dst proto.Message) (ok bool, err error) {
 	if rec.state == "failed" {
 		st := &status.Status{}
 		if err := proto.Unmarshal(rec.status, st); err != nil {
-			return zero, grpcstatus.Errorf(codes.Internal, "idempotency: stored status of step %q: %v", name, err)
+			return false, grpcstatus.Errorf(codes.Internal, "idempotency: stored status of step %q: %v", name, err)
 		}
-		return zero, storedFinal(grpcstatus.FromProto(st))
+		return false, storedFinal(grpcstatus.FromProto(st))
 	}
-	want := zero.ProtoReflect().Descriptor().FullName()
 	got := protoreflect.FullName("")
 	if rec.responseType != nil {
 		got = protoreflect.FullName(*rec.responseType)
 	}
 	if got == "" {
-		// fn returned a nil message.
-		return zero, nil
+		return false, nil
 	}
-	if got != want {
-		return zero, ErrStepChanged.with(fmt.Sprintf("step %q recorded a %s, and the handler asks for a %s", name, got, want), nil)
+	if want := dst.ProtoReflect().Descriptor().FullName(); got != want {
+		return false, ErrStepChanged.with(fmt.Sprintf("step %q recorded a %s, and the handler asks for a %s", name, got, want), nil)
 	}
-	m := zero.ProtoReflect().Type().New().Interface()
-	if err := proto.Unmarshal(rec.response, m); err != nil {
-		return zero, grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
+	proto.Reset(dst)
+	if err := proto.Unmarshal(rec.response, dst); err != nil {
+		return false, grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
 	}
-	return m.(T), nil
+	return true, nil
+}
+
+// recordedEffect is the running call in ctx and the effect ctx names, for
+// an outgoing call whose key is derived from that name (ok): the calls a
+// transport's client records as steps (WithRecordedEffects, RecordEffects).
+func recordedEffect(ctx context.Context) (t *callTx, name string, ok bool) {
+	name, _ = ctx.Value(effectName{}).(string)
+	_, explicit := ctx.Value(outgoingKey{}).(string)
+	t, live := liveCall(ctx)
+	return t, name, name != "" && !explicit && live
 }
 
 // httpStep returns the recorded step of the HTTP request req, whose effect
@@ -334,10 +359,8 @@ func replayStep[T proto.Message](name string, rec *record) (T, error) {
 // and body, and a re-run gets a copy of it without sending.
 func httpStep(req *http.Request, send func(*http.Request) (*http.Response, error)) (resp *http.Response, recorded bool, err error) {
 	ctx := req.Context()
-	name, _ := ctx.Value(effectName{}).(string)
-	_, explicit := ctx.Value(outgoingKey{}).(string)
-	t, live := liveCall(ctx)
-	if _, redirect := redirectedKey(req); redirect || name == "" || explicit || !live || req.Header.Get(HeaderKey) != "" || !keyedMethod(req.Method) {
+	t, name, ok := recordedEffect(ctx)
+	if _, redirect := redirectedKey(req); redirect || !ok || req.Header.Get(HeaderKey) != "" || !keyedMethod(req.Method) {
 		return nil, false, nil
 	}
 	dst := &wrapperspb.BytesValue{}
@@ -374,11 +397,8 @@ func httpStep(req *http.Request, send func(*http.Request) (*http.Response, error
 	case err != nil:
 		return nil, true, err
 	}
-	if rec.state == "failed" || rec.responseType == nil || *rec.responseType != string(dst.ProtoReflect().Descriptor().FullName()) {
-		return nil, true, ErrStepChanged.with(fmt.Sprintf("step %q did not record an HTTP response", name), nil)
-	}
-	if err := proto.Unmarshal(rec.response, dst); err != nil {
-		return nil, true, grpcstatus.Errorf(codes.Internal, "idempotency: stored response of step %q: %v", name, err)
+	if ok, err := decodeStep(name, rec, dst); err != nil || !ok {
+		return nil, true, cmp.Or(err, error(ErrStepChanged.with(fmt.Sprintf("step %q did not record an HTTP response", name), nil)))
 	}
 	asSent := req.Clone(ctx)
 	asSent.Header.Set(HeaderKey, headerValue(key))

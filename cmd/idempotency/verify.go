@@ -90,22 +90,8 @@ func verifyCommand(ctx context.Context, args []string, g verifyConfig, stdout, s
 	fs.StringVar(&cfg.httpMethod, "X", http.MethodPost, "the HTTP method")
 	fs.StringVar(&cfg.body, "d", "", "the HTTP request's body")
 	fs.StringVar(&cfg.otherBody, "other-body", "", "another body for the same endpoint, for the key-reused check (default: -d with a JSON member \"verify_other\" added, which a server that ignores unknown members, connect-go's, reads as the same request: give it another value of a field)")
-	fs.Func("H", "a header of every request, 'Name: value' (repeatable; e.g. Content-Type, Authorization)", func(v string) error {
-		name, value, ok := strings.Cut(v, ":")
-		if !ok || strings.TrimSpace(name) == "" {
-			return fmt.Errorf("want 'Name: value', got %q", v)
-		}
-		cfg.headers.Add(strings.TrimSpace(name), strings.TrimSpace(value))
-		return nil
-	})
-	fs.Func("H2", "a header of a second caller ('Name: value', repeatable; e.g. its Authorization): the callers-apart check sends the first check's key as that caller, which must not get the first caller's answer", func(v string) error {
-		name, value, ok := strings.Cut(v, ":")
-		if !ok || strings.TrimSpace(name) == "" {
-			return fmt.Errorf("want 'Name: value', got %q", v)
-		}
-		cfg.caller2.Add(strings.TrimSpace(name), strings.TrimSpace(value))
-		return nil
-	})
+	fs.Func("H", "a header of every request, 'Name: value' (repeatable; e.g. Content-Type, Authorization)", headerFlag(cfg.headers))
+	fs.Func("H2", "a header of a second caller ('Name: value', repeatable; e.g. its Authorization): the callers-apart check sends the first check's key as that caller, which must not get the first caller's answer", headerFlag(cfg.caller2))
 	fs.StringVar(&cfg.grpcAddr, "grpc", "", "the address (host:port) of a gRPC server, plaintext")
 	fs.StringVar(&cfg.grpcMethod, "method", "", "with -grpc: the full method, /pkg.Service/Method")
 	fs.StringVar(&cfg.request, "request", "{}", "with -grpc: the request, as protobuf JSON")
@@ -228,6 +214,18 @@ func verifyCommand(ctx context.Context, args []string, g verifyConfig, stdout, s
 		return 1
 	}
 	return 0
+}
+
+// headerFlag adds the value of a header flag, 'Name: value', to h.
+func headerFlag(h http.Header) func(string) error {
+	return func(v string) error {
+		name, value, ok := strings.Cut(v, ":")
+		if !ok || strings.TrimSpace(name) == "" {
+			return fmt.Errorf("want 'Name: value', got %q", v)
+		}
+		h.Add(strings.TrimSpace(name), strings.TrimSpace(value))
+		return nil
+	}
 }
 
 // localTarget refuses a host that does not resolve to loopback or private
